@@ -1,0 +1,30 @@
+# One bootstrap for every entry point: a .venv built from pyproject + constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing nemo_memlog[test] into $(VENV) (torch pinned by constraints.txt) ..."
+	@$(PY) -m pip install -q -c constraints.txt -e '.[test]' 2>&1 | grep -v "is ignored: it is neither" || true
+	@$(PY) -c "import nemo_memlog, torch, megatron.core, tensorboard, wandb, mlflow, comet_ml, omegaconf" 2>/dev/null \
+		|| { echo "set-up failed: see pip's output above"; exit 1; }
+	@touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+bench: $(STAMP)
+	$(PY) scripts/bench_overhead.py
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

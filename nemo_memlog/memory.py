@@ -1,0 +1,144 @@
+"""One rank's memory numbers: CUDA caching-allocator statistics and host memory.
+
+Nothing here talks to other ranks. `report_memory()` returns the same keys in the
+same order on every rank for a given configuration, so that the reduction can line
+ranks up without sending names.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import warnings
+from functools import lru_cache
+
+import torch
+
+GB = 1e9
+
+#: torch.cuda.memory_stats() name -> logged name. Same shape as Megatron-Bridge's
+#: ``logger.memory_keys``, so a recipe's existing mapping can be passed unchanged.
+DEFAULT_MEMORY_KEYS: dict[str, str] = {
+    "allocated_bytes.all.peak": "peak_allocated_gb",
+    "reserved_bytes.all.peak": "peak_reserved_gb",
+    "active_bytes.all.peak": "peak_active_gb",
+    "inactive_split_bytes.all.peak": "peak_inactive_gb",
+    "allocated_bytes.all.current": "current_allocated_gb",
+    "reserved_bytes.all.current": "current_reserved_gb",
+    "active_bytes.all.current": "current_active_gb",
+    "inactive_split_bytes.all.current": "current_inactive_gb",
+    "num_alloc_retries": "alloc_retries",
+    "num_ooms": "num_ooms",
+    "allocation.all.allocated": "allocation_count",
+}
+
+HOST_KEYS = ("host_rss_gb", "peak_host_rss_gb")
+
+#: A value a rank reports for a statistic it does not have. The reduction ignores it,
+#: and drops the key only when every rank lacks it.
+MISSING = math.nan
+
+# The statistic names torch's caching allocator can produce (see torch.cuda.memory_stats).
+_TORCH_STAT = re.compile(
+    r"^(?:(?:allocation|segment|active|inactive_split|oversize_allocations|oversize_segments"
+    r"|allocated_bytes|reserved_bytes|active_bytes|inactive_split_bytes|requested_bytes)"
+    r"(?:\.(?:all|small_pool|large_pool))?\.(?:current|peak|allocated|freed)"
+    r"|num_alloc_retries|num_ooms|num_sync_all_streams|num_device_alloc|num_device_free"
+    r"|max_split_size)$"
+)
+
+
+def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | float]:
+    """Return this process's memory statistics as ``{logged_name: value}``.
+
+    - CUDA statistics (when this process has initialised CUDA) come from
+      ``torch.cuda.memory_stats()``: byte counts as GB floats (1e9 bytes), counters
+      as Python ints. ``memory_keys`` maps torch's statistic names to logged names.
+    - Host memory is always reported: ``host_rss_gb`` and ``peak_host_rss_gb``.
+    - A statistic this rank lacks is present with the value ``MISSING`` (NaN), which
+      the reduction ignores; names torch cannot produce warn once.
+
+    No collective, no allocation on the device.
+    """
+    keys = _validated(tuple((memory_keys or DEFAULT_MEMORY_KEYS).items()))
+    stats = _cuda_stats()
+    report: dict[str, int | float] = {}
+    for stat_name, logged_name in keys:
+        value = stats.get(stat_name)
+        if value is None:
+            report[logged_name] = MISSING
+        elif "bytes" in stat_name:
+            report[logged_name] = value / GB
+        else:
+            report[logged_name] = int(value)
+    rss, peak_rss = host_rss_bytes()
+    report["host_rss_gb"] = rss / GB
+    report["peak_host_rss_gb"] = peak_rss / GB
+    return report
+
+
+def _cuda_stats() -> dict[str, int]:
+    # "In use" means this process already initialised CUDA: never create a context
+    # (hundreds of MB of device memory) just to read statistics.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.memory_stats()
+    return {}
+
+
+@lru_cache(maxsize=16)
+def _validated(keys: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """Check a memory_keys mapping once per distinct mapping (cached)."""
+    for stat_name, logged_name in keys:
+        if not isinstance(stat_name, str) or not isinstance(logged_name, str) or not logged_name:
+            raise TypeError(
+                f"memory_keys must map torch statistic names to non-empty logged names (str -> str); "
+                f"got {stat_name!r} -> {logged_name!r}"
+            )
+        if not _TORCH_STAT.match(stat_name):
+            warnings.warn(
+                f"memory_keys: {stat_name!r} is not a torch.cuda.memory_stats() statistic; "
+                f"{logged_name!r} will be reported as missing. Known names look like "
+                f"'reserved_bytes.all.peak' or 'num_alloc_retries'.",
+                stacklevel=3,
+            )
+        if logged_name in HOST_KEYS:
+            raise ValueError(f"memory_keys: {logged_name!r} is reserved for host memory; choose another name")
+    return keys
+
+
+def host_rss_bytes() -> tuple[int, int]:
+    """(current, peak) resident set size of this process in bytes, from the OS."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            text = status.read()
+        return _kb_field(text, b"VmRSS:") * 1024, _kb_field(text, b"VmHWM:") * 1024
+    except OSError:
+        import resource  # not Linux: peak only, from getrusage
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        peak *= 1 if os.uname().sysname == "Darwin" else 1024
+        return peak, peak
+
+
+def _kb_field(text: bytes, name: bytes) -> int:
+    start = text.index(name) + len(name)
+    return int(text[start : text.index(b"kB", start)])
+
+
+@lru_cache(maxsize=1)
+def host_total_bytes() -> int:
+    """Physical RAM of this machine in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def device_total_bytes() -> int | None:
+    """Total memory of the current CUDA device, or None without CUDA in use."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return _device_total(torch.cuda.current_device())
+    return None
+
+
+@lru_cache(maxsize=None)
+def _device_total(device: int) -> int:
+    return torch.cuda.get_device_properties(device).total_memory

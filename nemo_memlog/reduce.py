@@ -1,0 +1,259 @@
+"""The one place that talks to other ranks: gather every stage's memory report.
+
+Steady state is ONE ``all_gather_into_tensor`` per call, of a few int64 words per rank
+(see payload.py). From the gathered reports every rank derives the same things:
+the per-key maximum, which rank holds it, and each rank's own values. The same
+collective carries each rank's iteration and key-set fingerprint, so ranks that
+disagree raise the same clear error together instead of mixing values up.
+
+A key-set handshake (a 2-word gather) runs on the first call for a group, and again
+only when some rank's key set changes. It exists because gloo, given tensors of
+different lengths, returns wrong values without an error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import numpy
+import torch
+import torch.distributed as dist
+
+from . import payload
+
+
+class MemoryReduceError(RuntimeError):
+    """Ranks of the group disagree (keys, iteration) or one did not join in time."""
+
+
+@dataclass
+class GatheredMemory:
+    """Every rank's report, lined up. Ranks are positions in the group (pp stage for a PP group)."""
+
+    keys: tuple[str, ...]
+    per_rank: list[list]  # per_rank[r][i]: rank r's value of keys[i], None where missing
+    maximum: dict = field(default_factory=dict)  # key -> max over ranks (keys every rank lacks: absent)
+    peak_rank: dict = field(default_factory=dict)  # key -> the rank holding the maximum (lowest on ties)
+
+
+def reduce_max_memory_across_pp_group(memory_report: dict, pp_group) -> dict:
+    """Per-key MAX of ``memory_report`` across ``pp_group``, on every rank of the group.
+
+    Megatron-Bridge's contract, kept: returns ``memory_report`` itself, with no
+    collective, when it is empty, when torch.distributed is unavailable or not
+    initialised, or when the group is None, has size 1, or has no callable ``size``.
+    Never mutates its input. ints come back as ints (exact in the int64 range), floats
+    as floats; a key every rank lacks is dropped. Runs on gloo (CPU tensor) and NCCL
+    (current CUDA device) alike.
+    """
+    if not takes_part(memory_report, pp_group):
+        return memory_report
+    return gather_memory(memory_report, pp_group).maximum
+
+
+def takes_part(memory_report: dict, group) -> bool:
+    """Whether a reduction over ``group`` would run a collective (same answer on every rank)."""
+    if not memory_report or group is None:
+        return False
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    size = getattr(group, "size", None)
+    return callable(size) and size() > 1
+
+
+def gather_memory(
+    memory_report: dict,
+    group,
+    *,
+    iteration: int | None = None,
+    timeout_s: float | None = None,
+) -> GatheredMemory:
+    """Gather every rank's report over ``group`` in one collective and line them up.
+
+    ``iteration``, when given, must be the same on every rank, or every rank raises
+    MemoryReduceError naming each rank's iteration. ``timeout_s`` bounds the wait for
+    the other ranks; past it the ranks that joined raise MemoryReduceError.
+    Call only when ``takes_part`` is true.
+    """
+    layout = payload.layout_of(tuple(memory_report))
+    channel = _channel(group)
+    if channel.layout is not layout:
+        _agree_on_layout(channel, layout, group, iteration, timeout_s)
+    sent = payload.pack(layout, memory_report, iteration, _warn_once)
+    while True:
+        reports = channel.exchange(sent, group, iteration, timeout_s)
+        if all(report.fingerprint == channel.layout.fingerprint for report in reports):
+            break
+        # Some rank's key set changed since the handshake: every rank sees that in the
+        # same gathered words, so every rank re-runs the handshake together.
+        _agree_on_layout(channel, layout, group, iteration, timeout_s)
+    _check_iterations(reports, iteration, group)
+    return _line_up(channel.layout.keys, reports)
+
+
+def _line_up(keys: tuple[str, ...], reports: list) -> GatheredMemory:
+    per_rank = [report.values for report in reports]
+    maximum = {}
+    peak_rank = {}
+    for slot, key in enumerate(keys):
+        best = None
+        best_rank = -1
+        saw_float = False
+        for rank, values in enumerate(per_rank):
+            value = values[slot]
+            if value is None:
+                continue
+            if type(value) is float:
+                saw_float = True
+            if best is None or value > best:
+                best, best_rank = value, rank
+        if best is not None:
+            maximum[key] = float(best) if saw_float else best
+            peak_rank[key] = best_rank
+    return GatheredMemory(keys, per_rank, maximum, peak_rank)
+
+
+def _check_iterations(reports: list, iteration: int | None, group) -> None:
+    if iteration is None:
+        return
+    seen = [report.iteration for report in reports]
+    if len(set(seen)) > 1:
+        listing = ", ".join(f"rank {rank}: {it}" for rank, it in enumerate(seen))
+        raise MemoryReduceError(
+            f"memory reduction over {_describe(group)}: ranks are at different iterations ({listing}). "
+            f"Every rank must call training_log with the same iteration; one stage skipped or repeated a call."
+        )
+
+
+def _agree_on_layout(channel, layout, group, iteration, timeout_s) -> None:
+    """Handshake: a 2-word gather of (key count, fingerprint). Identical everywhere -> adopt."""
+    mine = torch.tensor([len(layout.keys), layout.fingerprint], dtype=torch.int64)
+    gathered = channel.gather_small(mine, group, iteration, timeout_s)
+    if all(f == layout.fingerprint for f in gathered[1::2]):
+        channel.adopt(layout, group)
+        return
+    # Rare path, taken by every rank together: name the keys that differ.
+    everyone: list = [None] * group.size()
+    dist.all_gather_object(everyone, list(layout.keys), group=group)
+    raise MemoryReduceError(_key_mismatch_message(everyone, group))
+
+
+def _key_mismatch_message(key_lists: list, group) -> str:
+    union = []
+    for keys in key_lists:
+        union.extend(k for k in keys if k not in union)
+    lines = []
+    for rank, keys in enumerate(key_lists):
+        lacking = [k for k in union if k not in keys]
+        order = "" if lacking or keys == key_lists[0] else " (same keys, different order)"
+        lines.append(f"  rank {rank}: {len(keys)} keys" + (f", lacks {lacking}" if lacking else "") + order)
+    return (
+        f"memory reduction over {_describe(group)}: ranks report different keys, so values cannot be "
+        f"lined up.\n" + "\n".join(lines) + "\nGive every rank the same memory_keys (and the same "
+        f"report keys in the same order); use NaN for a statistic one rank lacks."
+    )
+
+
+class _Channel:
+    """Per-group state: the agreed layout and pre-allocated buffers for the gather."""
+
+    def __init__(self, group):
+        backend = str(dist.get_backend(group))
+        use_cuda = "gloo" not in backend and "nccl" in backend
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        self.ranks = group.size()
+        self.layout = None
+
+    def adopt(self, layout, group) -> None:
+        self.layout = layout
+        self.send_host = torch.zeros(layout.words, dtype=torch.int64)
+        self.recv_host = torch.zeros(layout.words * self.ranks, dtype=torch.int64)
+        on_cpu = self.device.type == "cpu"
+        self.send = self.send_host if on_cpu else self.send_host.to(self.device)
+        self.recv = self.recv_host if on_cpu else self.recv_host.to(self.device)
+        # numpy views share memory with the host tensors: filling and reading them costs
+        # microseconds, where tiny torch ops cost several each.
+        self.send_words = self.send_host.numpy()
+        self.recv_words = self.recv_host.numpy()
+
+    def exchange(self, sent: bytes, group, iteration, timeout_s) -> list:
+        words = numpy.frombuffer(sent, dtype=numpy.int64)
+        if len(words) == len(self.send_words):
+            self.send_words[:] = words
+        else:
+            # This rank's key set changed: its header alone tells every rank to re-agree.
+            self.send_words[:] = 0
+            self.send_words[: payload.HEADER_WORDS] = words[: payload.HEADER_WORDS]
+        if self.send is not self.send_host:
+            self.send.copy_(self.send_host)
+        self._gather(self.recv, self.send, group, iteration, timeout_s)
+        if self.recv is not self.recv_host:
+            self.recv_host.copy_(self.recv)
+        return payload.unpack(self.layout, self.recv_words, self.ranks)
+
+    def gather_small(self, mine, group, iteration, timeout_s) -> list[int]:
+        out = torch.empty(mine.numel() * self.ranks, dtype=torch.int64, device=self.device)
+        self._gather(out, mine.to(self.device), group, iteration, timeout_s)
+        return out.tolist()
+
+    def _gather(self, out, inp, group, iteration, timeout_s) -> None:
+        work = _all_gather_single(out, inp, group=group, async_op=True)
+        if timeout_s is None:
+            work.wait()
+        elif self.device.type == "cpu":
+            try:
+                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as error:
+                raise _timeout_error(group, iteration, timeout_s) from error
+        else:
+            # NCCL's wait() only orders streams; poll for completion to bound the wait.
+            deadline = time.monotonic() + timeout_s
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise _timeout_error(group, iteration, timeout_s)
+                time.sleep(0.0005)
+
+
+def _all_gather_single(out, inp, group, async_op):
+    # torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(out, inp, group=group, async_op=async_op)
+
+
+_channels: dict = {}
+
+
+def _channel(group) -> _Channel:
+    channel = _channels.get(group)
+    if channel is None:
+        channel = _channels[group] = _Channel(group)
+    return channel
+
+
+def _timeout_error(group, iteration, timeout_s) -> MemoryReduceError:
+    at = "" if iteration is None else f" at iteration {iteration}"
+    return MemoryReduceError(
+        f"memory reduction over {_describe(group)}{at}: not every rank joined within "
+        f"memory_reduce_timeout_s={timeout_s:g}s. A stage skipped this logging call or is stuck; "
+        f"every rank must call training_log at every iteration with the same config."
+    )
+
+
+def _describe(group) -> str:
+    try:
+        ranks = dist.get_process_group_ranks(group)
+    except Exception:  # a group this rank is not in, or an exotic group object
+        ranks = None
+    return f"the group of global ranks {ranks}" if ranks else "the process group"
+
+
+_warned: set = set()
+
+
+def _warn_once(key: str, why: str) -> None:
+    if (key, why) not in _warned:
+        _warned.add((key, why))
+        warnings.warn(f"memory report value for {key!r}: {why}", stacklevel=4)

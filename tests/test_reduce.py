@@ -1,0 +1,224 @@
+"""reduce_max_memory_across_pp_group and gather_memory on real gloo process groups."""
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+from nemo_memlog import payload
+from nemo_memlog.reduce import MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
+from tests.cluster import RankFailure
+from tests.collectives import GATHER, count_collectives
+
+
+def _coords():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return dist.get_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+
+
+def _pp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_group()
+
+
+def _report_for(rank, stage, dp):
+    return {
+        "peak_allocated_gb": 1.25 + stage + rank / 100,  # distinct per rank: exposes cross-group leaks
+        "alloc_retries": 10 * (stage + 1) + dp,
+        "huge_counter": 2**53 + 1 + rank,  # not representable as float64
+        "negative": -5.0 - stage,
+        "flag": stage == 0,  # a bool is not a counter
+        "scalar_tensor": torch.tensor(7 + stage),
+    }
+
+
+def reduce_basic():
+    rank, stage, dp = _coords()
+    report = _report_for(rank, stage, dp)
+    before = copy.deepcopy(report)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        with count_collectives() as first_calls:
+            reduce_max_memory_across_pp_group(report, _pp_group())
+        with count_collectives() as calls:
+            result = reduce_max_memory_across_pp_group(report, _pp_group())
+    unchanged = all(
+        (torch.equal(before[k], report[k]) if isinstance(report[k], torch.Tensor) else before[k] == report[k])
+        for k in before
+    )
+    return {
+        "coords": (rank, stage, dp),
+        "result": result,
+        "types": {k: type(v).__name__ for k, v in result.items()},
+        "unchanged": unchanged and type(report["flag"]) is bool,
+        "first_calls": first_calls,
+        "calls": calls,
+    }
+
+
+def _expected_max(results, group_ranks):
+    coords = [results[r]["coords"] for r in group_ranks]
+    reports = [_report_for(*c) for c in coords]
+    return {
+        "peak_allocated_gb": max(r["peak_allocated_gb"] for r in reports),
+        "alloc_retries": max(r["alloc_retries"] for r in reports),
+        "huge_counter": max(r["huge_counter"] for r in reports),
+        "negative": max(r["negative"] for r in reports),
+        "flag": 1.0,
+        "scalar_tensor": max(int(r["scalar_tensor"]) for r in reports),
+    }
+
+
+@pytest.mark.parametrize("grid", ["pp2dp2", "pp4"])
+def test_max_on_every_rank_of_each_pp_group(grid, request):
+    cluster = request.getfixturevalue(grid)
+    results = cluster.run_ok(reduce_basic)
+    groups = [[0, 2], [1, 3]] if grid == "pp2dp2" else [[0, 1, 2, 3]]
+    for group in groups:
+        expected = _expected_max(results, group)
+        for rank in group:
+            got = results[rank]
+            assert got["result"] == expected, f"rank {rank}"
+            assert got["types"] == {
+                "peak_allocated_gb": "float", "alloc_retries": "int", "huge_counter": "int",
+                "negative": "float", "flag": "float", "scalar_tensor": "int",
+            }
+            assert got["result"]["huge_counter"] == 2**53 + 1 + max(group)  # exact beyond 2**53
+            assert got["unchanged"], "the input report was mutated"
+            assert got["calls"] == [GATHER], "steady state must be one collective"
+            assert got["first_calls"].count(GATHER) == 2  # handshake + data, once
+
+
+def reduce_with_missing():
+    rank, stage, dp = _coords()
+    report = {
+        "only_stage0": 3.0 if stage == 0 else math.nan,
+        "nobody": math.nan,
+        "counter": 4 if stage == 1 else math.nan,
+        "bad": "n/a" if stage == 0 else 2.5,
+        "none_value": None if stage == 1 else 9,
+        "matrix": torch.ones(2, 2) if stage == 0 else 1.5,
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = reduce_max_memory_across_pp_group(report, _pp_group())
+        reduce_max_memory_across_pp_group(report, _pp_group())  # warnings come once per key
+    return stage, result, [str(w.message) for w in caught]
+
+
+def test_missing_and_bad_values_do_not_skip_the_collective(pp4):
+    results = pp4.run_ok(reduce_with_missing)
+    for stage, result, messages in results:
+        assert result["only_stage0"] == 3.0
+        assert "nobody" not in result, "a key every rank lacks is dropped after reduction"
+        assert result["counter"] == 4 and type(result["counter"]) is int
+        assert result["bad"] == 2.5 and result["none_value"] == 9 and result["matrix"] == 1.5
+        if stage == 0:
+            assert sum("'bad'" in m and "not a number" in m for m in messages) == 1
+            assert sum("'matrix'" in m and "not a scalar" in m for m in messages) == 1
+        if stage == 1:
+            assert sum("'none_value'" in m for m in messages) == 1
+        if stage >= 2:
+            assert messages == []
+
+
+def reduce_mismatched(kind):
+    rank, stage, dp = _coords()
+    report = {"a": 1.0, "b": 2.0}
+    if kind == "extra" and stage == 1:
+        report["extra_key"] = 5.0
+    if kind == "order" and stage == 0:
+        report = {"b": 2.0, "a": 1.0}
+    reduce_max_memory_across_pp_group(report, _pp_group())
+
+
+@pytest.mark.parametrize("kind", ["extra", "order"])
+def test_mismatched_keys_raise_on_every_rank(pp2dp2, kind):
+    results = pp2dp2.run(reduce_mismatched, kind)
+    for rank, result in enumerate(results):
+        assert isinstance(result, RankFailure), f"rank {rank} did not raise"
+        assert result.type_name == "MemoryReduceError"
+        assert "different keys" in result.message
+        assert ("extra_key" in result.message) if kind == "extra" else ("different order" in result.message)
+    # The group is still usable afterwards: a consistent call works.
+    assert all(r["result"] for r in pp2dp2.run_ok(reduce_basic))
+
+
+def reduce_changing_keys():
+    out = []
+    for keys in (("a", "b"), ("a", "b", "c", "d"), ("a",)):
+        out.append(reduce_max_memory_across_pp_group({k: float(i) for i, k in enumerate(keys)}, _pp_group()))
+    return out
+
+
+def test_key_set_changing_on_every_rank_is_agreed_again(pp4):
+    for result in pp4.run_ok(reduce_changing_keys):
+        assert result == [{"a": 0.0, "b": 1.0}, {"a": 0.0, "b": 1.0, "c": 2.0, "d": 3.0}, {"a": 0.0}]
+
+
+def gather_at(iteration_by_stage):
+    rank, stage, dp = _coords()
+    return gather_memory({"x": 1.0}, _pp_group(), iteration=iteration_by_stage[stage])
+
+
+def test_iteration_disagreement_raises_on_every_rank(pp2dp2):
+    results = pp2dp2.run(gather_at, {0: 10, 1: 11})
+    for result in results:
+        assert isinstance(result, RankFailure) and result.type_name == "MemoryReduceError"
+        assert "rank 0: 10" in result.message and "rank 1: 11" in result.message
+
+
+def gather_attribution():
+    rank, stage, dp = _coords()
+    gathered = gather_memory({"peak": 10.0 - stage, "count": stage}, _pp_group(), iteration=3)
+    return gathered.keys, gathered.per_rank, gathered.maximum, gathered.peak_rank
+
+
+def test_gather_lines_up_every_stage(pp4):
+    for keys, per_rank, maximum, peak_rank in pp4.run_ok(gather_attribution):
+        assert keys == ("peak", "count")
+        assert per_rank == [[10.0, 0], [9.0, 1], [8.0, 2], [7.0, 3]]
+        assert maximum == {"peak": 10.0, "count": 3} and peak_rank == {"peak": 0, "count": 3}
+
+
+def noop_paths():
+    from megatron.core import parallel_state as ps
+
+    report = {"x": 1.0}
+    with count_collectives() as calls:
+        same = [
+            reduce_max_memory_across_pp_group(report, None) is report,
+            reduce_max_memory_across_pp_group({}, _pp_group()) == {},
+            reduce_max_memory_across_pp_group(report, ps.get_tensor_model_parallel_group()) is report,  # size 1
+            reduce_max_memory_across_pp_group(report, object()) is report,  # no callable size
+        ]
+    return same, calls
+
+
+def test_noop_paths_issue_no_collective(pp2dp2):
+    for same, calls in pp2dp2.run_ok(noop_paths):
+        assert same == [True, True, True, True]
+        assert calls == []
+
+
+def test_noop_without_initialised_distributed():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    report = {"x": 1.0}
+    assert reduce_max_memory_across_pp_group(report, object()) is report
+
+
+def test_payload_round_trip_is_exact():
+    report = {"f": 0.1, "i": -(2**62), "nan": math.nan, "inf": math.inf, "t": torch.tensor(2.5)}
+    layout = payload.layout_of(tuple(report))
+    packed = payload.pack(layout, report, 42, lambda key, why: None)
+    (decoded,) = payload.unpack(layout, packed, 1)
+    assert decoded.iteration == 42 and decoded.fingerprint == layout.fingerprint
+    assert decoded.values == [0.1, -(2**62), None, math.inf, 2.5]
+    assert [type(v) for v in decoded.values] == [float, int, type(None), float, float]
