@@ -142,3 +142,26 @@ def device_total_bytes() -> int | None:
 @lru_cache(maxsize=None)
 def _device_total(device: int) -> int:
     return torch.cuda.get_device_properties(device).total_memory
+
+
+def capacity_report() -> dict[str, float]:
+    """What this rank could use: device and host totals, and the host's available RAM.
+
+    ``host_available_gb`` is the kernel's MemAvailable: shared by every rank on the node,
+    it is the real distance to the OOM killer (SIGKILL), where a per-process share of
+    total RAM would not be.
+    """
+    device_total = device_total_bytes()
+    return {
+        "device_total_gb": MISSING if device_total is None else device_total / GB,
+        "host_total_gb": host_total_bytes() / GB,
+        "host_available_gb": host_available_bytes() / GB,
+    }
+
+
+def host_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo", "rb") as meminfo:
+            return _kb_field(meminfo.read(), b"MemAvailable:") * 1024
+    except (OSError, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

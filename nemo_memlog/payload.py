@@ -131,7 +131,7 @@ def scalar(value):
         return scalar(int(value))
     if isinstance(value, numbers.Real):
         return scalar(float(value))
-    return None, None, f"{type(value).__name__} {value!r:.40} is not a number; it is treated as missing on this rank"
+    return None, None, f"{type(value).__name__} {value!r:.40} is not a number"
 
 
 def _split_mask(mask: int, words: int) -> list[int]:

@@ -94,6 +94,17 @@ def gather_memory(
     return _line_up(channel.layout.keys, reports)
 
 
+def single_rank(memory_report: dict) -> GatheredMemory:
+    """The same lined-up view for a process alone in its group (no collective)."""
+    values = []
+    for key, value in memory_report.items():
+        value, kind, problem = payload.scalar(value)
+        if problem is not None:
+            _warn_once(key, problem)
+        values.append(None if kind is None else value)
+    return _line_up(tuple(memory_report), [payload.RankReport(len(values), 0, payload.NOT_CHECKED, values)])
+
+
 def _line_up(keys: tuple[str, ...], reports: list) -> GatheredMemory:
     per_rank = [report.values for report in reports]
     maximum = {}
@@ -256,4 +267,4 @@ _warned: set = set()
 def _warn_once(key: str, why: str) -> None:
     if (key, why) not in _warned:
         _warned.add((key, why))
-        warnings.warn(f"memory report value for {key!r}: {why}", stacklevel=4)
+        warnings.warn(f"memory report value for {key!r}: {why}; this rank reports it as missing", stacklevel=4)

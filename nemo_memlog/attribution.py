@@ -1,0 +1,135 @@
+"""Turn gathered per-stage reports into the logged memory metrics. Pure: no collective.
+
+From one GatheredMemory (position i = pipeline stage i) it derives:
+
+    memory/<name>                     max over stages (what the dashboards plotted before, fixed)
+    memory/peak_stage/<name>          int: the stage holding that max (lowest stage on ties)
+    memory/pp_stage_{i}/<name>        stage i's own value, for names matching memory_per_stage_keys
+    memory/headroom_gb                min over stages of device_total - peak_reserved     (CUDA)
+    memory/headroom_stage             int: that stage
+    memory/peak_reserved_pct          100 * peak_reserved / device_total at that stage
+    memory/host_headroom_gb           min over stages of the host's MemAvailable (SIGKILL distance)
+    memory/host_headroom_stage        int: that stage
+    memory/peak_host_rss_pct          max over stages of 100 * peak_host_rss / host_total
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from functools import lru_cache
+
+PREFIX = "memory/"
+#: Capacity keys (memory.capacity_report) feed headroom; their max has no "peak stage".
+CAPACITY = frozenset({"device_total_gb", "host_total_gb", "host_available_gb"})
+
+
+def memory_metrics(gathered, per_stage_patterns=("peak_*",), stage_names=None) -> dict:
+    """The logged dict for one step. ``stage_names[i]`` labels position i (default: ``pp_stage_{i}``)."""
+    keys = gathered.keys
+    per_rank = gathered.per_rank
+    labels = stage_names or [f"pp_stage_{i}" for i in range(len(per_rank))]
+    out = {}
+    for key, value in gathered.maximum.items():
+        if key != "host_available_gb":  # its max says nothing: memory/host_headroom_gb is its min
+            out[PREFIX + key] = value
+    for key, rank in gathered.peak_rank.items():
+        if key not in CAPACITY:
+            out[f"{PREFIX}peak_stage/{key}"] = rank
+    for slot in _per_stage_slots(keys, tuple(per_stage_patterns)):
+        key = keys[slot]
+        for rank, values in enumerate(per_rank):
+            if values[slot] is not None:
+                out[f"{PREFIX}{labels[rank]}/{key}"] = values[slot]
+    out.update(_headroom(keys, per_rank))
+    return out
+
+
+@lru_cache(maxsize=32)
+def _per_stage_slots(keys: tuple, patterns: tuple) -> tuple:
+    return tuple(i for i, key in enumerate(keys) if any(fnmatchcase(key, p) for p in patterns))
+
+
+def _column(keys, per_rank, name):
+    if name not in keys:
+        return None
+    slot = keys.index(name)
+    return [values[slot] for values in per_rank]
+
+
+def _headroom(keys, per_rank) -> dict:
+    out = {}
+    totals = _column(keys, per_rank, "device_total_gb")
+    reserved = _column(keys, per_rank, "peak_reserved_gb")
+    if totals and reserved:
+        stages = [(t - r, stage, r / t) for stage, (t, r) in enumerate(zip(totals, reserved))
+                  if t is not None and r is not None and t > 0]
+        if stages:
+            headroom, stage, used = min(stages)
+            out.update({PREFIX + "headroom_gb": headroom, PREFIX + "headroom_stage": stage,
+                        PREFIX + "peak_reserved_pct": 100.0 * used})
+    available = _column(keys, per_rank, "host_available_gb")
+    if available and any(a is not None for a in available):
+        headroom, stage = min((a, s) for s, a in enumerate(available) if a is not None)
+        out.update({PREFIX + "host_headroom_gb": headroom, PREFIX + "host_headroom_stage": stage})
+    host_totals = _column(keys, per_rank, "host_total_gb")
+    rss = _column(keys, per_rank, "peak_host_rss_gb")
+    if host_totals and rss:
+        shares = [100.0 * r / t for t, r in zip(host_totals, rss) if t and r is not None]
+        if shares:
+            out[PREFIX + "peak_host_rss_pct"] = max(shares)
+    return out
+
+
+def low_headroom(metrics: dict, fraction: float) -> list[tuple[str, int, str]]:
+    """(kind, stage, sentence) for each headroom below ``fraction`` of capacity."""
+    found = []
+    headroom = metrics.get(PREFIX + "headroom_gb")
+    total = metrics.get(PREFIX + "device_total_gb")
+    if headroom is not None and total and headroom < fraction * total:
+        stage = metrics[PREFIX + "headroom_stage"]
+        found.append(("device", stage, f"pipeline stage {stage} has {headroom:.2f} GB of device memory left "
+                      f"({100 * headroom / total:.1f}% of {total:.1f} GB): close to CUDA OOM"))
+    host = metrics.get(PREFIX + "host_headroom_gb")
+    host_total = metrics.get(PREFIX + "host_total_gb")
+    if host is not None and host_total and host < fraction * host_total:
+        stage = metrics[PREFIX + "host_headroom_stage"]
+        found.append(("host", stage, f"pipeline stage {stage}'s node has {host:.2f} GB of RAM available "
+                      f"({100 * host / host_total:.1f}% of {host_total:.1f} GB): close to the OOM killer (SIGKILL)"))
+    return found
+
+
+COORDINATES = ("rank", "pp_rank", "tp_rank", "dp_rank")
+
+
+def world_metrics(gathered, per_stage_patterns=("peak_*",)) -> dict:
+    """Metrics for memory_reduce_scope="world": positions are global ranks, and each rank's
+    report carries its COORDINATES. Adds where each maximum lives: memory/peak_rank/<name>,
+    memory/peak_tp_rank/<name>, memory/peak_dp_rank/<name>; pp_stage_{i} values are the
+    max over that stage's ranks."""
+    keys = gathered.keys
+    per_rank = gathered.per_rank
+    where = {name: keys.index(name) for name in COORDINATES}
+    stage_of = [values[where["pp_rank"]] for values in per_rank]
+    out = {}
+    for key, value in gathered.maximum.items():
+        if key in where or key == "host_available_gb":
+            continue
+        out[PREFIX + key] = value
+        if key in CAPACITY:
+            continue
+        rank = gathered.peak_rank[key]
+        out[f"{PREFIX}peak_stage/{key}"] = stage_of[rank]
+        out[f"{PREFIX}peak_rank/{key}"] = per_rank[rank][where["rank"]]
+        out[f"{PREFIX}peak_tp_rank/{key}"] = per_rank[rank][where["tp_rank"]]
+        out[f"{PREFIX}peak_dp_rank/{key}"] = per_rank[rank][where["dp_rank"]]
+    for slot in _per_stage_slots(keys, tuple(per_stage_patterns)):
+        for stage in sorted(set(stage_of)):
+            present = [v[slot] for v, s in zip(per_rank, stage_of) if s == stage and v[slot] is not None]
+            if present:
+                out[f"{PREFIX}pp_stage_{stage}/{keys[slot]}"] = max(present)
+    for name, value in _headroom(keys, per_rank).items():
+        if name.endswith("_stage"):  # positions are ranks here: name the stage, keep the rank
+            out[name.removesuffix("_stage") + "_rank"] = per_rank[value][where["rank"]]
+            value = stage_of[value]
+        out[name] = value
+    return out

@@ -1,0 +1,187 @@
+"""LoggerConfig: Megatron-Bridge's logger field names, plus nemo_memlog's own settings.
+
+A recipe's ``cfg.logger`` (or the whole ``ConfigContainer``) works wherever a
+LoggerConfig does: ``logger_fields`` reads either, with our defaults for the fields
+Megatron-Bridge lacks.
+"""
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+SECRET_NAME = re.compile(r"api[_-]?key|token|password|passwd|secret|credential|auth", re.IGNORECASE)
+REDACTED = "***redacted***"
+
+
+@dataclass
+class LoggerConfig:
+    # --- fields shared with Megatron-Bridge's LoggerConfig (same names, same meaning) ---
+    log_memory_to_tensorboard: bool = False
+    """Turn memory logging on: report, reduce across the pipeline, write."""
+    tensorboard_log_interval: int = 1
+    """Log memory every this many iterations (iteration % interval == 0)."""
+    memory_keys: Optional[Dict[str, str]] = None
+    """torch.cuda.memory_stats() name -> logged name; None: DEFAULT_MEMORY_KEYS."""
+    tensorboard_dir: Optional[str] = None
+    """TensorBoard event directory; None: no TensorBoard writer."""
+    tensorboard_queue_size: int = 1000
+    """SummaryWriter's own event queue length."""
+    wandb_project: Optional[str] = None
+    """W&B project; None: no W&B writer. WANDB_MODE=offline is honoured."""
+    wandb_exp_name: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    wandb_entity: Optional[str] = None
+    mlflow_experiment: Optional[str] = None
+    """MLflow experiment name; None: no MLflow writer. Needs mlflow_run_name."""
+    mlflow_run_name: Optional[str] = None
+    mlflow_tracking_uri: Optional[str] = None
+    """e.g. sqlite:///runs/x/mlflow.db or http://host:5000; None: MLflow's default."""
+    mlflow_tags: Optional[Dict[str, str]] = None
+    comet_project: Optional[str] = None
+    """Comet project; None: no Comet writer."""
+    comet_experiment_name: Optional[str] = None
+    comet_workspace: Optional[str] = None
+    comet_api_key: Optional[str] = field(default=None, repr=False)
+    """Secret: never recorded, printed or written. Falls back to COMET_API_KEY."""
+    comet_tags: Optional[List[str]] = None
+
+    # --- nemo_memlog's own ---
+    comet_offline_directory: Optional[str] = None
+    """Write a Comet offline archive here; also used when no API key is available."""
+    memory_per_stage_keys: List[str] = field(default_factory=lambda: ["peak_*"])
+    """Logged names (fnmatch patterns) that also get memory/pp_stage_{i}/<name>."""
+    memory_reduce_scope: str = "pp"
+    """"pp": max over the pipeline group; "world": max over every rank, with its location."""
+    memory_headroom_warn_fraction: float = 0.10
+    """Warn (writer rank) when a stage's free memory falls below this fraction of capacity."""
+    memory_reduce_timeout_s: float = 300.0
+    """Ranks that joined a memory reduction raise after this long waiting for the others."""
+    writer_buffer_steps: int = 10000
+    """Per backend: logged steps kept for retry while that backend is failing or slow."""
+    writer_close_timeout_s: float = 30.0
+    """flush()/close() at exit or SIGTERM wait at most this long for the backends."""
+
+    def __post_init__(self):
+        check_logger_fields(self)
+
+
+_OURS = {f.name: f for f in dataclasses.fields(LoggerConfig)}
+
+
+def default_of(name: str):
+    spec = _OURS[name]
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+
+
+def logger_section(config):
+    """The logger part of a config: ``config.logger`` for a ConfigContainer, else ``config``."""
+    return config if hasattr(config, "log_memory_to_tensorboard") else getattr(config, "logger", config)
+
+
+def setting(logger, name: str):
+    """A field of any logger config object, with our default when it lacks the field."""
+    value = getattr(logger, name, _ABSENT)
+    return default_of(name) if value is _ABSENT else value
+
+
+_ABSENT = object()
+
+
+def check_logger_fields(logger) -> None:
+    """Raise ValueError naming the field and what to change, for settings that cannot work."""
+    interval = setting(logger, "tensorboard_log_interval")
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        raise ValueError(
+            f"logger.tensorboard_log_interval must be an int >= 1 (memory is logged when "
+            f"iteration % interval == 0); got {interval!r}"
+        )
+    if setting(logger, "mlflow_experiment") and not setting(logger, "mlflow_run_name"):
+        raise ValueError("logger.mlflow_experiment is set but logger.mlflow_run_name is not: set both")
+    scope = setting(logger, "memory_reduce_scope")
+    if scope not in ("pp", "world"):
+        raise ValueError(f"logger.memory_reduce_scope must be 'pp' or 'world'; got {scope!r}")
+    fraction = setting(logger, "memory_headroom_warn_fraction")
+    if not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
+        raise ValueError(f"logger.memory_headroom_warn_fraction must be in [0, 1); got {fraction!r}")
+    for name in ("memory_reduce_timeout_s", "writer_close_timeout_s"):
+        value = setting(logger, name)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"logger.{name} must be a positive number of seconds; got {value!r}")
+    buffer = setting(logger, "writer_buffer_steps")
+    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+        raise ValueError(f"logger.writer_buffer_steps must be an int >= 1; got {buffer!r}")
+    keys = setting(logger, "memory_keys")
+    if keys is not None and not hasattr(keys, "items"):
+        raise ValueError(f"logger.memory_keys must map torch statistic names to logged names; got {keys!r}")
+    patterns = setting(logger, "memory_per_stage_keys")
+    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns or ()):
+        raise ValueError(f"logger.memory_per_stage_keys must be a list of name patterns; got {patterns!r}")
+
+
+def from_overrides(overrides: list[str], base: Optional[LoggerConfig] = None) -> LoggerConfig:
+    """Build a LoggerConfig from dotted overrides, as recipes take them on the command line:
+    ``["logger.log_memory_to_tensorboard=true", "logger.tensorboard_log_interval=10"]``.
+    The ``logger.`` prefix is optional; overrides for other sections are ignored.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    ours = [o.removeprefix("logger.") for o in overrides if o.startswith("logger.") or "." not in o.split("=")[0]]
+    schema = OmegaConf.structured(base or LoggerConfig())
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(ours))
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as error:
+        known = ", ".join(_OURS)
+        raise ValueError(f"bad logger override in {overrides!r}: {error.msg}\nKnown logger fields: {known}") from None
+
+
+def redacted(value: Any, name: str = "") -> Any:
+    """A copy of a config value safe to record: secret-looking fields become REDACTED."""
+    if name and SECRET_NAME.search(name) and value not in (None, ""):
+        return REDACTED
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: redacted(getattr(value, f.name), f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dict) or hasattr(value, "items"):
+        return {str(k): redacted(v, str(k)) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redacted(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "__dict__"):
+        return {k: redacted(v, k) for k, v in vars(value).items() if not k.startswith("_")}
+    return str(value)
+
+
+def flat_params(config) -> dict[str, Any]:
+    """The redacted config flattened to ``{"a.b": value}``, as hyperparameter stores want it."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = value
+
+    walk("", redacted(config))
+    return out
+
+
+def secrets_of(config) -> list[str]:
+    """The secret values in a config (to scrub from anything a backend echoes)."""
+    found: list[str] = []
+
+    def walk(value, name=""):
+        if name and SECRET_NAME.search(name) and isinstance(value, str) and value:
+            found.append(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), f.name)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, str(k))
+
+    walk(config)
+    return found

@@ -1,0 +1,38 @@
+"""Finding the pipeline-parallel group (and a rank's coordinates) from megatron-core."""
+
+from __future__ import annotations
+
+
+def pipeline_group(pp_group=None, pg_collection=None):
+    """``pp_group``; else ``pg_collection.pp``; else megatron-core's parallel_state group
+    when it is initialised; else None (no reduction)."""
+    if pp_group is not None:
+        return pp_group
+    if pg_collection is not None and getattr(pg_collection, "pp", None) is not None:
+        return pg_collection.pp
+    parallel_state = _parallel_state()
+    if parallel_state is not None and parallel_state.model_parallel_is_initialized():
+        return parallel_state.get_pipeline_model_parallel_group()
+    return None
+
+
+def coordinates(pp_group=None, pg_collection=None) -> dict[str, int]:
+    """This rank's (pp, tp, dp) ranks, from the groups at hand (0 where unknown)."""
+    import torch.distributed as dist
+
+    groups = {"pp": pipeline_group(pp_group, pg_collection)}
+    parallel_state = _parallel_state()
+    initialised = parallel_state is not None and parallel_state.model_parallel_is_initialized()
+    groups["tp"] = getattr(pg_collection, "tp", None) or (
+        parallel_state.get_tensor_model_parallel_group() if initialised else None)
+    groups["dp"] = getattr(pg_collection, "dp", None) or (
+        parallel_state.get_data_parallel_group() if initialised else None)
+    return {name: (dist.get_rank(group) if group is not None else 0) for name, group in groups.items()}
+
+
+def _parallel_state():
+    try:
+        from megatron.core import parallel_state
+    except ImportError:  # megatron-core is optional: plain torch groups work too
+        return None
+    return parallel_state

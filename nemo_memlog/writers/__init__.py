@@ -1,0 +1,69 @@
+"""Writers: one module per backend, discovered here, fanned out by fanout.FanOut.
+
+A backend module exposes ``enabled(logger)``, ``open_backend(logger, params, secrets)``
+and a backend object with ``log(metrics, step)``, ``flush()`` and ``close()``. Modules
+are found by listing this package, and imported only when their config asks for them,
+so this file names no backend and an uninstalled backend costs nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import pkgutil
+import weakref
+
+from ..config import flat_params, logger_section, secrets_of, setting
+from .fanout import FanOut, Sink
+
+_INFRASTRUCTURE = {"fanout"}
+_open_fanouts: "weakref.WeakSet[FanOut]" = weakref.WeakSet()
+
+
+def backend_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _INFRASTRUCTURE)
+
+
+def build_writers(config, *, run_config=None) -> FanOut:
+    """The fan-out for every backend ``config`` enables (possibly none).
+
+    ``config`` is a LoggerConfig, any object with its field names, or a container with
+    ``.logger``. ``run_config`` (default: ``config``) is recorded once per backend as
+    hyperparameters, with secrets redacted. Backends open lazily in their own threads.
+    Closed at interpreter exit and on SIGTERM (see signals.py).
+    """
+    logger = logger_section(config)
+    run_config = config if run_config is None else run_config
+    secrets = secrets_of(run_config) + secrets_of(logger)
+    params = flat_params(run_config)
+    sinks = []
+    for name in backend_modules():
+        module = importlib.import_module(f"{__name__}.{name}")
+        if module.enabled(logger):
+            opener = _opener(module, logger, params, secrets)
+            sinks.append(Sink(name, opener, setting(logger, "writer_buffer_steps"), secrets))
+    fanout = FanOut(sinks, setting(logger, "writer_close_timeout_s"))
+    _open_fanouts.add(fanout)
+    if sinks:
+        from .. import signals
+
+        signals.install(close_all)
+    return fanout
+
+
+def _opener(module, logger, params, secrets):
+    return lambda: module.open_backend(logger, params, secrets)
+
+
+def close_all(timeout_s: float | None = None) -> None:
+    """Drain and close every open fan-out (at exit, on SIGTERM). Never raises."""
+    for fanout in list(_open_fanouts):
+        try:
+            fanout.close(timeout_s)
+        except Exception:  # exit paths must not fail
+            pass
+
+
+atexit.register(close_all)
+
+__all__ = ["FanOut", "build_writers", "close_all", "backend_modules"]

@@ -1,0 +1,197 @@
+"""Fan one metrics dict out to every backend, off the training thread, losing nothing.
+
+Each backend gets its own ``Sink``: a daemon thread and a bounded buffer of logged
+steps. ``FanOut.log`` appends the (read-only) dict to each buffer and returns: the
+training thread never waits on a backend, and a slow or hung backend never holds up
+the others.
+
+A backend call that fails leaves its step at the head of that backend's buffer and is
+retried with backoff (0.5 s doubling to 30 s), so a backend that comes back gets every
+step it missed, in order. When a buffer is full (``writer_buffer_steps``), the OLDEST
+step of that backend is dropped, counted, and warned about once: the training thread
+never blocks, and memory stays bounded. Failures warn once per backend and kind of
+failure, with secrets scrubbed from the message.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import warnings
+
+RETRY_FIRST_S = 0.5
+RETRY_MAX_S = 30.0
+
+
+class Sink:
+    """One backend behind a buffer and a thread. ``opener()`` builds the backend (in the thread)."""
+
+    def __init__(self, name: str, opener, buffer_steps: int, secrets: list[str]):
+        self.name = name
+        self._opener = opener
+        self._backend = None
+        self._secrets = secrets
+        self._buffer: collections.deque = collections.deque()
+        self._limit = buffer_steps
+        self._cond = threading.Condition()
+        self._busy = False  # an item is being written right now
+        self._closing = False
+        self._warned: set = set()
+        self.written = 0
+        self.dropped = 0
+        self.failures = 0
+        self._failing_since = None
+        self._thread = threading.Thread(target=self._run, name=f"nemo_memlog-{name}", daemon=True)
+        self._thread.start()
+
+    # --- training thread side ---
+    def put(self, metrics: dict, step: int) -> None:
+        with self._cond:
+            if len(self._buffer) >= self._limit:
+                self._buffer.popleft()
+                self.dropped += 1
+                self._warn_once(
+                    "full",
+                    f"its buffer of {self._limit} steps is full (the backend is failing or too slow); "
+                    f"dropping the oldest steps (raise logger.writer_buffer_steps to keep more)",
+                )
+            self._buffer.append((metrics, step))
+            self._cond.notify()
+
+    def drain(self, deadline: float) -> bool:
+        """Wait until every buffered step is written, or the deadline. True if drained."""
+        with self._cond:
+            self._cond.notify_all()  # cut a retry backoff short
+            while self._buffer or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+            return True
+
+    def close(self, deadline: float) -> None:
+        drained = self.drain(deadline)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._backend is not None and not self._thread.is_alive():
+            self._call("close", self._backend.close)
+        if not drained or self._buffer:
+            self.dropped += len(self._buffer)
+            self._warn_once("unwritten", f"{len(self._buffer)} steps were still unwritten at close")
+        if self.dropped:
+            warnings.warn(f"nemo_memlog: {self.name} lost {self.dropped} logged steps in total", RuntimeWarning)
+
+    def flush_backend(self) -> None:
+        with self._cond:
+            backend = self._backend
+        if backend is not None:
+            self._call("flush", backend.flush)
+
+    # --- writer thread side ---
+    def _run(self) -> None:
+        delay = RETRY_FIRST_S
+        while True:
+            with self._cond:
+                while not self._buffer and not self._closing:
+                    self._cond.wait()
+                if not self._buffer:
+                    return  # closing and drained
+                metrics, step = self._buffer[0]
+                self._busy = True
+            ok = self._write(metrics, step)
+            with self._cond:
+                self._busy = False
+                if ok:
+                    if self._buffer and self._buffer[0][1] == step and self._buffer[0][0] is metrics:
+                        self._buffer.popleft()
+                    delay = RETRY_FIRST_S
+                    self._cond.notify_all()
+                    continue
+                if self._closing:
+                    return
+                self._cond.wait(delay)  # back off; a drain() wakes us early to retry now
+                delay = min(delay * 2, RETRY_MAX_S)
+
+    def _write(self, metrics: dict, step: int) -> bool:
+        if self._backend is None:
+            self._backend = self._call("open", self._opener)
+            if self._backend is None:
+                return False
+        if self._call("log", self._backend.log, metrics, step) is _FAILED:
+            return False
+        self.written += 1
+        if self._failing_since is not None:
+            warnings.warn(
+                f"nemo_memlog: {self.name} is writing again after {self.failures} failed attempts; "
+                f"buffered steps are being replayed",
+                RuntimeWarning,
+            )
+            self._failing_since = None
+        return True
+
+    def _call(self, what: str, fn, *args):
+        try:
+            result = fn(*args)
+            return True if result is None and what != "open" else result
+        except Exception as error:  # isolation: a backend never raises into training
+            self.failures += 1
+            self._failing_since = self._failing_since or time.monotonic()
+            self._warn_once(
+                (what, type(error).__name__),
+                f"{what} failed with {type(error).__name__}: {error}; "
+                + ("retrying with backoff, steps stay buffered" if what in ("open", "log") else "ignored"),
+            )
+            return _FAILED if what != "open" else None
+
+    def _warn_once(self, kind, text: str) -> None:
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        for secret in self._secrets:
+            text = text.replace(secret, "***redacted***")
+        warnings.warn(f"nemo_memlog: {self.name} backend: {text}", RuntimeWarning, stacklevel=2)
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"written": self.written, "pending": len(self._buffer), "dropped": self.dropped,
+                    "failures": self.failures}
+
+
+_FAILED = object()
+
+
+class FanOut:
+    """One ``log(metrics, step)`` to every sink. Also a no-op fan-out when there are no sinks."""
+
+    def __init__(self, sinks: list[Sink], close_timeout_s: float = 30.0):
+        self.sinks = sinks
+        self.close_timeout_s = close_timeout_s
+        self.closed = False
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Hand ``metrics`` (not copied: callers must not mutate it afterwards) to every backend."""
+        for sink in self.sinks:
+            sink.put(metrics, step)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every backend has written every step handed to it (bounded). True if all did."""
+        deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
+        drained = all([sink.drain(deadline) for sink in self.sinks])
+        for sink in self.sinks:
+            sink.flush_backend()
+        return drained
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Drain and close every backend within ``timeout_s`` in total. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
+        for sink in self.sinks:
+            sink.close(deadline)
+
+    def stats(self) -> dict:
+        return {sink.name: sink.stats() for sink in self.sinks}
