@@ -1,0 +1,178 @@
+"""training_log on real gloo clusters: the gate, the reduction, attribution, the merge."""
+
+import warnings
+
+import pytest
+
+from nemo_memlog import LoggerConfig, training_log
+from tests.cluster import Cluster, RankFailure
+from tests.collectives import GATHER, count_collectives
+
+BIG_MB = 300
+_ballast = []
+
+
+def _coords():
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    return dist.get_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+
+
+def hold_ballast(global_ranks):
+    """The chosen ranks touch BIG_MB of host memory and keep it: a real RSS difference."""
+    import torch
+
+    rank, _, _ = _coords()
+    if rank in global_ranks and not _ballast:
+        _ballast.append(torch.ones(BIG_MB * 2**20 // 8, dtype=torch.float64))
+    return rank
+
+
+def release_ballast():
+    _ballast.clear()
+
+
+def log_iterations(iterations, **config):
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, **config)
+    out = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for iteration in iterations:
+            with count_collectives() as calls:
+                result = training_log(iteration, cfg, metrics={"loss": 2.0 + iteration, "lr": 0.1})
+            out.append((iteration, result, list(calls)))
+    return _coords(), out, [str(w.message) for w in caught]
+
+
+@pytest.fixture
+def stage2_holds_most(pp4):
+    pp4.run_ok(hold_ballast, {2})
+    yield
+    pp4.run_ok(release_ballast)
+
+
+def test_pipeline_max_and_attribution_on_every_rank(pp4, stage2_holds_most):
+    results = pp4.run_ok(log_iterations, [1, 2, 3, 4], tensorboard_log_interval=2)
+    unified = {}
+    for (rank, stage, _), steps, messages in results:
+        by_iter = {it: (res, calls) for it, res, calls in steps}
+        assert by_iter[1] == (None, []) and by_iter[3] == (None, []), "off-interval steps do nothing"
+        logged, calls = by_iter[4]
+        assert calls == [GATHER], "a logging step in steady state is one collective"
+        unified[rank] = logged
+        assert logged["loss"] == 6.0 and logged["lr"] == 0.1, "the caller's metrics ride in the same dict"
+        per_stage = [logged[f"memory/pp_stage_{s}/peak_host_rss_gb"] for s in range(4)]
+        assert logged["memory/peak_host_rss_gb"] == max(per_stage)
+        assert logged["memory/peak_stage/peak_host_rss_gb"] == 2
+        assert type(logged["memory/peak_stage/peak_host_rss_gb"]) is int
+        assert per_stage[2] - min(per_stage) > 0.8 * BIG_MB * 2**20 / 1e9, "the ballast shows in stage 2's RSS"
+        assert logged["memory/host_headroom_gb"] > 0 and 0 < logged["memory/peak_host_rss_pct"] < 100
+        assert not any(k.startswith("memory/pp_stage_") and "current" in k for k in logged)  # peak_* only
+        no_writer = [m for m in messages if "no writer is configured" in m]
+        assert len(no_writer) == (1 if rank == 3 else 0), "only the writer rank builds writers"
+    assert all(unified[r] == unified[0] for r in unified), "every rank returns the same unified dict"
+
+
+def log_with(container_kind):
+    from megatron.core import parallel_state as ps
+
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=5)
+
+    class Container:  # Megatron-Bridge's ConfigContainer shape: the logger fields under .logger
+        logger = cfg
+
+    class Collection:  # ProcessGroupCollection shape: .pp
+        pp = ps.get_pipeline_model_parallel_group()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if container_kind == "container":
+            return training_log(10, Container())
+        if container_kind == "pg_collection":
+            return training_log(10, cfg, pg_collection=Collection())
+        return training_log(10, cfg, pp_group=ps.get_pipeline_model_parallel_group())
+
+
+@pytest.mark.parametrize("kind", ["container", "pg_collection", "pp_group"])
+def test_config_and_group_sources(pp2dp2, kind):
+    results = pp2dp2.run_ok(log_with, kind)
+    for rank, logged in enumerate(results):
+        stages = sorted(k for k in logged if k.startswith("memory/pp_stage_") and k.endswith("peak_host_rss_gb"))
+        assert stages == ["memory/pp_stage_0/peak_host_rss_gb", "memory/pp_stage_1/peak_host_rss_gb"]
+    # PP groups {0,2} and {1,3} reduce separately: each group's dicts agree with each other.
+    assert results[0]["memory/peak_host_rss_gb"] == results[2]["memory/peak_host_rss_gb"]
+    assert results[1]["memory/peak_host_rss_gb"] == results[3]["memory/peak_host_rss_gb"]
+
+
+def test_megatron_process_group_collection(pp2dp2):
+    results = pp2dp2.run_ok(log_with_megatron_collection)
+    for logged in results:
+        assert "memory/pp_stage_1/peak_host_rss_gb" in logged
+
+
+def log_with_megatron_collection():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    cfg = LoggerConfig(log_memory_to_tensorboard=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return training_log(1, cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def test_world_scope_names_rank_stage_and_dp(pp2dp2):
+    pp2dp2.run_ok(hold_ballast, {2})
+    try:
+        results = pp2dp2.run_ok(log_iterations, [3], memory_reduce_scope="world", tensorboard_log_interval=3)
+    finally:
+        pp2dp2.run_ok(release_ballast)
+    _, stage, dp = results[2][0]  # where megatron placed global rank 2
+    assert (stage, dp) == (1, 0)  # megatron's default order tp-cp-ep-dp-pp
+    for _, steps, _ in results:
+        logged = steps[0][1]
+        assert logged["memory/peak_rank/peak_host_rss_gb"] == 2
+        assert logged["memory/peak_stage/peak_host_rss_gb"] == stage
+        assert logged["memory/peak_dp_rank/peak_host_rss_gb"] == dp
+        assert logged["memory/peak_tp_rank/peak_host_rss_gb"] == 0
+        assert logged[f"memory/pp_stage_{stage}/peak_host_rss_gb"] == logged["memory/peak_host_rss_gb"]
+        assert logged[f"memory/pp_stage_{1 - stage}/peak_host_rss_gb"] < logged["memory/peak_host_rss_gb"]
+        assert "memory/host_headroom_rank" in logged
+
+
+def test_gate_rejects_bad_interval():
+    with pytest.raises(ValueError, match="tensorboard_log_interval must be an int >= 1"):
+        LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=0)
+
+    class BridgeLike:  # a foreign config object is checked when first used
+        log_memory_to_tensorboard = True
+        tensorboard_log_interval = 0
+
+    with pytest.raises(ValueError, match="tensorboard_log_interval"):
+        training_log(5, BridgeLike())
+
+
+def test_disabled_logging_returns_none_without_work():
+    cfg = LoggerConfig(log_memory_to_tensorboard=False, tensorboard_dir="/nonexistent/never/created")
+    assert training_log(10, cfg, metrics={"loss": 1.0}) is None
+
+
+def skip_or_log(skipping_rank, timeout_s):
+    import torch.distributed as dist
+
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, memory_reduce_timeout_s=timeout_s)
+    if dist.get_rank() == skipping_rank:
+        return "skipped"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return training_log(7, cfg)
+
+
+def test_a_rank_that_skips_a_logging_call_times_out_cleanly():
+    with Cluster(world=2, pp=2) as cluster:
+        cluster.run_ok(log_with, "pp_group")  # first call: the handshake has happened
+        results = cluster.run(skip_or_log, 1, 2.0, timeout=60)
+    assert results[1] == "skipped"
+    failure = results[0]
+    assert isinstance(failure, RankFailure) and failure.type_name == "MemoryReduceError"
+    assert "iteration 7" in failure.message and "[0, 1]" in failure.message
+    assert "memory_reduce_timeout_s=2" in failure.message
