@@ -2,26 +2,38 @@
 
 The data path, one module each: ``report_memory`` (memory.py) -> ``gather_memory`` /
 ``reduce_max_memory_across_pp_group`` (reduce.py) -> ``training_log`` (hook.py) ->
-writers (writers/). Importing this package imports torch only, no logging backend.
+writers (writers/). Exports load on first use, so ``import nemo_memlog`` imports no
+logging backend, and the report command (cli.py) runs without torch.
 """
 
-from .config import LoggerConfig, from_overrides
-from .hook import close_writers, training_log
-from .memory import DEFAULT_MEMORY_KEYS, report_memory
-from .reduce import GatheredMemory, MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
-from .writers import build_writers
+import importlib
 
-__all__ = [
-    "DEFAULT_MEMORY_KEYS",
-    "LoggerConfig",
-    "build_writers",
-    "close_writers",
-    "from_overrides",
-    "training_log",
-    "GatheredMemory",
-    "MemoryReduceError",
-    "gather_memory",
-    "reduce_max_memory_across_pp_group",
-    "report_memory",
-]
+_EXPORTS = {
+    "LoggerConfig": "config",
+    "from_overrides": "config",
+    "training_log": "hook",
+    "close_writers": "hook",
+    "DEFAULT_MEMORY_KEYS": "memory",
+    "report_memory": "memory",
+    "GatheredMemory": "reduce",
+    "MemoryReduceError": "reduce",
+    "gather_memory": "reduce",
+    "reduce_max_memory_across_pp_group": "reduce",
+    "build_writers": "writers",
+}
+
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nemo_memlog' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,292 @@
+"""Read a run's TensorBoard events back into memory series, and render the per-stage table.
+
+Works on a run directory copied off a cluster: no training code, no torch, no
+torch.distributed; tensorboard is imported only when events are read. The tags read
+are those attribution.py writes:
+
+    memory/<name>                   max over stages         -> "logged max" columns
+    memory/peak_stage/<name>        stage holding that max  -> "stage" column
+    memory/peak_rank/<name>         (scope "world") rank    -> shown next to the stage
+    memory/pp_stage_{i}/<name>      stage i's own value     -> one column pair per stage
+    memory/headroom_gb, _stage      device headroom         -> "headroom" on device rows
+    memory/host_headroom_gb, _stage host headroom           -> "headroom" on host rows
+
+Every other tag (loss, lr, ...) is ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from itertools import groupby
+from pathlib import Path
+
+from .attribution import PREFIX
+
+EVENT_GLOB = "events.out.tfevents.*"
+TABLE_WIDTH = 118
+_STAGE_LABEL = re.compile(r"pp_stage_(\d+)")
+_EXPECTED = (f"expected TensorBoard event files ({EVENT_GLOB}) written with logger.tensorboard_dir "
+             "(and logger.log_memory_to_tensorboard=true)")
+
+
+class ReportError(Exception):
+    """The run directory cannot be reported on; the message says why and what was expected."""
+
+
+@dataclass(frozen=True)
+class Series:
+    """One tag's points, sorted by step (one value per step)."""
+
+    steps: tuple[int, ...]
+    values: tuple[float, ...]
+
+    @property
+    def latest(self) -> float:
+        return self.values[-1]
+
+    @property
+    def peak(self) -> float:
+        """The max over steps, NaN points left out (all NaN: NaN)."""
+        return max((v for v in self.values if v == v), default=float("nan"))
+
+    @property
+    def peak_step(self) -> int:
+        """The first step at which the peak was reached."""
+        peak = self.peak
+        return next((s for s, v in zip(self.steps, self.values) if v == peak), self.steps[-1])
+
+    def at(self, step: int) -> float | None:
+        return dict(zip(self.steps, self.values)).get(step)
+
+
+@dataclass
+class MemoryRun:
+    """The ``memory/`` series of one run directory, keyed by the tag without its prefix."""
+
+    run_dir: Path
+    series: dict[str, Series]
+    skipped: list[str] = field(default_factory=list)  # "file: reason" for unreadable event files
+
+    def get(self, tag: str) -> Series | None:
+        return self.series.get(tag)
+
+    def per_stage(self, name: str) -> dict[int, Series]:
+        """Stage index -> that stage's own series of ``name`` (empty if not logged per stage)."""
+        found = {}
+        for tag, series in self.series.items():
+            label, _, key = tag.partition("/")
+            match = _STAGE_LABEL.fullmatch(label)
+            if match and key == name:
+                found[int(match.group(1))] = series
+        return dict(sorted(found.items()))
+
+    @property
+    def stages(self) -> list[int]:
+        labels = (_STAGE_LABEL.fullmatch(tag.partition("/")[0]) for tag in self.series)
+        return sorted({int(m.group(1)) for m in labels if m})
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted({step for series in self.series.values() for step in series.steps})
+
+    def metrics(self) -> list[str]:
+        """Names that have per-stage values or a peak stage: the table's rows."""
+        names = {tag.partition("/")[2] for tag in self.series
+                 if tag.startswith("peak_stage/") or _STAGE_LABEL.fullmatch(tag.partition("/")[0])}
+        return sorted(names, key=lambda name: (_is_host(name), not name.startswith("peak_"), name))
+
+
+def load_run(run_dir) -> MemoryRun:
+    """Every ``memory/`` scalar in the event files anywhere under ``run_dir``.
+
+    Each event file is read on its own, so files from several writers or restarts never
+    purge each other's points; where two files hold the same tag and step, the point
+    written last (wall time) wins. Raises ReportError for a missing directory, one without
+    event files, or events without memory metrics.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: no such directory; {_EXPECTED}")
+    files = sorted(path for path in run_dir.rglob(EVENT_GLOB) if path.is_file())
+    if not files:
+        raise ReportError(f"{run_dir}: no TensorBoard event files found under it; {_EXPECTED}")
+    points: dict[str, dict[int, tuple[float, float]]] = {}
+    skipped = []
+    for path in files:
+        try:
+            read = _read_memory_scalars(path)
+        except Exception as error:  # one corrupt file must not hide the others
+            skipped.append(f"{path}: {type(error).__name__}: {error}")
+            continue
+        for tag, triples in read.items():
+            by_step = points.setdefault(tag, {})
+            for wall_time, step, value in triples:
+                if step not in by_step or wall_time >= by_step[step][0]:
+                    by_step[step] = (wall_time, value)
+    if not points:
+        raise ReportError(f"{run_dir}: {len(files)} event file(s) but no {PREFIX}* metrics in them; {_EXPECTED}")
+    series = {}
+    for tag, by_step in points.items():
+        steps = tuple(sorted(by_step))
+        series[tag.removeprefix(PREFIX)] = Series(steps, tuple(by_step[s][1] for s in steps))
+    return MemoryRun(run_dir, series, skipped)
+
+
+def _read_memory_scalars(path: Path) -> dict[str, list[tuple[float, int, float]]]:
+    """(wall_time, step, value) per memory tag of one event file, old- and new-style scalars."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
+    accumulator.Reload()
+    tags = accumulator.Tags()
+    out = {}
+    for tag in tags.get("scalars", []):
+        if tag.startswith(PREFIX):
+            out[tag] = [(e.wall_time, e.step, float(e.value)) for e in accumulator.Scalars(tag)]
+    for tag in tags.get("tensors", []):  # SummaryWriter.add_scalar(new_style=True) writes tensors
+        if tag.startswith(PREFIX) and tag not in out:
+            values = [(e.wall_time, e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)]
+            out[tag] = [(w, s, float(v)) for w, s, v in values if v.size == 1]
+    return out
+
+
+def choose_metric(run: MemoryRun, metric: str | None = None) -> str:
+    """The per-stage metric to plot: ``metric`` if given, else peak_reserved_gb, else peak_host_rss_gb."""
+    available = [name for name in run.metrics() if run.per_stage(name) or run.get(name)]
+    if metric is not None:
+        name = metric.removeprefix(PREFIX)
+        if name not in available:
+            raise ReportError(f"{run.run_dir}: no metric {metric!r}; available: {', '.join(available) or 'none'}")
+        return name
+    for name in ("peak_reserved_gb", "peak_host_rss_gb", *available):
+        if name in available:
+            return name
+    raise ReportError(f"{run.run_dir}: no per-stage memory metrics to plot; {_EXPECTED}")
+
+
+def _is_host(name: str) -> bool:
+    return "host" in name
+
+
+def capacity_tag(name: str) -> str:
+    """The capacity a metric is measured against: the node's RAM for host metrics, else the device."""
+    return "host_total_gb" if _is_host(name) else "device_total_gb"
+
+
+def format_value(name: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    if name.endswith("_pct"):
+        return f"{value:.1f}"
+    if name.endswith("_gb"):
+        return f"{value:.2f}"
+    if float(value).is_integer():  # counters (alloc_retries) and stage indices
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+# ---- the table ---------------------------------------------------------------------------
+
+
+@dataclass
+class Column:
+    group: str  # spanning header over consecutive columns with the same group
+    header: str
+    cells: list[str]
+    left: bool = False
+
+    @property
+    def width(self) -> int:
+        return max(len(self.header), *(len(c) for c in self.cells)) if self.cells else len(self.header)
+
+
+def format_report(run: MemoryRun) -> str:
+    """The header lines and the per-stage table, wrapped to TABLE_WIDTH columns."""
+    steps = run.steps
+    last = steps[-1]
+    lines = [f"run: {run.run_dir}",
+             f"steps {steps[0]}..{last} ({len(steps)} logged); pipeline stages: {len(run.stages)}; "
+             f"now = step {last}, peak = max over steps; GB unless the name says otherwise"]
+    capacity = [f"{label} {format_value(tag, run.get(tag).latest)} GB"
+                for label, tag in (("device", "device_total_gb"), ("host", "host_total_gb")) if run.get(tag)]
+    if capacity:
+        lines.append("capacity (largest stage): " + ", ".join(capacity))
+    names = run.metrics()
+    if not names:
+        return "\n".join(lines + ["no per-stage memory metrics logged"])
+    lines.append("")
+    lines += _render(_columns(run, names), TABLE_WIDTH)
+    lines += [f"skipped unreadable event file {entry}" for entry in run.skipped]
+    return "\n".join(lines)
+
+
+def _columns(run: MemoryRun, names: list[str]) -> list[Column]:
+    logged = [run.get(name) for name in names]
+    columns = [Column("", "metric", names, left=True),
+               Column("logged max", "now", [format_value(n, s and s.latest) for n, s in zip(names, logged)]),
+               Column("logged max", "peak", [format_value(n, s and s.peak) for n, s in zip(names, logged)]),
+               Column("logged max", "stage", [_holder(run, name) for name in names])]
+    for stage in run.stages:
+        per_stage = [run.per_stage(name).get(stage) for name in names]
+        columns.append(Column(f"stage {stage}", "now", [format_value(n, s and s.latest) for n, s in zip(names, per_stage)]))
+        columns.append(Column(f"stage {stage}", "peak", [format_value(n, s and s.peak) for n, s in zip(names, per_stage)]))
+    headroom = [_headroom(run, "host_headroom" if _is_host(name) else "headroom") for name in names]
+    columns.append(Column("headroom", "GB now", [gb for gb, _ in headroom]))
+    columns.append(Column("headroom", "stage", [stage for _, stage in headroom]))
+    return columns
+
+
+def _holder(run: MemoryRun, name: str) -> str:
+    """The stage holding the logged max at the step of its overall max (and its rank, scope "world")."""
+    logged = run.get(name)
+    where = run.get(f"peak_stage/{name}")
+    if logged is None or where is None:
+        return "-"
+    stage = where.at(logged.peak_step)
+    rank = run.get(f"peak_rank/{name}")
+    rank = rank and rank.at(logged.peak_step)
+    text = format_value("peak_stage", stage)
+    return text if rank is None else f"{text} (r{int(rank)})"
+
+
+def _headroom(run: MemoryRun, prefix: str) -> tuple[str, str]:
+    gb, stage = run.get(f"{prefix}_gb"), run.get(f"{prefix}_stage")
+    return format_value("headroom_gb", gb and gb.latest), format_value("headroom_stage", stage and stage.latest)
+
+
+def _render(columns: list[Column], width: int) -> list[str]:
+    """Aligned text; groups that do not fit in ``width`` continue below, the first column repeated."""
+    first, *rest = columns
+    blocks = [[]]
+    for _, group in groupby(rest, key=lambda column: column.group):
+        group = list(group)
+        if blocks[-1] and _block_width([first, *blocks[-1], *group]) > width:
+            blocks.append([])
+        blocks[-1] += group
+    lines = []
+    for block in blocks:
+        lines += ([""] if lines else []) + _render_block([first, *block])
+    return lines
+
+
+def _block_width(columns: list[Column]) -> int:
+    groups = len([1 for _ in groupby(columns, key=lambda column: column.group)])
+    return sum(column.width for column in columns) + 2 * (len(columns) - 1) + (groups - 1)
+
+
+def _render_block(columns: list[Column]) -> list[str]:
+    """Group line, header line, rule, rows. Two spaces between columns, three between groups."""
+    def row(texts):
+        parts = []
+        for i, (column, text) in enumerate(zip(columns, texts)):
+            if i:
+                parts.append("   " if columns[i - 1].group != column.group else "  ")
+            parts.append(text.ljust(column.width) if column.left else text.rjust(column.width))
+        return "".join(parts).rstrip()
+
+    spans = [list(span) for _, span in groupby(columns, key=lambda column: column.group)]
+    groups = "   ".join(span[0].group.center(sum(c.width for c in span) + 2 * (len(span) - 1)) for span in spans)
+    header = row([column.header for column in columns])
+    return [groups.rstrip(), header, "-" * len(header), *(row(cells) for cells in zip(*(c.cells for c in columns)))]

@@ -1,0 +1,103 @@
+"""Comet backend: one ``log_metrics(metrics, step=step)`` per logged step.
+
+Enabled by ``comet_project``. Online (``comet_ml.Experiment``) when an API key is
+available (``comet_api_key``, else ``COMET_API_KEY``) and ``comet_offline_directory`` is
+unset; otherwise an ``OfflineExperiment`` whose ``end()`` writes a zip archive into
+``comet_offline_directory`` (default: ``COMET_OFFLINE_DIRECTORY``, else ``./comet_offline``),
+to upload later with ``comet upload``.
+
+Ints stay ints and floats stay floats in Comet's messages (``7``, ``4.0``). comet_ml
+itself turns NaN, +inf and -inf into the strings ``"NaN"``, ``"Infinity"`` and
+``"-Infinity"`` (``comet_ml.convert_utils.fix_special_floats``), which is what is stored.
+
+Nothing is captured beyond ``params`` and the metrics: Comet's argv parsing, environment,
+git, code, console and framework auto-logging are all off, and importing comet_ml here
+does not install its import hooks: they patch torch, TensorBoard and MLflow process-wide,
+and a training script's own ``mlflow.start_run()`` would then open a second Comet
+experiment with full environment capture, ``sys.argv`` included (seen with comet_ml 3.58).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..config import REDACTED, setting
+
+DEFAULT_OFFLINE_DIRECTORY = "./comet_offline"
+_NO_HOOKS = "COMET_DISABLE_AUTO_LOGGING"
+NO_CAPTURE = dict(
+    parse_args=False,  # sys.argv may hold a secret override
+    log_env_details=False,  # its message holds the command line (sys.argv), host and user
+    log_env_host=False, log_env_gpu=False, log_env_cpu=False, log_env_network=False, log_env_disk=False,
+    log_git_metadata=False, log_git_patch=False, log_code=False, log_graph=False,
+    auto_output_logging=False,  # stdout: Megatron prints its arguments
+    auto_param_logging=False, auto_metric_logging=False, auto_log_co2=False,
+    display_summary_level=0,
+)
+
+
+def enabled(logger) -> bool:
+    return bool(setting(logger, "comet_project"))
+
+
+def open_backend(logger, params: dict, secrets: list[str]) -> "CometBackend":
+    """A Comet experiment named ``comet_experiment_name`` with ``comet_tags``, and
+    ``params`` logged once (string values with ``secrets`` scrubbed)."""
+    comet_ml = import_comet_ml()
+    api_key = setting(logger, "comet_api_key") or os.environ.get("COMET_API_KEY")
+    where = dict(project_name=setting(logger, "comet_project"), workspace=setting(logger, "comet_workspace"))
+    offline_directory = setting(logger, "comet_offline_directory")
+    if api_key and not offline_directory:
+        experiment = comet_ml.Experiment(api_key=api_key, **where, **NO_CAPTURE)
+    else:
+        directory = offline_directory or os.environ.get("COMET_OFFLINE_DIRECTORY") or DEFAULT_OFFLINE_DIRECTORY
+        os.makedirs(directory, exist_ok=True)  # comet_ml creates the last level only
+        experiment = comet_ml.OfflineExperiment(offline_directory=directory, **where, **NO_CAPTURE)
+    if not experiment.alive:  # comet_ml reports a failed start in its log, without raising
+        raise RuntimeError("the Comet experiment did not start (see the COMET messages above)")
+    if setting(logger, "comet_experiment_name"):
+        experiment.set_name(setting(logger, "comet_experiment_name"))
+    if setting(logger, "comet_tags"):
+        experiment.add_tags(list(setting(logger, "comet_tags")))
+    experiment.log_parameters({key: scrubbed(value, secrets) for key, value in params.items()})
+    return CometBackend(experiment)
+
+
+def import_comet_ml():
+    """comet_ml, imported without its import hooks unless the program imported it itself."""
+    if "comet_ml" in sys.modules:
+        return sys.modules["comet_ml"]
+    previous = os.environ.get(_NO_HOOKS)
+    os.environ[_NO_HOOKS] = "1"  # comet_ml reads it at import; the program's environment is restored after
+    try:
+        import comet_ml
+    finally:
+        if previous is None:
+            del os.environ[_NO_HOOKS]
+        else:
+            os.environ[_NO_HOOKS] = previous
+    return comet_ml
+
+
+
+def scrubbed(value, secrets: list[str]):
+    if isinstance(value, str):
+        for secret in filter(None, secrets):
+            value = value.replace(secret, REDACTED)
+    return value
+
+
+class CometBackend:
+    def __init__(self, experiment):
+        self.experiment = experiment
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Every metric at ``step`` (Comet gets its own copy: ``metrics`` is never mutated)."""
+        self.experiment.log_metrics(dict(metrics), step=step)
+
+    def flush(self) -> None:
+        self.experiment.flush()
+
+    def close(self) -> None:
+        self.experiment.end()

@@ -1,0 +1,102 @@
+"""MLflow backend: one run, one synchronous ``log_batch`` per logged step.
+
+Enabled by ``mlflow_experiment`` (config validation demands ``mlflow_run_name`` too).
+Uses its own ``MlflowClient`` on ``mlflow_tracking_uri``: no global fluent state, so it
+never touches a run the training script itself has active.
+
+MLflow stores metrics as float64: ints come back as floats (exact up to 2**53). NaN is
+stored and read back as NaN. +inf and -inf are accepted, but the SQL stores keep them as
++-1.7976931348623157e308 (the largest float64), which is what reads back.
+
+MLflow names may only hold letters, digits, ``_ - . / `` and space, and must not
+normalise to another path. Other characters become ``_`` (``memory/weird key*(1)`` is
+logged as ``memory/weird key__1_``; see ``mlflow_name``). The mapping is a pure function
+of the name, so a metric keeps its MLflow name across steps and runs. Param and tag
+names are mapped the same way; their values are recorded as strings (MLflow's only kind).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import time
+import zlib
+
+from ..config import REDACTED, setting
+
+MAX_NAME = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
+MAX_PARAM_VALUE = 6000  # MAX_PARAM_VAL_LENGTH
+PARAMS_PER_BATCH = 100  # MAX_PARAMS_TAGS_PER_BATCH
+METRICS_PER_BATCH = 1000  # MAX_METRICS_PER_BATCH
+# MLflow's set on Windows; other systems also allow ':', but one mapping everywhere is
+# what keeps a name stable.
+_NOT_ALLOWED = re.compile(r"[^/\w.\- ]")
+
+
+@functools.lru_cache(maxsize=4096)
+def mlflow_name(key: str) -> str:
+    """``key`` as a name MLflow accepts: bad characters -> ``_``; empty, ``.`` and ``..``
+    path segments -> ``_``; names over 250 characters cut, with a checksum of the whole."""
+    segments = _NOT_ALLOWED.sub("_", key).split("/")
+    name = "/".join("_" if segment in ("", ".", "..") else segment for segment in segments)
+    if len(name) > MAX_NAME:
+        name = f"{name[:MAX_NAME - 9]}_{zlib.crc32(key.encode()):08x}"
+    return name
+
+
+def enabled(logger) -> bool:
+    return bool(setting(logger, "mlflow_experiment"))
+
+
+def open_backend(logger, params: dict, secrets: list[str]) -> "MlflowBackend":
+    """A run named ``mlflow_run_name`` (tags ``mlflow_tags``) in ``mlflow_experiment``,
+    created if missing, with ``params`` as its params (strings, secrets scrubbed)."""
+    from mlflow.entities import Param
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=setting(logger, "mlflow_tracking_uri"))
+    name = setting(logger, "mlflow_experiment")
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        experiment_id = experiment.experiment_id
+    else:
+        try:
+            experiment_id = client.create_experiment(name)
+        except MlflowException:  # another process created it first
+            experiment_id = client.get_experiment_by_name(name).experiment_id
+    tags = {mlflow_name(str(k)): scrubbed(v, secrets) for k, v in (setting(logger, "mlflow_tags") or {}).items()}
+    run = client.create_run(experiment_id, run_name=setting(logger, "mlflow_run_name"), tags=tags)
+    run_id = run.info.run_id
+    values = [Param(mlflow_name(k), scrubbed(v, secrets)[:MAX_PARAM_VALUE]) for k, v in params.items()]
+    for start in range(0, len(values), PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=values[start:start + PARAMS_PER_BATCH], synchronous=True)
+    return MlflowBackend(client, run_id)
+
+
+def scrubbed(value, secrets: list[str]) -> str:
+    text = str(value)
+    for secret in filter(None, secrets):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+class MlflowBackend:
+    def __init__(self, client, run_id: str):
+        self.client = client
+        self.run_id = run_id
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Every metric at ``step`` as a float, in batches of 1000; raises what MLflow raises."""
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        batch = [Metric(mlflow_name(k), float(v), now_ms, step) for k, v in metrics.items()]
+        for start in range(0, len(batch), METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=batch[start:start + METRICS_PER_BATCH], synchronous=True)
+
+    def flush(self) -> None:
+        pass  # every log_batch is synchronous: written when log returns
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)

@@ -1,0 +1,54 @@
+"""TensorBoard backend: one ``add_scalar`` per metric, the run config once as text.
+
+Enabled by ``tensorboard_dir``. Values are stored as TensorBoard's classic scalar
+(``simple_value``), which is a float32: ints come back as floats, and ints above 2**24
+lose precision. NaN, +inf and -inf are stored as they are and read back unchanged.
+Tags are the metric names as given (TensorBoard accepts any string).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..config import REDACTED, setting
+
+
+def enabled(logger) -> bool:
+    return bool(setting(logger, "tensorboard_dir"))
+
+
+def open_backend(logger, params: dict, secrets: list[str]) -> "TensorBoardBackend":
+    """A SummaryWriter on ``tensorboard_dir``, with ``params`` recorded once as the "config" text."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(
+        log_dir=setting(logger, "tensorboard_dir"),
+        max_queue=setting(logger, "tensorboard_queue_size"),
+    )
+    writer.add_text("config", config_text(params, secrets), 0)
+    return TensorBoardBackend(writer)
+
+
+def config_text(params: dict, secrets: list[str]) -> str:
+    """``params`` as indented JSON (a markdown code block), with every secret scrubbed."""
+    text = json.dumps(params, indent=2, sort_keys=True, default=str)
+    for secret in filter(None, secrets):
+        text = text.replace(secret, REDACTED)
+    # Four leading spaces make TensorBoard's markdown render it verbatim.
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+class TensorBoardBackend:
+    def __init__(self, writer):
+        self.writer = writer
+
+    def log(self, metrics: dict, step: int) -> None:
+        """One scalar per metric at ``step``. Reads ``metrics`` only."""
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

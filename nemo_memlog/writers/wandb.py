@@ -1,0 +1,77 @@
+"""Weights & Biases backend: one ``run.log(metrics, step=step)`` per logged step.
+
+Enabled by ``wandb_project``. ``WANDB_MODE=offline`` (and W&B's other environment
+variables) are honoured by wandb itself. History is JSON: ints are written as ints
+(``7``), but so are integral floats (``4.0`` is written ``4``). NaN, +inf and -inf are
+stored as they are (``NaN``, ``Infinity``, ``-Infinity``).
+
+Each call commits its row at once (``commit=True``), so the latest step is on disk
+without waiting for the next one. W&B steps must increase: a second call at the same
+or an earlier step is dropped by W&B with a warning (the fan-out logs one dict per step).
+
+The run records only ``params`` (redacted) and the metrics: W&B's capture of the
+environment is switched off, because it would record ``sys.argv`` (where a secret
+override such as ``logger.comet_api_key=...`` may sit), stdout (Megatron prints its
+arguments), the code, git state and installed packages.
+"""
+
+from __future__ import annotations
+
+from ..config import REDACTED, setting
+
+RUN_SETTINGS = dict(
+    # The metadata record holds sys.argv (verified: the secret reached the .wandb file
+    # without these). Either one alone stops it; both, in case one changes meaning.
+    x_disable_meta=True,
+    x_disable_machine_info=True,
+    x_disable_stats=True,  # system-metrics sampling: our own memory metrics are the point
+    disable_git=True,
+    disable_code=True,
+    save_code=False,
+    x_save_requirements=False,  # requirements.txt
+    console="off",  # output.log: stdout may hold secrets
+    disable_job_creation=True,
+    reinit="create_new",  # several runs in one process (tests, a second run) stay independent
+)
+
+
+def enabled(logger) -> bool:
+    return bool(setting(logger, "wandb_project"))
+
+
+def open_backend(logger, params: dict, secrets: list[str]) -> "WandbBackend":
+    """A W&B run in ``wandb_project`` with ``params`` as its config (``secrets`` scrubbed
+    from its values again, in case one hid in a field not named like a secret)."""
+    import wandb
+
+    run = wandb.init(
+        project=setting(logger, "wandb_project"),
+        name=setting(logger, "wandb_exp_name"),
+        entity=setting(logger, "wandb_entity"),
+        dir=setting(logger, "wandb_save_dir"),  # None: wandb's default (./wandb); created if missing
+        config={key: scrubbed(value, secrets) for key, value in params.items()},
+        settings=wandb.Settings(**RUN_SETTINGS),
+    )
+    return WandbBackend(run)
+
+
+def scrubbed(value, secrets: list[str]):
+    if isinstance(value, str):
+        for secret in filter(None, secrets):
+            value = value.replace(secret, REDACTED)
+    return value
+
+
+class WandbBackend:
+    def __init__(self, run):
+        self.run = run
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Log ``metrics`` as the row of ``step`` (W&B gets its own copy: ``metrics`` is never mutated)."""
+        self.run.log(dict(metrics), step=step, commit=True)
+
+    def flush(self) -> None:
+        pass  # wandb streams each log call to its service process; there is nothing to push
+
+    def close(self) -> None:
+        self.run.finish()

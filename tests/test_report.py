@@ -1,0 +1,156 @@
+"""`nemo-memlog report` on a run directory written with the library's tag layout."""
+
+import contextlib
+import io
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_memlog.cli import main
+
+STEPS = list(range(0, 80, 10))  # 8 logged steps, written by two writer sessions (a resume)
+DEVICE_TOTAL, HOST_TOTAL = 80.0, 512.0
+
+
+def reserved(stage, k):
+    """Stage 1 holds the most; its peak (38.5 GB at step 40) is above its latest value."""
+    base = [20.0, 31.0, 24.0, 12.0][stage] + 0.5 * min(k, 3)
+    return 38.5 if (stage, k) == (1, 4) else base
+
+
+def allocated(stage, k):
+    return reserved(stage, k) - 2.0
+
+
+def host_rss(stage, k):
+    """Stage 2's node holds the most host memory."""
+    return [10.0, 12.0, 14.0, 10.5][stage] + 0.25 * k
+
+
+def step_metrics(k, stages=4):
+    metrics = {"loss": 3.0 - 0.1 * k, "lr": 1e-4}
+    per_stage = {"peak_reserved_gb": reserved, "peak_allocated_gb": allocated, "peak_host_rss_gb": host_rss}
+    for name, value in per_stage.items():
+        values = [value(s, k) for s in range(stages)]
+        metrics[f"memory/{name}"] = max(values)
+        metrics[f"memory/peak_stage/{name}"] = values.index(max(values))
+        for stage, v in enumerate(values):
+            metrics[f"memory/pp_stage_{stage}/{name}"] = v
+    retries = [0, k // 2, 0, 0]  # a counter, not logged per stage
+    metrics["memory/alloc_retries"] = max(retries)
+    metrics["memory/peak_stage/alloc_retries"] = retries.index(max(retries))
+    metrics.update({"memory/device_total_gb": DEVICE_TOTAL, "memory/host_total_gb": HOST_TOTAL})
+    headroom = min((DEVICE_TOTAL - reserved(s, k), s) for s in range(stages))
+    metrics.update({"memory/headroom_gb": headroom[0], "memory/headroom_stage": headroom[1]})
+    host_headroom = min((HOST_TOTAL - 3 * host_rss(s, k), s) for s in range(stages))
+    metrics.update({"memory/host_headroom_gb": host_headroom[0], "memory/host_headroom_stage": host_headroom[1]})
+    return metrics
+
+
+def write_events(tensorboard_dir, steps, **add_scalar):
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tensorboard_dir))
+    for step in steps:
+        for tag, value in step_metrics(step // 10).items():
+            writer.add_scalar(tag, value, step, **add_scalar)
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "demo"
+    write_events(run / "tensorboard", STEPS[:4])
+    write_events(run / "tensorboard", STEPS[4:])  # a resumed job: a second event file
+    assert len(list((run / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    return run
+
+
+@pytest.fixture(scope="module")
+def report(run_dir):
+    """(exit code, stdout) of one `report` call; the PNG lands in run_dir."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(["report", str(run_dir)])
+    print(out.getvalue())  # shown with pytest -s
+    return code, out.getvalue()
+
+
+def row(stdout, metric):
+    [line] = [line for line in stdout.splitlines() if line.split() and line.split()[0] == metric]
+    return line.split()
+
+
+def test_table_names_the_stage_holding_the_max(report):
+    code, stdout = report
+    assert code == 0
+    assert "steps 0..70 (8 logged); pipeline stages: 4" in stdout
+    # metric | logged now, peak, stage | stage 0..3 now, peak | headroom GB, stage
+    assert row(stdout, "peak_reserved_gb") == [
+        "peak_reserved_gb", "32.50", "38.50", "1",
+        "21.50", "21.50", "32.50", "38.50", "25.50", "25.50", "13.50", "13.50",
+        "47.50", "1"]
+    assert row(stdout, "peak_allocated_gb")[1:4] == ["30.50", "36.50", "1"]
+    assert row(stdout, "peak_host_rss_gb")[1:6] == ["15.75", "15.75", "2", "11.75", "11.75"]
+    assert row(stdout, "peak_host_rss_gb")[-2:] == ["464.75", "2"]  # host headroom on host rows
+    assert row(stdout, "alloc_retries") == ["alloc_retries", "3", "3", "1", *["-"] * 8, "47.50", "1"]
+    assert "loss" not in stdout and "lr" not in stdout.split()
+    assert max(len(line) for line in stdout.splitlines() if not line.startswith(("run:", "plot"))) <= 120
+
+
+def png_size(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24]), len(data)
+
+
+def test_png_is_written_and_named(report, run_dir):
+    _, stdout = report
+    png = run_dir / "memory_report.png"
+    assert stdout.rstrip().endswith(str(png))
+    (width, height), size = png_size(png)
+    assert width >= 400 and height >= 300 and size > 10_000
+
+
+def test_png_path_and_metric_options(run_dir, tmp_path, capsys):
+    png = tmp_path / "plots" / "host.png"
+    assert main(["report", str(run_dir / "tensorboard"), "--png", str(png), "--metric", "memory/peak_host_rss_gb"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith(str(png))
+    assert png_size(png)[1] > 10_000
+    assert main(["report", str(run_dir), "--png", str(png), "--metric", "nope"]) == 2
+    assert "no metric 'nope'; available: peak_allocated_gb" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("make", [lambda p: p.mkdir(), lambda p: None], ids=["empty", "missing"])
+def test_unreadable_directory_is_a_clear_error(tmp_path, capsys, make):
+    run = tmp_path / "run"
+    make(run)
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert str(run) in err
+    assert "events.out.tfevents.*" in err and "logger.tensorboard_dir" in err
+
+
+def test_new_style_scalars_are_read(tmp_path, capsys):
+    write_events(tmp_path / "tb", STEPS[:2], new_style=True)
+    assert main(["report", str(tmp_path), "--png", str(tmp_path / "p.png")]) == 0
+    assert row(capsys.readouterr().out, "peak_reserved_gb")[1:4] == ["31.50", "31.50", "1"]
+
+
+def test_cli_does_not_import_torch_itself():
+    """cli.py and the report modules import no torch; the package __init__ may (see report)."""
+    for module in ("cli", "report", "plot"):
+        source = (Path(__file__).parents[1] / "nemo_memlog" / f"{module}.py").read_text()
+        assert "import torch" not in source and "from torch" not in source
+
+
+def test_console_script(run_dir, tmp_path):
+    script = Path(sys.executable).parent / "nemo-memlog"
+    done = subprocess.run([str(script), "report", str(run_dir), "--png", str(tmp_path / "r.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "peak_reserved_gb" in done.stdout and (tmp_path / "r.png").is_file()

@@ -1,0 +1,100 @@
+"""MLflow writer: one real run in a SQLite store, read back with MlflowClient."""
+
+import math
+import sqlite3
+import sys
+
+import pytest
+
+from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
+from nemo_memlog.writers import mlflow as mlflow_writer
+
+SECRET = "SECRET-TOKEN-123"
+DBL_MAX = sys.float_info.max
+STEPS = {
+    10: {"memory/peak_allocated_gb": 3.5, "memory/alloc_retries": 7, "loss": 2.25,
+         "memory/pp_stage_0/peak_host_rss_gb": 1.5, "memory/weird key*(1)": 0.5,
+         "memory/nan_gb": math.nan, "memory/inf_gb": math.inf, "memory/neg_inf_gb": -math.inf},
+    20: {"memory/peak_allocated_gb": 4.0, "memory/alloc_retries": 8, "loss": 2.0,
+         "memory/pp_stage_0/peak_host_rss_gb": 1.75, "memory/weird key*(1)": 0.25,
+         "memory/nan_gb": math.nan, "memory/inf_gb": math.inf, "memory/neg_inf_gb": -math.inf},
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mlflow")
+    uri = f"sqlite:///{root}/mlflow.db"
+    cfg = LoggerConfig(mlflow_experiment="memlog-test", mlflow_run_name="pp-run", mlflow_tracking_uri=uri,
+                       mlflow_tags={"team": "infra", "token_source": SECRET}, comet_api_key=SECRET)
+    with pytest.MonkeyPatch.context() as env:
+        env.chdir(root)  # anything written relative to the working directory lands under root
+        backend = mlflow_writer.open_backend(cfg, flat_params(cfg), secrets_of(cfg))
+        for step, metrics in STEPS.items():
+            before = repr(metrics)
+            backend.log(metrics, step)
+            assert repr(metrics) == before  # log never mutates
+        backend.flush()
+        backend.close()
+        # A second run in the same experiment: get-or-create finds it.
+        second = mlflow_writer.open_backend(cfg, {"x": 1}, secrets_of(cfg))
+        second.close()
+
+    from mlflow.tracking import MlflowClient
+
+    return root, MlflowClient(uri), backend.run_id, second.run_id, cfg
+
+
+def test_enabled_only_with_an_experiment():
+    assert mlflow_writer.enabled(LoggerConfig(mlflow_experiment="e", mlflow_run_name="r"))
+    assert not mlflow_writer.enabled(LoggerConfig())
+    assert not mlflow_writer.enabled(object())
+
+
+def test_names_mlflow_rejects_are_mapped_not_dropped():
+    from mlflow.utils.validation import _validate_metric_name
+
+    assert mlflow_writer.mlflow_name("memory/peak_allocated_gb") == "memory/peak_allocated_gb"
+    assert mlflow_writer.mlflow_name("memory/weird key*(1)") == "memory/weird key__1_"
+    for key in ("memory/weird key*(1)", "/a//b/", "a/../b", "rank:3", "", "x" * 300, "a" * 300 + "b"):
+        _validate_metric_name(mlflow_writer.mlflow_name(key))  # raises if MLflow would reject it
+    assert mlflow_writer.mlflow_name("x" * 300) != mlflow_writer.mlflow_name("x" * 299 + "y")
+
+
+def test_every_metric_reads_back_at_its_step(run):
+    _, client, run_id, *_ = run
+    for key in STEPS[10]:
+        history = client.get_metric_history(run_id, mlflow_writer.mlflow_name(key))
+        assert [m.step for m in history] == [10, 20], key
+        for metric, step in zip(history, STEPS):
+            expected = STEPS[step][key]
+            if math.isnan(expected):
+                assert math.isnan(metric.value)
+            elif math.isinf(expected):
+                assert metric.value == math.copysign(DBL_MAX, expected)  # the SQL store's stand-in
+            else:
+                assert metric.value == expected and type(metric.value) is float
+
+
+def test_run_name_tags_params_and_status(run):
+    _, client, run_id, second_id, cfg = run
+    stored = client.get_run(run_id)
+    assert stored.info.run_name == "pp-run" and stored.info.status == "FINISHED"
+    assert stored.data.tags["team"] == "infra" and stored.data.tags["token_source"] == REDACTED
+    params = stored.data.params
+    assert params["comet_api_key"] == REDACTED
+    assert params["mlflow_experiment"] == "memlog-test" and params["tensorboard_log_interval"] == "1"
+    assert params["wandb_project"] == "None"
+    assert params.keys() == flat_params(cfg).keys()  # every one, dotted names kept
+    assert params["mlflow_tags.token_source"] == REDACTED
+    assert client.get_run(second_id).info.experiment_id == stored.info.experiment_id
+
+
+def test_secret_is_written_nowhere(run):
+    root, *_ = run
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert any(p.name == "mlflow.db" for p in files)
+    assert [p for p in files if SECRET.encode() in p.read_bytes()] == []
+    with sqlite3.connect(root / "mlflow.db") as db:  # and not in any text column either
+        for (table,) in db.execute("select name from sqlite_master where type='table'").fetchall():
+            assert SECRET not in repr(db.execute(f"select * from {table}").fetchall()), table

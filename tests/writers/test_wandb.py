@@ -1,0 +1,123 @@
+"""W&B writer: one real offline run, read back in process and from the run directory.
+
+The secret is both in the config and on the command line (``sys.argv``), where W&B's
+metadata capture would record it if it were on.
+"""
+
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
+from nemo_memlog.writers import wandb as wandb_writer
+
+SECRET = "SECRET-TOKEN-123"
+STEPS = {
+    10: {"memory/peak_allocated_gb": 3.5, "memory/alloc_retries": 7, "loss": 2.25,
+         "memory/pp_stage_0/peak_host_rss_gb": 1.5, "memory/weird key*(1)": 0.5,
+         "memory/nan_gb": math.nan, "memory/inf_gb": math.inf, "memory/neg_inf_gb": -math.inf},
+    20: {"memory/peak_allocated_gb": 4.0, "memory/alloc_retries": 8, "loss": 2.0,
+         "memory/pp_stage_0/peak_host_rss_gb": 1.75, "memory/weird key*(1)": 0.25,
+         "memory/nan_gb": math.nan, "memory/inf_gb": math.inf, "memory/neg_inf_gb": -math.inf},
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wandb")
+    cfg = LoggerConfig(wandb_project="memlog-test", wandb_exp_name="pp-run", wandb_save_dir=str(root / "runs"),
+                       comet_api_key=SECRET)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("WANDB_MODE", "offline")
+        # Everything else wandb writes lands under root too, so the secret scan sees it all.
+        for name in ("XDG_CACHE_HOME", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+            env.setenv(name, str(root / name.lower()))
+        env.setattr(sys, "argv", ["pretrain.py", f"logger.comet_api_key={SECRET}", "logger.wandb_project=x"])
+        backend = wandb_writer.open_backend(cfg, flat_params(cfg), secrets_of(cfg))
+        for step, metrics in STEPS.items():
+            before = repr(metrics)
+            backend.log(metrics, step)
+            assert repr(metrics) == before  # log never mutates
+        backend.flush()
+        seen = {"summary": dict(backend.run.summary), "config": dict(backend.run.config), "dir": backend.run.dir}
+        backend.close()
+    return root, seen
+
+
+def test_enabled_only_with_a_project():
+    assert wandb_writer.enabled(LoggerConfig(wandb_project="p"))
+    assert not wandb_writer.enabled(LoggerConfig())
+    assert not wandb_writer.enabled(object())
+
+
+def test_summary_keeps_ints_and_non_finite_values(run):
+    _, seen = run
+    summary = seen["summary"]
+    assert summary["memory/alloc_retries"] == 8 and type(summary["memory/alloc_retries"]) is int
+    assert summary["memory/peak_allocated_gb"] == 4.0 and summary["memory/weird key*(1)"] == 0.25
+    assert math.isnan(summary["memory/nan_gb"])
+    assert summary["memory/inf_gb"] == math.inf and summary["memory/neg_inf_gb"] == -math.inf
+
+
+def test_config_is_the_redacted_params(run):
+    _, seen = run
+    assert seen["config"]["comet_api_key"] == REDACTED
+    assert seen["config"]["wandb_project"] == "memlog-test"
+
+
+def test_history_on_disk_has_every_metric_at_its_step(run):
+    root, _ = run
+    (log,) = (root / "runs" / "wandb").glob("offline-run-*/run-*.wandb")
+    records = list(wandb_records(log))
+    history = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+            history[int(items["_step"])] = items
+    assert sorted(history) == [10, 20]
+    for step, metrics in STEPS.items():
+        for key, value in metrics.items():
+            stored = json.loads(history[step][key])  # Python's json reads NaN and Infinity too
+            assert stored == value or math.isnan(value) and math.isnan(stored), (step, key)
+    assert history[10]["memory/alloc_retries"] == "7"  # an int, not "7.0"
+    assert history[20]["memory/peak_allocated_gb"] == "4"  # W&B writes integral floats without ".0"
+    (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run_record.display_name == "pp-run" and run_record.project == "memlog-test"
+
+
+def test_no_environment_capture_and_no_secret_anywhere(run):
+    root, seen = run
+    files = [p for p in root.rglob("*") if p.is_file()]
+    assert any(p.suffix == ".wandb" for p in files)
+    assert [p for p in files if SECRET.encode() in p.read_bytes()] == []
+    # Metadata (argv), console output, requirements: none written.
+    names = {p.name for p in files}
+    assert not names & {"wandb-metadata.json", "output.log", "requirements.txt"}
+
+
+def wandb_records(path: Path):
+    """The protobuf records of a .wandb file (a LevelDB-style log: 7-byte file header,
+    32 KiB blocks of chunks, each with a 7-byte header: crc32, length, kind)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, position, pending = 32768, 7, b""
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        if kind == 0:
+            break
+        pending += data[position + 7:position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
