@@ -185,3 +185,11 @@ def secrets_of(config) -> list[str]:
 
     walk(config)
     return found
+
+
+def scrubbed(value, secrets: list[str]):
+    """``value`` with every secret string in it replaced by REDACTED (non-strings unchanged)."""
+    if isinstance(value, str):
+        for secret in filter(None, secrets):
+            value = value.replace(secret, REDACTED)
+    return value

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..config import REDACTED, setting
+from ..config import scrubbed, setting
 
 DEFAULT_OFFLINE_DIRECTORY = "./comet_offline"
 _NO_HOOKS = "COMET_DISABLE_AUTO_LOGGING"
@@ -80,12 +80,6 @@ def import_comet_ml():
     return comet_ml
 
 
-
-def scrubbed(value, secrets: list[str]):
-    if isinstance(value, str):
-        for secret in filter(None, secrets):
-            value = value.replace(secret, REDACTED)
-    return value
 
 
 class CometBackend:

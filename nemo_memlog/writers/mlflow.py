@@ -22,7 +22,7 @@ import re
 import time
 import zlib
 
-from ..config import REDACTED, setting
+from ..config import scrubbed, setting
 
 MAX_NAME = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 MAX_PARAM_VALUE = 6000  # MAX_PARAM_VAL_LENGTH
@@ -65,20 +65,14 @@ def open_backend(logger, params: dict, secrets: list[str]) -> "MlflowBackend":
             experiment_id = client.create_experiment(name)
         except MlflowException:  # another process created it first
             experiment_id = client.get_experiment_by_name(name).experiment_id
-    tags = {mlflow_name(str(k)): scrubbed(v, secrets) for k, v in (setting(logger, "mlflow_tags") or {}).items()}
+    tags = {mlflow_name(str(k)): scrubbed(str(v), secrets) for k, v in (setting(logger, "mlflow_tags") or {}).items()}
     run = client.create_run(experiment_id, run_name=setting(logger, "mlflow_run_name"), tags=tags)
     run_id = run.info.run_id
-    values = [Param(mlflow_name(k), scrubbed(v, secrets)[:MAX_PARAM_VALUE]) for k, v in params.items()]
+    values = [Param(mlflow_name(k), scrubbed(str(v), secrets)[:MAX_PARAM_VALUE]) for k, v in params.items()]
     for start in range(0, len(values), PARAMS_PER_BATCH):
         client.log_batch(run_id, params=values[start:start + PARAMS_PER_BATCH], synchronous=True)
     return MlflowBackend(client, run_id)
 
-
-def scrubbed(value, secrets: list[str]) -> str:
-    text = str(value)
-    for secret in filter(None, secrets):
-        text = text.replace(secret, REDACTED)
-    return text
 
 
 class MlflowBackend:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from ..config import REDACTED, setting
+from ..config import scrubbed, setting
 
 
 def enabled(logger) -> bool:
@@ -31,9 +31,7 @@ def open_backend(logger, params: dict, secrets: list[str]) -> "TensorBoardBacken
 
 def config_text(params: dict, secrets: list[str]) -> str:
     """``params`` as indented JSON (a markdown code block), with every secret scrubbed."""
-    text = json.dumps(params, indent=2, sort_keys=True, default=str)
-    for secret in filter(None, secrets):
-        text = text.replace(secret, REDACTED)
+    text = scrubbed(json.dumps(params, indent=2, sort_keys=True, default=str), secrets)
     # Four leading spaces make TensorBoard's markdown render it verbatim.
     return "\n".join("    " + line for line in text.splitlines())
 

@@ -17,7 +17,7 @@ arguments), the code, git state and installed packages.
 
 from __future__ import annotations
 
-from ..config import REDACTED, setting
+from ..config import scrubbed, setting
 
 RUN_SETTINGS = dict(
     # The metadata record holds sys.argv (verified: the secret reached the .wandb file
@@ -54,12 +54,6 @@ def open_backend(logger, params: dict, secrets: list[str]) -> "WandbBackend":
     )
     return WandbBackend(run)
 
-
-def scrubbed(value, secrets: list[str]):
-    if isinstance(value, str):
-        for secret in filter(None, secrets):
-            value = value.replace(secret, REDACTED)
-    return value
 
 
 class WandbBackend:
