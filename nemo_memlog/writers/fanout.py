@@ -62,11 +62,11 @@ class Sink:
     def drain(self, deadline: float) -> bool:
         """Wait until every buffered step is written, or the deadline. True if drained."""
         with self._cond:
-            self._cond.notify_all()  # cut a retry backoff short
             while self._buffer or self._busy:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
+                self._cond.notify_all()  # a flush cuts the retry backoff short
                 self._cond.wait(min(left, 0.05))
             return True
 

@@ -1,0 +1,146 @@
+"""Writer isolation with real failures: a broken backend never reaches training or the others,
+warns once per kind, and a backend that comes back gets every buffered step."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import warnings
+
+from nemo_memlog import LoggerConfig, build_writers
+from tests.cluster import free_port
+
+
+def _messages(caught, backend):
+    return [str(w.message) for w in caught if f"nemo_memlog: {backend} backend" in str(w.message)]
+
+
+def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch):
+    # W&B online with no API key: wandb.init raises for real (no network needed to fail).
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    db = tmp_path / "mlflow.db"
+    cfg = LoggerConfig(
+        log_memory_to_tensorboard=True,
+        tensorboard_dir=str(blocker / "tb"),  # cannot be created: its parent is a file
+        wandb_project="p", wandb_save_dir=str(tmp_path),
+        mlflow_experiment="isolation", mlflow_run_name="r", mlflow_tracking_uri=f"sqlite:///{db}",
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fanout = build_writers(cfg)
+        started = time.perf_counter()
+        for step in range(1, 6):
+            fanout.log({"memory/peak_host_rss_gb": 1.0 + step, "loss": 0.5}, step)  # never raises
+        handoff = time.perf_counter() - started
+        deadline = time.monotonic() + 120  # MLflow's first open is slow on a loaded 2-core box
+        while fanout.stats()["mlflow"]["written"] < 5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert fanout.flush(timeout_s=2) is False  # two backends could not drain
+        stats = fanout.stats()
+        fanout.close(timeout_s=2)
+    assert handoff < 1.0, "the training thread must not wait on a failing backend"
+    assert stats["mlflow"]["written"] == 5 and stats["mlflow"]["pending"] == 0, (stats, [str(w.message) for w in caught])
+    for broken in ("tensorboard", "wandb"):
+        assert stats[broken]["written"] == 0 and stats[broken]["pending"] == 5
+        failures = [m for m in _messages(caught, broken) if "open failed" in m]
+        assert len(failures) == 1, f"{broken}: warn once per kind of failure, got {failures}"
+    assert any("tensorboard lost 5 logged steps" in str(w.message) for w in caught)
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{db}")
+    (run,) = client.search_runs([client.get_experiment_by_name("isolation").experiment_id])
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "memory/peak_host_rss_gb")]
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+
+
+def test_full_buffer_drops_oldest_and_counts(tmp_path):
+    blocker = tmp_path / "f"
+    blocker.write_text("x")
+    cfg = LoggerConfig(tensorboard_dir=str(blocker / "tb"), writer_buffer_steps=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fanout = build_writers(cfg)
+        for step in range(10):
+            fanout.log({"x": step}, step)
+        stats = fanout.stats()["tensorboard"]
+        fanout.close(timeout_s=1)
+    assert stats["pending"] == 3 and stats["dropped"] == 7
+    assert len([m for m in _messages(caught, "tensorboard") if "buffer of 3 steps is full" in m]) == 1
+
+
+class MlflowServer:
+    """A real `mlflow server` on 127.0.0.1, in its own process group so it can be killed whole."""
+
+    def __init__(self, db, port):
+        self.db, self.port = db, port
+        self.proc = None
+
+    def start(self, timeout=240):  # a 2-core box under load needs over a minute
+        mlflow = os.path.join(os.path.dirname(sys.executable), "mlflow")
+        self.proc = subprocess.Popen(
+            [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.db}", "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1)
+                return
+            except OSError:
+                time.sleep(0.5)
+        self.stop()
+        raise TimeoutError("mlflow server did not come up")
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def test_mlflow_server_killed_and_restarted_loses_nothing(tmp_path, monkeypatch):
+    # Fail fast per attempt: our sink does the retrying, with backoff, from its buffer.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+    server = MlflowServer(tmp_path / "server.db", free_port())
+    uri = f"http://127.0.0.1:{server.port}"
+    cfg = LoggerConfig(mlflow_experiment="outage", mlflow_run_name="r", mlflow_tracking_uri=uri)
+    server.start()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fanout = build_writers(cfg)
+            for step in (1, 2, 3):
+                fanout.log({"memory/peak_reserved_gb": float(step), "memory/alloc_retries": step}, step)
+            assert fanout.flush(timeout_s=60)
+            server.stop()  # the tracking server dies mid-run
+            for step in (4, 5, 6):
+                fanout.log({"memory/peak_reserved_gb": float(step), "memory/alloc_retries": step}, step)
+            assert fanout.flush(timeout_s=3) is False  # nowhere to write: steps stay buffered
+            outage = fanout.stats()["mlflow"]
+            server.start()  # ... and comes back
+            assert fanout.flush(timeout_s=90), fanout.stats()
+            final = fanout.stats()["mlflow"]
+            fanout.close()
+        assert outage["pending"] == 3 and outage["failures"] >= 1
+        assert final == {**final, "written": 6, "pending": 0, "dropped": 0}
+        failing = [m for m in _messages(caught, "mlflow") if "log failed" in m]
+        assert 1 <= len(failing) <= 2, f"one warning per kind of failure, not per attempt: {failing}"
+        assert any("mlflow is writing again" in str(w.message) for w in caught)
+
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(uri)
+        (run,) = client.search_runs([client.get_experiment_by_name("outage").experiment_id])
+        history = client.get_metric_history(run.info.run_id, "memory/peak_reserved_gb")
+        assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 7)]
+    finally:
+        server.stop()
