@@ -176,3 +176,20 @@ def test_a_rank_that_skips_a_logging_call_times_out_cleanly():
     assert isinstance(failure, RankFailure) and failure.type_name == "MemoryReduceError"
     assert "iteration 7" in failure.message and "[0, 1]" in failure.message
     assert "memory_reduce_timeout_s=2" in failure.message
+
+
+def test_caller_metrics_bad_input_is_named_and_numbers_are_kept():
+    import torch
+
+    cfg = LoggerConfig(log_memory_to_tensorboard=True)
+    metrics = {"loss": float("nan"), "grad_norm": float("inf"), "skipped": True, "tokens": 2**60 + 1,
+               "lr": torch.tensor(0.5), "note": "warmup", "nothing": None, "vec": torch.ones(3)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        logged = training_log(1, cfg, metrics=metrics)
+    assert logged["loss"] != logged["loss"] and logged["grad_norm"] == float("inf")  # NaN/inf kept
+    assert logged["skipped"] == 1.0 and logged["tokens"] == 2**60 + 1 and logged["lr"] == 0.5
+    assert not {"note", "nothing", "vec"} & logged.keys()
+    text = " | ".join(str(w.message) for w in caught)
+    for name in ("'note'", "'nothing'", "'vec'", "'skipped'"):
+        assert name in text, f"{name} must be named in a warning"

@@ -1,0 +1,35 @@
+"""LoggerConfig: Megatron-Bridge field names, dotted overrides, clear errors, redaction."""
+
+import pytest
+
+from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, from_overrides, secrets_of
+
+
+def test_dotted_overrides_as_recipes_pass_them():
+    cfg = from_overrides(["logger.log_memory_to_tensorboard=true", "logger.tensorboard_log_interval=10",
+                          "train.iters=5", "logger.mlflow_tags={team: llm}", "logger.memory_reduce_scope=world"])
+    assert cfg.log_memory_to_tensorboard is True and cfg.tensorboard_log_interval == 10
+    assert cfg.mlflow_tags == {"team": "llm"} and cfg.memory_reduce_scope == "world"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("logger.tensorboard_log_interval=0", "tensorboard_log_interval must be an int >= 1"),
+    ("logger.tensorboard_log_interval=-3", "tensorboard_log_interval must be an int >= 1"),
+    ("logger.mlflow_experiment=x", "mlflow_run_name is not: set both"),
+    ("logger.memory_reduce_scope=node", "must be 'pp' or 'world'"),
+    ("logger.memory_reduce_timeout_s=0", "positive number of seconds"),
+    ("logger.writer_buffer_steps=0", "writer_buffer_steps must be an int >= 1"),
+    ("logger.no_such_field=1", "Known logger fields"),
+])
+def test_bad_settings_name_the_field(override, message):
+    with pytest.raises(ValueError, match=message):
+        from_overrides([override])
+
+
+def test_secrets_are_redacted_everywhere_a_config_is_shown():
+    cfg = LoggerConfig(comet_api_key="TOP-SECRET", mlflow_tags={"auth_token": "TOKEN-2", "team": "llm"})
+    assert "TOP-SECRET" not in repr(cfg)
+    params = flat_params(cfg)
+    assert params["comet_api_key"] == REDACTED and params["mlflow_tags.auth_token"] == REDACTED
+    assert params["mlflow_tags.team"] == "llm"
+    assert sorted(secrets_of(cfg)) == ["TOKEN-2", "TOP-SECRET"]
