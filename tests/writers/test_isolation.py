@@ -9,6 +9,8 @@ import time
 import urllib.request
 import warnings
 
+import pytest
+
 from nemo_memlog import LoggerConfig, build_writers
 from tests.cluster import free_port
 
@@ -17,7 +19,17 @@ def _messages(caught, backend):
     return [str(w.message) for w in caught if f"nemo_memlog: {backend} backend" in str(w.message)]
 
 
-def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch):
+@pytest.fixture
+def fresh_wandb():
+    """wandb caches its mode process-wide at first use: start and leave with a clean slate."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wandb):
     # W&B online with no API key: wandb.init raises for real (no network needed to fail).
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
