@@ -15,15 +15,7 @@ import pytest
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import comet
 
-SECRET = "SECRET-TOKEN-123"
-STEPS = {
-    10: {"memory/peak_allocated_gb": 3.5, "memory/alloc_retries": 7, "loss": 2.25,
-         "memory/pp_stage_0/peak_host_rss_gb": 1.5, "memory/weird key*(1)": 0.5,
-         "memory/nan_gb": math.nan, "memory/inf_gb": math.inf, "memory/neg_inf_gb": -math.inf},
-    20: {"memory/peak_allocated_gb": 4.0, "memory/alloc_retries": 8, "loss": 2.0,
-         "memory/pp_stage_0/peak_host_rss_gb": 1.75, "memory/weird key*(1)": 0.25,
-         "memory/nan_gb": math.nan, "memory/inf_gb": math.inf, "memory/neg_inf_gb": -math.inf},
-}
+from tests.writers.sample import SECRET, STEPS, write_steps
 
 
 @pytest.fixture(scope="module")
@@ -41,11 +33,7 @@ def run(tmp_path_factory):
         backend = comet.open_backend(cfg, flat_params(cfg), secrets_of(cfg))
         hooks_off = "COMET_DISABLE_AUTO_LOGGING" not in os.environ and (
             imported_before or not hasattr(sys.modules["comet_ml"], "MODULE_FINDER"))
-        for step, metrics in STEPS.items():
-            before = repr(metrics)
-            backend.log(metrics, step)
-            assert repr(metrics) == before  # log never mutates
-        backend.flush()
+        write_steps(backend)
         backend.close()
         # No API key and no directory: offline, into the default directory.
         env.delenv("COMET_API_KEY")
