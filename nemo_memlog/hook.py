@@ -124,8 +124,10 @@ def _coordinate_keys(pp_group, pg_collection) -> dict:
 
 
 def _warn_low_headroom(unified: dict, fraction: float) -> None:
+    # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
+    # least can flip from step to step, and a warning per flip would be noise.
     for kind, stage, sentence in attribution.low_headroom(unified, fraction):
-        _warn_once(("headroom", kind, stage), sentence)
+        _warn_once(("headroom", kind), sentence)
 
 
 def _warn_once(key, text: str) -> None:

@@ -193,3 +193,16 @@ def test_caller_metrics_bad_input_is_named_and_numbers_are_kept():
     text = " | ".join(str(w.message) for w in caught)
     for name in ("'note'", "'nothing'", "'vec'", "'skipped'"):
         assert name in text, f"{name} must be named in a warning"
+
+
+def test_low_headroom_warning_names_the_stage_on_the_writer_rank_only(pp4):
+    # Asking for 99.9% free makes any real machine "low": the warning path runs for real.
+    results = pp4.run_ok(log_iterations, [1, 2], memory_headroom_warn_fraction=0.999)
+    for (rank, _, _), steps, messages in results:
+        stage = steps[0][1]["memory/host_headroom_stage"]  # where it was lowest when first warned
+        warned = [m for m in messages if "close to the OOM killer" in m]
+        if rank == 3:
+            assert len(warned) == 1, "once, not every step"
+            assert f"pipeline stage {stage}'s node" in warned[0]
+        else:
+            assert warned == []
