@@ -9,8 +9,9 @@ One rank's report travels as ``HEADER + masks + values`` 64-bit words::
 
 Ints therefore travel exactly (the full int64 range) and floats bit for bit, and the
 receiving side needs no names: the fingerprint says whether every rank sent the same
-keys in the same order. Packing is one ``struct.pack`` call, so the per-call Python
-cost stays in microseconds.
+keys in the same order. Packing and unpacking are one precompiled ``struct.Struct`` call
+per rank (cached per layout and per int/float pattern), written straight into the
+collective's buffer, so the per-call Python cost stays in microseconds.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -36,7 +38,8 @@ def layout_of(keys: tuple[str, ...]) -> "Layout":
     """The packing layout of a key tuple (cached: computed once per key set)."""
     mask_words = max(1, -(-len(keys) // MASK_BITS))
     fingerprint = zlib.crc32("\x1f".join(keys).encode()) | (len(keys) << 32)
-    return Layout(keys, fingerprint, mask_words, HEADER_WORDS + 2 * mask_words + len(keys))
+    head = struct.Struct("<" + "q" * (HEADER_WORDS + 2 * mask_words))
+    return Layout(keys, fingerprint, mask_words, HEADER_WORDS + 2 * mask_words + len(keys), head)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,13 @@ class Layout:
     fingerprint: int
     mask_words: int
     words: int  # int64 words one rank sends
+    head: struct.Struct  # header + masks
+
+
+@lru_cache(maxsize=256)
+def _values_struct(count: int, int_words: int) -> struct.Struct:
+    """The Struct of ``count`` value words; bit i of ``int_words`` set: slot i is an int64."""
+    return struct.Struct("<" + "".join("q" if int_words >> slot & 1 else "d" for slot in range(count)))
 
 
 def pack(layout: Layout, report: dict, iteration: int | None, warn_key) -> bytes:
@@ -54,30 +64,38 @@ def pack(layout: Layout, report: dict, iteration: int | None, warn_key) -> bytes
     ``warn_key(key, why)`` is called so the caller can warn once: the rank still
     takes part in the collective.
     """
-    n = len(layout.keys)
-    kinds = []
+    buffer = bytearray(layout.words * 8)
+    pack_into(buffer, layout, report, iteration, warn_key)
+    return bytes(buffer)
+
+
+def pack_into(buffer, layout: Layout, report: dict, iteration: int | None, warn_key) -> None:
+    """``pack``, written into the first ``layout.words`` int64 words of a writable ``buffer``."""
     values = []
     int_mask = 0
     missing_mask = 0
-    for slot, key in enumerate(layout.keys):
+    bit = 1
+    for key in layout.keys:
         value, kind, problem = scalar(report[key])
         if problem is not None:
             warn_key(key, problem)
         if kind == "q":
-            int_mask |= 1 << slot
+            int_mask |= bit
         elif kind is None:
-            missing_mask |= 1 << slot
-            value, kind = 0, "q"
-        kinds.append(kind)
+            missing_mask |= bit
+            value = 0
         values.append(value)
-    masks = _split_mask(int_mask, layout.mask_words) + _split_mask(missing_mask, layout.mask_words)
-    header = (n, layout.fingerprint, NOT_CHECKED if iteration is None else int(iteration))
-    fmt = "<" + "q" * (HEADER_WORDS + 2 * layout.mask_words) + "".join(kinds)
-    return struct.pack(fmt, *header, *masks, *values)
+        bit <<= 1
+    words = layout.mask_words
+    header = (len(layout.keys), layout.fingerprint, NOT_CHECKED if iteration is None else int(iteration))
+    if words == 1:
+        layout.head.pack_into(buffer, 0, *header, int_mask, missing_mask)
+    else:
+        layout.head.pack_into(buffer, 0, *header, *_split_mask(int_mask, words), *_split_mask(missing_mask, words))
+    _values_struct(len(values), int_mask | missing_mask).pack_into(buffer, layout.head.size, *values)
 
 
-@dataclass(frozen=True)
-class RankReport:
+class RankReport(NamedTuple):
     """What one rank sent: its header, and its values (None where missing)."""
 
     key_count: int
@@ -86,25 +104,53 @@ class RankReport:
     values: list
 
 
-def unpack(layout: Layout, buffer: bytes, ranks: int) -> list[RankReport]:
-    """Decode ``ranks`` consecutive reports of ``layout`` from ``buffer``."""
-    stride = layout.words * 8
-    masks_fmt = "<" + "q" * (HEADER_WORDS + 2 * layout.mask_words)
+def unpack(layout: Layout, buffer, ranks: int) -> list[RankReport]:
+    """Decode ``ranks`` consecutive reports of ``layout`` from ``buffer`` (any bytes-like object)."""
+    count = len(layout.keys)
+    fields = HEADER_WORDS + 2 * layout.mask_words
+    heads = _heads_struct(fields, count, ranks).unpack_from(buffer)  # every rank's header + masks
+    masks = [_masks(heads[start + HEADER_WORDS : start + fields], layout.mask_words)
+             for start in range(0, ranks * fields, fields)]
+    if masks.count(masks[0]) == ranks:  # the usual case: one int/float/missing pattern on every rank
+        int_mask, missing_mask = masks[0]
+        flat = _all_values_struct(fields, count, ranks, int_mask | missing_mask).unpack_from(buffer)
+        rows = [list(flat[start : start + count]) for start in range(0, ranks * count, count)]
+    else:
+        stride = layout.words * 8
+        rows = [list(_values_struct(count, int_mask | missing_mask).unpack_from(buffer, rank * stride + fields * 8))
+                for rank, (int_mask, missing_mask) in enumerate(masks)]
     reports = []
-    for rank in range(ranks):
-        offset = rank * stride
-        head = struct.unpack_from(masks_fmt, buffer, offset)
-        words = layout.mask_words
-        int_mask = _join_mask(head[HEADER_WORDS : HEADER_WORDS + words])
-        missing_mask = _join_mask(head[HEADER_WORDS + words :])
-        fmt = "<" + "".join("q" if int_mask >> slot & 1 or missing_mask >> slot & 1 else "d" for slot in range(len(layout.keys)))
-        values = list(struct.unpack_from(fmt, buffer, offset + struct.calcsize(masks_fmt)))
-        if missing_mask:
-            for slot in range(len(values)):
-                if missing_mask >> slot & 1:
-                    values[slot] = None
-        reports.append(RankReport(head[0], head[1], head[2], values))
+    for rank, values in enumerate(rows):
+        for slot in _set_bits(masks[rank][1]):
+            values[slot] = None  # missing on this rank
+        start = rank * fields
+        reports.append(RankReport(heads[start], heads[start + 1], heads[start + 2], values))
     return reports
+
+
+@lru_cache(maxsize=256)
+def _set_bits(mask: int) -> tuple[int, ...]:
+    return tuple(slot for slot in range(mask.bit_length()) if mask >> slot & 1)
+
+
+def _masks(words: tuple, mask_words: int) -> tuple[int, int]:
+    """(int mask, missing mask) from a rank's mask words."""
+    if mask_words == 1:
+        return words[0], words[1]
+    return _join_mask(words[:mask_words]), _join_mask(words[mask_words:])
+
+
+@lru_cache(maxsize=64)
+def _heads_struct(fields: int, count: int, ranks: int) -> struct.Struct:
+    """Reads every rank's header and masks, skipping the values."""
+    return struct.Struct("<" + f"{fields}q{8 * count}x" * ranks)
+
+
+@lru_cache(maxsize=64)
+def _all_values_struct(fields: int, count: int, ranks: int, int_words: int) -> struct.Struct:
+    """Reads every rank's values, skipping the headers, when every rank has one pattern."""
+    values = _values_struct(count, int_words).format[1:]
+    return struct.Struct("<" + f"{8 * fields}x{values}" * ranks)
 
 
 def scalar(value):

@@ -1,8 +1,8 @@
 """The one place that talks to other ranks: gather every stage's memory report.
 
-Steady state is ONE ``all_gather_into_tensor`` per call, of a few int64 words per rank
-(see payload.py). From the gathered reports every rank derives the same things:
-the per-key maximum, which rank holds it, and each rank's own values. The same
+Steady state is ONE collective per call (``EXCHANGE``: an all-gather by default), of a
+few int64 words per rank (see payload.py). From the gathered reports every rank derives
+the same things: the per-key maximum, which rank holds it, and each rank's own values. The same
 collective carries each rank's iteration and key-set fingerprint, so ranks that
 disagree raise the same clear error together instead of mixing values up.
 
@@ -14,6 +14,7 @@ different lengths, returns wrong values without an error.
 from __future__ import annotations
 
 import datetime
+import functools
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -23,6 +24,14 @@ import torch
 import torch.distributed as dist
 
 from . import payload
+
+#: The steady-state collective; set it alike on every rank. "all_gather" (the default):
+#: all_gather_single of each rank's words. "all_to_all": all_to_all_single of each rank's
+#: words repeated once per rank, which delivers the same gathered words. gloo runs the
+#: all-gather as a ring of N-1 dependent steps and the all-to-all as direct sends: on a
+#: 2-core CPU box the reduction alone took a third to a half less time at PP 4-8
+#: (BENCHMARKS.md). Not the default until it is measured on NCCL.
+EXCHANGE = "all_gather"
 
 
 class MemoryReduceError(RuntimeError):
@@ -82,10 +91,10 @@ def gather_memory(
     channel = _channel(group)
     if channel.layout is not layout:
         _agree_on_layout(channel, layout, group, iteration, timeout_s)
-    sent = payload.pack(layout, memory_report, iteration, _warn_once)
     while True:
-        reports = channel.exchange(sent, group, iteration, timeout_s)
-        if all(report.fingerprint == channel.layout.fingerprint for report in reports):
+        reports = channel.exchange(layout, memory_report, group, iteration, timeout_s)
+        fingerprint = channel.layout.fingerprint
+        if all(report.fingerprint == fingerprint for report in reports):
             break
         # Some rank's key set changed since the handshake: every rank sees that in the
         # same gathered words, so every rank re-runs the handshake together.
@@ -109,21 +118,23 @@ def _line_up(keys: tuple[str, ...], reports: list) -> GatheredMemory:
     per_rank = [report.values for report in reports]
     maximum = {}
     peak_rank = {}
-    for slot, key in enumerate(keys):
-        best = None
-        best_rank = -1
-        saw_float = False
-        for rank, values in enumerate(per_rank):
-            value = values[slot]
-            if value is None:
+    for key, column in zip(keys, zip(*per_rank)):
+        try:
+            best = max(column)  # the first of equal maxima: the lowest rank holds a tie
+        except TypeError:  # None (missing on some rank) does not compare
+            best = None
+        if best is None:
+            present = [value for value in column if value is not None]
+            if not present:
                 continue
-            if type(value) is float:
-                saw_float = True
-            if best is None or value > best:
-                best, best_rank = value, rank
-        if best is not None:
-            maximum[key] = float(best) if saw_float else best
-            peak_rank[key] = best_rank
+            best = max(present)
+            rank = next(r for r, value in enumerate(column) if value is not None and value == best)
+        else:
+            rank = column.index(best)
+        if type(best) is int and float in map(type, column):
+            best = float(best)  # one rank sent a float: the key is a float key
+        maximum[key] = best
+        peak_rank[key] = rank
     return GatheredMemory(keys, per_rank, maximum, peak_rank)
 
 
@@ -169,7 +180,7 @@ def _key_mismatch_message(key_lists: list, group) -> str:
 
 
 class _Channel:
-    """Per-group state: the agreed layout and pre-allocated buffers for the gather."""
+    """Per-group state: the agreed layout and pre-allocated buffers for the exchange."""
 
     def __init__(self, group):
         backend = str(dist.get_backend(group))
@@ -180,43 +191,52 @@ class _Channel:
 
     def adopt(self, layout, group) -> None:
         self.layout = layout
-        self.send_host = torch.zeros(layout.words, dtype=torch.int64)
-        self.recv_host = torch.zeros(layout.words * self.ranks, dtype=torch.int64)
+        # One row per rank on both sides: an all-gather sends row 0, an all-to-all sends every
+        # row (each a copy of row 0), and both receive rank r's words in row r.
+        self.send_host = torch.zeros(self.ranks * layout.words, dtype=torch.int64)
+        self.recv_host = torch.zeros(self.ranks * layout.words, dtype=torch.int64)
         on_cpu = self.device.type == "cpu"
         self.send = self.send_host if on_cpu else self.send_host.to(self.device)
         self.recv = self.recv_host if on_cpu else self.recv_host.to(self.device)
+        self.send_row = self.send[: layout.words]
         # numpy views share memory with the host tensors: filling and reading them costs
         # microseconds, where tiny torch ops cost several each.
-        self.send_words = self.send_host.numpy()
+        self.send_rows = self.send_host.numpy().reshape(self.ranks, layout.words)
+        self.send_words = self.send_rows[0]
         self.recv_words = self.recv_host.numpy()
 
-    def exchange(self, sent: bytes, group, iteration, timeout_s) -> list:
-        words = numpy.frombuffer(sent, dtype=numpy.int64)
-        if len(words) == len(self.send_words):
-            self.send_words[:] = words
+    def exchange(self, layout, memory_report, group, iteration, timeout_s) -> list:
+        if layout is self.layout:
+            payload.pack_into(self.send_words, layout, memory_report, iteration, _warn_once)
         else:
             # This rank's key set changed: its header alone tells every rank to re-agree.
+            words = numpy.frombuffer(payload.pack(layout, memory_report, iteration, _warn_once), dtype=numpy.int64)
             self.send_words[:] = 0
             self.send_words[: payload.HEADER_WORDS] = words[: payload.HEADER_WORDS]
+        to_all = EXCHANGE == "all_to_all"
+        if to_all:
+            self.send_rows[1:] = self.send_words
         if self.send is not self.send_host:
             self.send.copy_(self.send_host)
-        self._gather(self.recv, self.send, group, iteration, timeout_s)
+        if to_all:
+            self._wait(_all_to_all_single(self.recv, self.send, group), group, iteration, timeout_s)
+        else:
+            self._wait(_all_gather_single(self.recv, self.send_row, group), group, iteration, timeout_s)
         if self.recv is not self.recv_host:
             self.recv_host.copy_(self.recv)
         return payload.unpack(self.layout, self.recv_words, self.ranks)
 
     def gather_small(self, mine, group, iteration, timeout_s) -> list[int]:
         out = torch.empty(mine.numel() * self.ranks, dtype=torch.int64, device=self.device)
-        self._gather(out, mine.to(self.device), group, iteration, timeout_s)
+        self._wait(_all_gather_single(out, mine.to(self.device), group), group, iteration, timeout_s)
         return out.tolist()
 
-    def _gather(self, out, inp, group, iteration, timeout_s) -> None:
-        work = _all_gather_single(out, inp, group=group, async_op=True)
+    def _wait(self, work, group, iteration, timeout_s) -> None:
         if timeout_s is None:
             work.wait()
         elif self.device.type == "cpu":
             try:
-                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+                work.wait(timeout=_timedelta(timeout_s))
             except RuntimeError as error:
                 raise _timeout_error(group, iteration, timeout_s) from error
         else:
@@ -228,10 +248,19 @@ class _Channel:
                 time.sleep(0.0005)
 
 
-def _all_gather_single(out, inp, group, async_op):
+@functools.lru_cache(maxsize=8)
+def _timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _all_gather_single(out, inp, group):
     # torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(out, inp, group=group, async_op=async_op)
+    return gather(out, inp, group=group, async_op=True)
+
+
+def _all_to_all_single(out, inp, group):
+    return dist.all_to_all_single(out, inp, group=group, async_op=True)
 
 
 _channels: dict = {}

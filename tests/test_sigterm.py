@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.cluster import free_port
 from tests.writers.test_comet import read_archive
 from tests.writers.test_wandb import wandb_records
@@ -68,7 +70,10 @@ def _comet_steps(run):
     return steps
 
 
-def test_sigterm_mid_run_keeps_every_returned_step_in_every_backend(tmp_path):
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """The demo under torchrun, SIGTERM'd mid-run: (its run directory, iterations tqdm showed done)."""
+    tmp_path = tmp_path_factory.mktemp("preempted")
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
                "--master-port", str(free_port()), str(ROOT / "scripts" / "demo.py"),
@@ -90,14 +95,39 @@ def test_sigterm_mid_run_keeps_every_returned_step_in_every_backend(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    run = tmp_path / "preempted"
+    return tmp_path / "preempted", finished
+
+
+def test_sigterm_mid_run_keeps_every_returned_step_in_every_backend(preempted):
+    run, finished = preempted
     stored = {"tensorboard": _tensorboard_steps(run), "mlflow": _mlflow_steps(run),
               "wandb": _wandb_steps(run), "comet": _comet_steps(run)}
     for backend, steps in stored.items():
         # Every iteration tqdm showed as finished had returned from training_log (interval 1).
         missing = set(range(1, finished + 1)) - steps
         assert not missing, f"{backend} lost steps {sorted(missing)} (has {len(steps)} steps)"
-    print({b: (min(s), max(s), len(s)) for b, s in stored.items()}, "finished", finished)
+
+
+def test_report_on_the_real_run_directory(preempted, capsys):
+    """The report command on what a real multi-process run wrote (a copy off a cluster would do)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nemo_memlog.cli import main
+    from tests.test_report import png_size
+
+    run, _ = preempted
+    (events,) = (run / "tensorboard").rglob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    last = {tag: accumulator.Scalars(tag)[-1].value for tag in accumulator.Tags()["scalars"]}
+    per_stage = [last[f"memory/pp_stage_{i}/peak_host_rss_gb"] for i in range(4)]
+    assert last["memory/peak_stage/peak_host_rss_gb"] == per_stage.index(max(per_stage))
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if line.startswith("peak_host_rss_gb")]
+    assert f"{max(per_stage):.2f}" in row and "pipeline stages: 4" in out
+    (width, height), size = png_size(run / "memory_report.png")
+    assert width >= 400 and height >= 300 and size > 10_000
 
 
 def _read_into(stream, lines):

@@ -1,0 +1,710 @@
+"""What nemo_memlog costs per logged step, against the reductions the field uses. ``make bench``.
+
+    python scripts/bench_overhead.py             # PP 2, 4, 8 on gloo, then the non-logging and writer parts
+    python scripts/bench_overhead.py --smoke     # PP 2, few iterations, TensorBoard only (tests/test_bench_smoke.py)
+    python scripts/bench_overhead.py --pp 2 4 --iters 300 --json out.json
+
+Part 1, per PP size: the script forks that many processes, joins them in a gloo group and
+lets megatron-core's parallel_state build the PP group (world == PP group). Every rank runs
+the same sequence: per repetition each variant once, each after a barrier, the first
+variant rotating, so that drift and the shared machine's noise hit every variant alike.
+
+    ours      (a) training_log(iteration, cfg) on a logging iteration: report_memory() +
+              capacity_report() (/proc reads), gather_memory (pack, ONE collective, unpack,
+              line up), attribution, and on the writer rank the hand-off to a FanOut of four
+              Sinks (real buffers and threads; backends that write nothing: the real backends
+              are part 3)
+    reduce    gather_memory(report, group) alone: the reduction part of ``ours``
+    bridge    (b) Megatron-Bridge's reduce_max_memory_across_pp_group: float64 all_reduce MAX
+    composer  (c) Composer's MemoryMonitor: an all_reduce per metric for each of avg, min, max
+    floor     (d) one all_reduce of a 1-element tensor
+    ours_a2a, reduce_a2a   the same as ours and reduce with reduce.EXCHANGE = "all_to_all"
+
+``reduce``, ``bridge`` and ``composer`` start from the same ready report; only ``ours`` reads
+memory. Without CUDA every allocator statistic would be missing, so the report is built from
+a fixed, GPU-like ``torch.cuda.memory_stats()`` (different per stage); host memory is real.
+Every worker runs with torch.set_num_threads(1) and OMP_NUM_THREADS=1. Besides wall time,
+each call's CPU time (the whole process, gloo's threads included) is recorded. A second,
+shorter interleaved loop times the pieces of ``ours`` one by one, each after a barrier as in
+a real logging step ("cold"); the writer rank then times them in tight loops ("hot").
+
+Part 2 (on the first PP size's writer rank): training_log off the logging iterations, time
+per call and collectives issued (a pass-through spy on torch.distributed).
+Part 3 (this process): the writer rank's FanOut.log with real backends (all four, in a temp
+dir: TensorBoard, an MLflow SQLite store, W&B with WANDB_MODE=offline, a Comet offline
+archive), against calling the same backends (each opened with its module's open_backend)
+synchronously, step by step in turn; the hand-off alone through null sinks (four, one, and
+four behind one dispatcher thread); and how much longer Python work on the training thread
+takes while the backends write in their threads (they share the GIL).
+
+The tables show for each variant the largest median (and p90) over the ranks, and ratios of
+those medians. Nothing here asserts a timing: on a shared machine only ratios taken in one
+interleaved run mean something.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+VARIANTS = ("ours", "reduce", "bridge", "composer", "floor", "ours_a2a", "reduce_a2a")
+PIECES = ("report_memory", "capacity_report", "pack", "all_gather", "all_to_all", "unpack", "line_up",
+          "attribution", "hand_off")
+DEFAULT_ITERS = {2: 400, 4: 300, 8: 200}
+BACKENDS = ("comet", "mlflow", "tensorboard", "wandb")
+COLLECTIVES = (
+    "all_gather_single", "all_gather_into_tensor", "all_gather", "all_gather_object", "all_reduce",
+    "broadcast", "broadcast_object_list", "barrier", "reduce_scatter_tensor", "gather", "scatter",
+    "reduce", "all_to_all_single", "send", "recv", "isend", "irecv",
+)
+NON_LOGGING_INTERVAL = 100
+GB = 1e9
+
+
+# --------------------------------------------------------------------------------------------
+# The anchors, as their projects write them (the device aside: gloo needs CPU tensors).
+
+
+def bridge_reduce_max(memory_report: dict, pp_group) -> dict:
+    """Megatron-Bridge PR 3645's reduce_max_memory_across_pp_group (device="cpu" for gloo)."""
+    if not memory_report:
+        return memory_report
+    if not dist.is_available() or not dist.is_initialized():
+        return memory_report
+    pp_size_attr = getattr(pp_group, "size", None)
+    if not callable(pp_size_attr) or pp_size_attr() <= 1:
+        return memory_report
+    keys = list(memory_report.keys())
+    values = torch.tensor([memory_report[k] for k in keys], dtype=torch.float64, device="cpu")
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=pp_group)
+    reduced = {}
+    for key, max_val in zip(keys, values.tolist()):
+        original = memory_report[key]
+        if not isinstance(original, bool) and isinstance(original, int):
+            reduced[key] = int(max_val)
+        else:
+            reduced[key] = max_val
+    return reduced
+
+
+def composer_reduce_value(value, group, reduce_op: str = "mean"):
+    """Composer's MemoryMonitor reduce_value: a new tensor and one all_reduce per call."""
+    tensor_value = torch.tensor(value, device="cpu")
+    if reduce_op in ["mean", "avg", "sum"]:
+        op = dist.ReduceOp.SUM
+    elif reduce_op == "min":
+        op = dist.ReduceOp.MIN
+    elif reduce_op == "max":
+        op = dist.ReduceOp.MAX
+    else:
+        raise ValueError(f"{reduce_op=} not supported.")
+    dist.all_reduce(tensor_value, op=op, group=group)
+    if reduce_op in ["mean", "avg"]:
+        tensor_value = tensor_value / dist.get_world_size(group)
+    return tensor_value.item()
+
+
+def composer_reduce(memory_report: dict, group) -> dict:
+    """Composer's dist_aggregate_batch_interval block: avg, min and max of every metric."""
+    dist_memory_report = {}
+    for mem_stat, val in memory_report.items():
+        dist_memory_report[mem_stat + "_avg"] = composer_reduce_value(val, group, "avg")
+        dist_memory_report[mem_stat + "_min"] = composer_reduce_value(val, group, "min")
+        dist_memory_report[mem_stat + "_max"] = composer_reduce_value(val, group, "max")
+    return dist_memory_report
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers.
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count torch.distributed collectives while they still run (a pass-through spy)."""
+    calls: list[str] = []
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
+
+    def spy(name, original):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    for name, original in originals.items():
+        setattr(dist, name, spy(name, original))
+    try:
+        yield calls
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
+@contextlib.contextmanager
+def exchange(mode: str):
+    from nemo_memlog import reduce
+
+    previous, reduce.EXCHANGE = reduce.EXCHANGE, mode
+    try:
+        yield
+    finally:
+        reduce.EXCHANGE = previous
+
+
+def synthetic_cuda_stats(stage: int) -> dict:
+    """A GPU-like torch.cuda.memory_stats() for the default memory_keys (stage 0 holds the most)."""
+    base = int((60 - 4 * stage) * GB)
+    stats = {}
+    for kind, share in (("allocated", 0.8), ("reserved", 1.0), ("active", 0.82), ("inactive_split", 0.05)):
+        stats[f"{kind}_bytes.all.peak"] = int(base * share)
+        stats[f"{kind}_bytes.all.current"] = int(base * share * 0.7)
+    stats.update({"num_alloc_retries": stage, "num_ooms": 0, "allocation.all.allocated": 123456 + stage})
+    return stats
+
+
+def summary(samples_ns: list[int]) -> dict:
+    ordered = sorted(samples_ns)
+    p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return {"median_us": statistics.median(ordered) / 1e3, "p90_us": p90 / 1e3, "n": len(ordered)}
+
+
+def interleaved(variants: dict, repetitions: int, warmup: int, group) -> tuple[dict, dict]:
+    """Per-call wall and CPU times (ns): each repetition runs every variant once, each after
+    a barrier. CPU time is this process's, all threads (gloo's included)."""
+    names = list(variants)
+    wall = {name: [] for name in names}
+    cpu = {name: [] for name in names}
+    for rep in range(warmup + repetitions):
+        shift = rep % len(names)  # no variant always runs first after the previous one
+        for name in names[shift:] + names[:shift]:
+            dist.barrier(group=group)
+            cpu_start = time.process_time_ns()
+            start = time.perf_counter_ns()
+            variants[name](rep + 1)
+            elapsed = time.perf_counter_ns() - start
+            cpu_used = time.process_time_ns() - cpu_start
+            if rep >= warmup:
+                wall[name].append(elapsed)
+                cpu[name].append(cpu_used)
+    return wall, cpu
+
+
+class NullBackend:
+    """A backend that writes nothing: in part 1 the hand-off itself is what is timed."""
+
+    def log(self, metrics, step):
+        pass
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+class DispatchingFanOut:
+    """A sketch for fanout.py: the training thread wakes ONE dispatcher thread per step, which
+    hands the step to every sink (waking them off the training thread)."""
+
+    def __init__(self, fanout):
+        import collections
+        import threading
+
+        self.fanout = fanout
+        self.pending = collections.deque()
+        self.ready = threading.Condition()
+        self.closing = False
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def log(self, metrics, step):
+        with self.ready:
+            self.pending.append((metrics, step))
+            self.ready.notify()
+
+    def _run(self):
+        while True:
+            with self.ready:
+                while not self.pending and not self.closing:
+                    self.ready.wait()
+                if not self.pending:
+                    return
+                metrics, step = self.pending.popleft()
+            self.fanout.log(metrics, step)
+
+    def close(self, timeout_s):
+        with self.ready:
+            self.closing = True
+            self.ready.notify()
+        self.thread.join(timeout_s)
+        self.fanout.close(timeout_s)
+
+
+def null_fanout():
+    from nemo_memlog.writers.fanout import FanOut, Sink
+
+    return FanOut([Sink(name, NullBackend, 10000, []) for name in BACKENDS])
+
+
+# --------------------------------------------------------------------------------------------
+# Part 1 (and 2): one PP group.
+
+
+def worker(rank: int, world: int, port: int, plan: dict, results) -> None:
+    try:
+        results.put((rank, run_rank(rank, world, port, plan)))
+    except BaseException as error:  # report it instead of leaving the parent waiting
+        import traceback
+
+        results.put((rank, {"error": f"{type(error).__name__}: {error}\n{traceback.format_exc()}"}))
+
+
+def run_rank(rank: int, world: int, port: int, plan: dict) -> dict:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from megatron.core import parallel_state
+
+    from nemo_memlog import memory
+    from nemo_memlog.config import LoggerConfig
+    from nemo_memlog.hook import training_log
+    from nemo_memlog.reduce import gather_memory
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    stats = synthetic_cuda_stats(stage)
+    memory._cuda_stats = lambda: stats  # a GPU-like report on a CPU-only machine
+
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1)
+    timeout_s = cfg.memory_reduce_timeout_s
+    fanout = null_fanout()
+    report = memory.report_memory()
+    report.update(memory.capacity_report())
+    one = torch.zeros(1)
+    last = {}
+
+    def ours(iteration):
+        last["unified"] = training_log(iteration, cfg, pp_group=group, writers=fanout)
+
+    def ours_a2a(iteration):
+        with exchange("all_to_all"):
+            ours(iteration)
+
+    def reduce_a2a(iteration):
+        with exchange("all_to_all"):
+            gather_memory(report, group, iteration=iteration, timeout_s=timeout_s)
+
+    variants = {
+        "ours": ours,
+        "reduce": lambda it: gather_memory(report, group, iteration=it, timeout_s=timeout_s),
+        "bridge": lambda it: bridge_reduce_max(report, group),
+        "composer": lambda it: composer_reduce(report, group),
+        "floor": lambda it: dist.all_reduce(one, group=group),
+        "ours_a2a": ours_a2a,
+        "reduce_a2a": reduce_a2a,
+    }
+    out = {"rank": rank, "stage": stage}
+    out["samples"], out["cpu"] = interleaved(variants, plan["iters"], plan["warmup"], group)
+    iteration = plan["warmup"] + plan["iters"] + 1
+    with count_collectives() as calls:
+        ours(iteration)
+    out["collectives_per_logging_call"] = calls
+    with count_collectives() as calls, exchange("all_to_all"):
+        ours(iteration + 1)
+    out["collectives_per_logging_call_a2a"] = calls
+    with exchange("all_to_all"):
+        by_a2a = gather_memory(report, group, iteration=iteration + 2)
+    out["a2a_identical"] = repr(by_a2a) == repr(gather_memory(report, group, iteration=iteration + 2))
+    out["unified"] = last["unified"]
+    steps = pieces(group, report, last["unified"])
+    out["pieces"] = summarise(interleaved(steps, plan["piece_iters"], 3, group)[0])
+    dist.barrier(group=group)
+    if rank == world - 1:  # hot: each piece in a tight loop, the other ranks blocked meanwhile
+        out["pieces_hot_us"] = {name: per_call_ns(step, plan["hot_calls"]) / 1e3
+                                for name, step in steps.items() if name not in ("all_gather", "all_to_all")}
+    dist.barrier(group=group)
+    if plan["non_logging"]:
+        dist.barrier(group=group)
+        if rank == world - 1:
+            out["non_logging"] = non_logging(group, plan["non_logging"])
+        dist.barrier(group=group)  # the other ranks wait, blocked in gloo, meanwhile
+    fanout.close(5)
+    return out
+
+
+def per_call_ns(step, calls: int, repeats: int = 3) -> float:
+    """Best of ``repeats`` tight loops of ``calls`` calls, ns per call."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter_ns()
+        for call in range(calls):
+            step(call)
+        best = min(best, (time.perf_counter_ns() - start) / calls)
+    return best
+
+
+def summarise(samples: dict) -> dict:
+    return {name: summary(values) for name, values in samples.items()}
+
+
+def pieces(group, report, unified) -> dict:
+    """The steps of ``ours`` one by one, on the buffers and data of the last logging call."""
+    from nemo_memlog import attribution, memory, payload, reduce
+
+    channel = reduce._channels[group]
+    layout = channel.layout
+    reports = payload.unpack(layout, channel.recv_words, channel.ranks)
+    gathered = reduce._line_up(layout.keys, reports)
+    channel.send_rows[1:] = channel.send_words  # every row is this rank's words, as all_to_all sends them
+    fanout = null_fanout()
+    return {
+        "report_memory": lambda it: memory.report_memory(),
+        "capacity_report": lambda it: memory.capacity_report(),
+        "pack": lambda it: payload.pack_into(channel.send_words, layout, report, it, reduce._warn_once),
+        "all_gather": lambda it: reduce._all_gather_single(channel.recv, channel.send_row, group).wait(),
+        "all_to_all": lambda it: reduce._all_to_all_single(channel.recv, channel.send, group).wait(),
+        "unpack": lambda it: payload.unpack(layout, channel.recv_words, channel.ranks),
+        "line_up": lambda it: reduce._line_up(layout.keys, reports),
+        "attribution": lambda it: attribution.memory_metrics(gathered, ("peak_*",)),
+        "hand_off": lambda it: fanout.log(unified, it),
+    }
+
+
+def non_logging(group, calls: int) -> dict:
+    """training_log off the logging iterations: time per call and collectives issued."""
+    from nemo_memlog.config import LoggerConfig
+    from nemo_memlog.hook import training_log
+
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=NON_LOGGING_INTERVAL)
+    iterations = [i for i in range(1, 2 * calls) if i % NON_LOGGING_INTERVAL][:calls]
+    with count_collectives() as issued:
+        returned = [training_log(iteration, cfg, pp_group=group) for iteration in iterations]
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter_ns()
+        for iteration in iterations:
+            training_log(iteration, cfg, pp_group=group)
+        best = min(best, (time.perf_counter_ns() - start) / len(iterations))
+    start = time.perf_counter_ns()
+    for iteration in iterations:
+        pass
+    loop_ns = (time.perf_counter_ns() - start) / len(iterations)
+    return {"calls": len(iterations), "ns_per_call": best, "loop_ns": loop_ns, "collectives": len(issued),
+            "all_none": all(r is None for r in returned)}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_cluster(world: int, plan: dict, timeout_s: float) -> list[dict]:
+    # fork: the children inherit the parent's imported torch and megatron-core, where spawn
+    # would import them again in every process (about 10 s of CPU each).
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, plan, results), daemon=True) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    out: list = [None] * world
+    try:
+        for _ in range(world):
+            rank, value = results.get(timeout=timeout_s)
+            if "error" in value:
+                raise RuntimeError(f"PP {world}, rank {rank} failed:\n{value['error']}")
+            out[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return out
+
+
+def cluster_row(world: int, ranks: list[dict]) -> dict:
+    """Per variant: the largest median and p90 over the ranks (and the writer rank's own)."""
+    row = {"pp": world, "variants": {}, "writer": {}, "per_rank_median_us": {}, "cpu_us": {}}
+    for name in VARIANTS:
+        per_rank = [summary(r["samples"][name]) for r in ranks]
+        row["variants"][name] = {"median_us": max(s["median_us"] for s in per_rank),
+                                 "p90_us": max(s["p90_us"] for s in per_rank), "n": per_rank[0]["n"]}
+        row["writer"][name] = per_rank[-1]
+        row["per_rank_median_us"][name] = [s["median_us"] for s in per_rank]
+        row["cpu_us"][name] = max(summary(r["cpu"][name])["median_us"] for r in ranks)
+    writer = ranks[-1]
+    for key in ("collectives_per_logging_call", "collectives_per_logging_call_a2a", "pieces", "pieces_hot_us"):
+        row[key] = writer[key]
+    row["keys_logged"] = len(writer["unified"])
+    row["a2a_identical"] = all(r["a2a_identical"] for r in ranks)
+    return row
+
+
+# --------------------------------------------------------------------------------------------
+# Part 3: the writer rank with real backends, against calling them synchronously.
+
+
+def python_work(rounds: int) -> int:
+    """Pure-Python work standing in for the training loop's next step on the same thread."""
+    total = 0
+    for i in range(rounds):
+        total += i * i % 7
+    return total
+
+
+def writer_part(metrics: dict, steps: int, backends: tuple, root: str) -> dict:
+    os.environ["WANDB_MODE"] = "offline"
+    os.environ.setdefault("WANDB_SILENT", "true")
+    import importlib
+
+    from nemo_memlog.config import LoggerConfig, flat_params
+    from nemo_memlog.writers import build_writers
+    from nemo_memlog.writers.fanout import FanOut, Sink
+
+    def config(name):
+        chosen = {
+            "tensorboard": dict(tensorboard_dir=f"{root}/{name}/tensorboard"),
+            "wandb": dict(wandb_project="bench", wandb_exp_name=name, wandb_save_dir=f"{root}/{name}"),
+            # one SQLite store for both runs: creating a store's tables takes seconds
+            "mlflow": dict(mlflow_experiment="bench", mlflow_run_name=name,
+                           mlflow_tracking_uri=f"sqlite:///{root}/mlflow.db"),
+            "comet": dict(comet_project="bench", comet_offline_directory=f"{root}/{name}/comet"),
+        }
+        fields = {k: v for backend in backends for k, v in chosen[backend].items()}
+        return LoggerConfig(log_memory_to_tensorboard=True, **fields)
+
+    for name in ("fanout", "sync"):
+        os.makedirs(f"{root}/{name}", exist_ok=True)
+    opened = time.perf_counter()
+    sync_cfg = config("sync")
+    params = flat_params(sync_cfg)
+    synchronous_backends = [importlib.import_module(f"nemo_memlog.writers.{backend}").open_backend(sync_cfg, params, [])
+                            for backend in backends]
+    fanout = build_writers(config("fanout"))
+    fanout.log(metrics, 0)  # opens the backends, in their threads
+    if not fanout.flush(180):
+        raise RuntimeError(f"the fan-out's backends did not open: {fanout.stats()}")
+    for backend in synchronous_backends:
+        backend.log(metrics, 0)
+    open_s = time.perf_counter() - opened
+    rounds = _rounds_for(0.03)
+    null_four = null_fanout()
+    null_one = FanOut([Sink("null", NullBackend, 10000, [])])
+    null_dispatched = DispatchingFanOut(null_fanout())
+
+    blocking, synchronous, busy_while_writing, busy_idle = [], [], [], []
+    four, one, dispatched = [], [], []
+    for step in range(1, steps + 1):
+        for null, times in ((null_four, four), (null_one, one), (null_dispatched, dispatched)):  # hand-off alone
+            start = time.perf_counter_ns()
+            null.log(metrics, step)
+            times.append(time.perf_counter_ns() - start)
+            python_work(rounds // 30)
+        start = time.perf_counter_ns()
+        fanout.log(metrics, step)
+        handed = time.perf_counter_ns()
+        python_work(rounds)  # the training thread goes on while the backends write
+        busy_while_writing.append(time.perf_counter_ns() - handed)
+        blocking.append(handed - start)
+        deadline = time.monotonic() + 60
+        for sink in fanout.sinks:
+            sink.drain(deadline)
+        time.sleep(0.005)  # let the backends' own background threads settle
+        start = time.perf_counter_ns()
+        for backend in synchronous_backends:
+            backend.log(metrics, step)
+        synchronous.append(time.perf_counter_ns() - start)
+        time.sleep(0.005)
+        start = time.perf_counter_ns()
+        python_work(rounds)  # the same work with no backend busy
+        busy_idle.append(time.perf_counter_ns() - start)
+    stats = fanout.stats()
+    closed = time.perf_counter()
+    for null in (null_four, null_one, null_dispatched):
+        null.close(5)
+    fanout.close(60)
+    for backend in synchronous_backends:
+        backend.close()
+    slowdown = [b - i for b, i in zip(busy_while_writing, busy_idle)]
+    return {
+        "steps": steps, "keys": len(metrics), "backends": [sink.name for sink in fanout.sinks],
+        "fanout_log": summary(blocking), "synchronous": summary(synchronous),
+        "null_four": summary(four), "null_one": summary(one), "null_dispatched": summary(dispatched),
+        "work_idle": summary(busy_idle), "work_slowdown_ms": statistics.median(slowdown) / 1e6,
+        "lost": sum(s["dropped"] + s["failures"] for s in stats.values()),
+        "open_s": open_s, "close_s": time.perf_counter() - closed,
+    }
+
+
+def wake_penalty(idle_s: float = 0.1, samples: int = 15) -> dict:
+    """The same tiny piece of Python, hot and right after sleeping ``idle_s`` (median, us).
+
+    On some virtual machines a thread that has slept runs its first microseconds far slower;
+    every variant here runs right after a barrier (a sleep), so this inflates all of them,
+    the more so the more separate wake-ups (ring steps, thread hand-offs) a variant needs."""
+    hot, woken = [], []
+    for _ in range(samples):
+        time.sleep(idle_s)
+        for times in (woken, hot):
+            start = time.perf_counter_ns()
+            python_work(200)
+            times.append(time.perf_counter_ns() - start)
+    return {"idle_s": idle_s, "hot_us": statistics.median(hot) / 1e3, "woken_us": statistics.median(woken) / 1e3}
+
+
+def _rounds_for(seconds: float) -> int:
+    rounds = 10000
+    start = time.perf_counter()
+    python_work(rounds)
+    return max(1000, int(rounds * seconds / (time.perf_counter() - start)))
+
+
+# --------------------------------------------------------------------------------------------
+# Output.
+
+
+def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, wake: dict, command: str) -> str:
+    lines = [
+        f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, Python {sys.version.split()[0]}. "
+        f"Command: `{command}`.",
+        f"Wake-up penalty: 200 additions take {wake['hot_us']:.1f} us hot and {wake['woken_us']:.1f} us right after "
+        f"sleeping {wake['idle_s'] * 1e3:.0f} ms.",
+    ]
+    if rows:
+        lines += [
+            "",
+            "Per call, microseconds: the largest median (p90) over the ranks, ratios of those medians; "
+            + ", ".join(f"PP {r['pp']}: {r['variants']['ours']['n']}" for r in rows)
+            + " interleaved repetitions per variant.",
+            "",
+            "| PP | exchange | a: training_log | reduce: gather_memory | b: bridge | c: composer | d: floor "
+            "| a/b | a/c | a/d | reduce/b | reduce/d |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in rows:
+            v = row["variants"]
+            cell = {name: f"{v[name]['median_us']:.0f} ({v[name]['p90_us']:.0f})" for name in VARIANTS}
+            med = {name: v[name]["median_us"] for name in VARIANTS}
+            for mode, ours, reduce in (("all_gather", "ours", "reduce"), ("all_to_all", "ours_a2a", "reduce_a2a")):
+                lines.append(
+                    f"| {row['pp']} | {mode} | {cell[ours]} | {cell[reduce]} | {cell['bridge']} | {cell['composer']} "
+                    f"| {cell['floor']} | {med[ours] / med['bridge']:.2f} | {med[ours] / med['composer']:.3f} "
+                    f"| {med[ours] / med['floor']:.2f} | {med[reduce] / med['bridge']:.2f} "
+                    f"| {med[reduce] / med['floor']:.2f} |"
+                )
+        lines += ["", "CPU time per call, this process (all threads), largest median over the ranks, us:", "",
+                  "| PP | " + " | ".join(VARIANTS) + " |", "|---:|" + "---:|" * len(VARIANTS)]
+        lines += [f"| {r['pp']} | " + " | ".join(f"{r['cpu_us'][name]:.0f}" for name in VARIANTS) + " |" for r in rows]
+        lines += [""] + [
+            f"PP {r['pp']}: collectives per logging call: {'+'.join(r['collectives_per_logging_call'])} "
+            f"(all_to_all: {'+'.join(r['collectives_per_logging_call_a2a'])}); {r['keys_logged']} keys logged; "
+            f"all_to_all result identical: {'yes' if r['a2a_identical'] else 'NO'}"
+            for r in rows
+        ]
+        lines += ["", "The pieces of a, one by one, writer rank, us per call: cold = each after a barrier "
+                  "(median), as in a logging step; hot = in a tight loop:", "",
+                  "| PP | | " + " | ".join(PIECES) + " | sum without all_to_all |",
+                  "|---:|---|" + "---:|" * (len(PIECES) + 1)]
+        for row in rows:
+            for label, p in (("cold", {name: row["pieces"][name]["median_us"] for name in PIECES}),
+                             ("hot", row["pieces_hot_us"])):
+                total = sum(p.get(name, 0) for name in PIECES if name != "all_to_all")
+                lines.append(f"| {row['pp']} | {label} | "
+                             + " | ".join(f"{p[name]:.1f}" if name in p else "-" for name in PIECES)
+                             + f" | {total:.0f} |")
+    if non_log:
+        lines += ["", f"Non-logging iteration: training_log off the interval, {non_log['calls']} calls: "
+                  f"non_logging_ns_per_call={non_log['ns_per_call']:.0f} "
+                  f"({non_log['ns_per_call'] / 1e3:.3f} us, of which the loop {non_log['loop_ns']:.0f} ns), "
+                  f"non_logging_collectives={non_log['collectives']}, returned None: {non_log['all_none']}"]
+    if writer:
+        f, s = writer["fanout_log"], writer["synchronous"]
+        lines += [
+            "", f"Writer rank, {writer['steps']} steps of {writer['keys']} metrics to "
+            f"{', '.join(writer['backends'])}, ms per step, median (p90):", "",
+            "| FanOut.log: training thread blocked | the backends called synchronously | blocked / synchronous "
+            "| hand-off alone: 4 null sinks | 1 null sink | 4 null sinks behind 1 dispatcher thread |",
+            "|---:|---:|---:|---:|---:|---:|",
+            f"| {f['median_us'] / 1e3:.3f} ({f['p90_us'] / 1e3:.3f}) | {s['median_us'] / 1e3:.2f} "
+            f"({s['p90_us'] / 1e3:.2f}) | {f['median_us'] / s['median_us']:.4f} "
+            f"| {writer['null_four']['median_us'] / 1e3:.3f} ({writer['null_four']['p90_us'] / 1e3:.3f}) "
+            f"| {writer['null_one']['median_us'] / 1e3:.3f} ({writer['null_one']['p90_us'] / 1e3:.3f}) "
+            f"| {writer['null_dispatched']['median_us'] / 1e3:.3f} ({writer['null_dispatched']['p90_us'] / 1e3:.3f}) |",
+            "", f"Python work on the training thread right after FanOut.log took {writer['work_slowdown_ms']:.2f} ms "
+            f"longer (median) than the same work with the backends idle "
+            f"({writer['work_idle']['median_us'] / 1e3:.1f} ms): the backends' threads share the GIL.",
+            f"Steps lost or failed: {writer['lost']}. Opening the backends took {writer['open_s']:.1f} s, "
+            f"closing them {writer['close_s']:.1f} s (once per run).",
+        ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="PP 2, few iterations, TensorBoard only")
+    parser.add_argument("--pp", type=int, nargs="+", default=None, help="PP sizes (default: 2 4 8)")
+    parser.add_argument("--iters", type=int, default=None, help="repetitions per variant (default: 400/300/200)")
+    parser.add_argument("--non-logging-calls", type=int, default=None, help="default: 100000")
+    parser.add_argument("--writer-steps", type=int, default=None, help="default: 60; 0 skips the writer part")
+    parser.add_argument("--backends", default=None, help=f"comma-separated, default: {','.join(BACKENDS)}")
+    parser.add_argument("--json", help="also write every number to this file")
+    args = parser.parse_args(argv)
+    smoke = args.smoke
+    sizes = args.pp or ([2] if smoke else [2, 4, 8])
+    non_logging_calls = args.non_logging_calls or (20000 if smoke else 100000)
+    writer_steps = args.writer_steps if args.writer_steps is not None else (5 if smoke else 60)
+    backends = tuple((args.backends or ("tensorboard" if smoke else ",".join(BACKENDS))).split(","))
+    unknown = set(backends) - set(BACKENDS)
+    if unknown:
+        parser.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+
+    from megatron.core import parallel_state  # noqa: F401  (imported once, inherited by the forks)
+
+    started = time.perf_counter()
+    wake = wake_penalty(samples=5 if smoke else 15)
+    rows, non_log, ranks = [], None, None
+    for world in sizes:
+        plan = {"iters": args.iters or (20 if smoke else DEFAULT_ITERS.get(world, 200)),
+                "warmup": 5 if smoke else 20, "piece_iters": 10 if smoke else 60, "hot_calls": 100 if smoke else 2000,
+                "non_logging": non_logging_calls if world == sizes[0] else 0}
+        ranks = run_cluster(world, plan, timeout_s=900)
+        rows.append(cluster_row(world, ranks))
+        non_log = non_log or ranks[-1].get("non_logging")
+        print(f"# PP {world} done after {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    writer = None
+    if writer_steps:
+        metrics = ranks[-1]["unified"] if ranks else {"memory/peak_reserved_gb": 1.0}
+        root = tempfile.mkdtemp(prefix="nemo_memlog_bench_")
+        try:
+            writer = writer_part(metrics, writer_steps, backends, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        print(f"# writer part done after {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(markdown(rows, non_log, writer, wake, command.strip()))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"rows": rows, "non_logging": non_log, "writer": writer, "wake": wake}, out, indent=1,
+                      default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

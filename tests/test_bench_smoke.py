@@ -1,0 +1,29 @@
+"""scripts/bench_overhead.py --smoke: the benchmark still runs end to end (timings are not checked)."""
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_smoke_runs_and_reports_every_part():
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--smoke"],
+        cwd=ROOT, capture_output=True, text=True, timeout=40,
+    )
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert elapsed < 40
+    out = done.stdout
+    assert "| 2 | all_gather |" in out and "| 2 | all_to_all |" in out  # a, reduce, b, c, d and ratios
+    assert "PP 2: collectives per logging call: all_gather_single (all_to_all: all_to_all_single)" in out
+    assert "all_to_all result identical: yes" in out
+    assert "| 2 | cold |" in out and "| 2 | hot |" in out
+    assert re.search(r"non_logging_ns_per_call=\d+", out)
+    assert "non_logging_collectives=0," in out
+    assert "FanOut.log: training thread blocked" in out
+    assert "Steps lost or failed: 0." in out
