@@ -80,21 +80,25 @@ def _headroom(keys, per_rank) -> dict:
     return out
 
 
+# kind, headroom key, capacity key, stage key, how to say it
+_HEADROOM_KINDS = (
+    ("device", "headroom_gb", "device_total_gb", "headroom_stage",
+     "pipeline stage {stage} has {left:.2f} GB of device memory left ({pct:.1f}% of {total:.1f} GB): "
+     "close to CUDA OOM"),
+    ("host", "host_headroom_gb", "host_total_gb", "host_headroom_stage",
+     "pipeline stage {stage}'s node has {left:.2f} GB of RAM available ({pct:.1f}% of {total:.1f} GB): "
+     "close to the OOM killer (SIGKILL)"),
+)
+
+
 def low_headroom(metrics: dict, fraction: float) -> list[tuple[str, int, str]]:
     """(kind, stage, sentence) for each headroom below ``fraction`` of capacity."""
     found = []
-    headroom = metrics.get(PREFIX + "headroom_gb")
-    total = metrics.get(PREFIX + "device_total_gb")
-    if headroom is not None and total and headroom < fraction * total:
-        stage = metrics[PREFIX + "headroom_stage"]
-        found.append(("device", stage, f"pipeline stage {stage} has {headroom:.2f} GB of device memory left "
-                      f"({100 * headroom / total:.1f}% of {total:.1f} GB): close to CUDA OOM"))
-    host = metrics.get(PREFIX + "host_headroom_gb")
-    host_total = metrics.get(PREFIX + "host_total_gb")
-    if host is not None and host_total and host < fraction * host_total:
-        stage = metrics[PREFIX + "host_headroom_stage"]
-        found.append(("host", stage, f"pipeline stage {stage}'s node has {host:.2f} GB of RAM available "
-                      f"({100 * host / host_total:.1f}% of {host_total:.1f} GB): close to the OOM killer (SIGKILL)"))
+    for kind, left_key, total_key, stage_key, sentence in _HEADROOM_KINDS:
+        left, total = metrics.get(PREFIX + left_key), metrics.get(PREFIX + total_key)
+        if left is not None and total and left < fraction * total:
+            stage = metrics[PREFIX + stage_key]
+            found.append((kind, stage, sentence.format(stage=stage, left=left, pct=100 * left / total, total=total)))
     return found
 
 
