@@ -164,22 +164,61 @@ _FAILED = object()
 
 
 class FanOut:
-    """One ``log(metrics, step)`` to every sink. Also a no-op fan-out when there are no sinks."""
+    """One ``log(metrics, step)`` to every sink. Also a no-op fan-out when there are no sinks.
+
+    ``log`` wakes ONE dispatcher thread, which hands the step to every sink: the training
+    thread pays one lock and one wake-up per step, however many backends there are.
+    """
 
     def __init__(self, sinks: list[Sink], close_timeout_s: float = 30.0):
         self.sinks = sinks
         self.close_timeout_s = close_timeout_s
         self.closed = False
+        self._queue: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        self._moving = False
+        self._stopping = False
+        if sinks:
+            threading.Thread(target=self._dispatch, name="nemo_memlog-fanout", daemon=True).start()
 
     def log(self, metrics: dict, step: int) -> None:
         """Hand ``metrics`` (not copied: callers must not mutate it afterwards) to every backend."""
-        for sink in self.sinks:
-            sink.put(metrics, step)
+        if self.sinks:
+            with self._cond:
+                self._queue.append((metrics, step))
+                self._cond.notify()
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                steps = list(self._queue)
+                self._queue.clear()
+                self._moving = True
+            for metrics, step in steps:
+                for sink in self.sinks:
+                    sink.put(metrics, step)
+            with self._cond:
+                self._moving = False
+                self._cond.notify_all()
+
+    def _handed_off(self, deadline: float) -> bool:
+        """Wait until the dispatcher has given every logged step to the sinks."""
+        with self._cond:
+            while self._queue or self._moving:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every backend has written every step handed to it (bounded). True if all did."""
         deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
-        drained = all([sink.drain(deadline) for sink in self.sinks])
+        drained = self._handed_off(deadline) and all([sink.drain(deadline) for sink in self.sinks])
         for sink in self.sinks:
             sink.flush_backend()
         return drained
@@ -190,8 +229,14 @@ class FanOut:
             return
         self.closed = True
         deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
+        self._handed_off(deadline)
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
         for sink in self.sinks:
             sink.close(deadline)
 
     def stats(self) -> dict:
+        """Per backend: written, pending, dropped, failures (after the pending hand-off)."""
+        self._handed_off(time.monotonic() + 5)
         return {sink.name: sink.stats() for sink in self.sinks}
