@@ -1,9 +1,9 @@
 """Fan one metrics dict out to every backend, off the training thread, losing nothing.
 
 Each backend gets its own ``Sink``: a daemon thread and a bounded buffer of logged
-steps. ``FanOut.log`` appends the (read-only) dict to each buffer and returns: the
-training thread never waits on a backend, and a slow or hung backend never holds up
-the others.
+steps. ``FanOut.log`` appends the (read-only) dict to one queue and wakes one dispatcher
+thread, which puts it in every sink's buffer: the training thread never waits on a
+backend, and a slow or hung backend never holds up the others.
 
 A backend call that fails leaves its step at the head of that backend's buffer and is
 retried with backoff (0.5 s doubling to 30 s), so a backend that comes back gets every
