@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from tqdm import tqdm
 
 import nemo_memlog
 from demo_model import Pipeline, build_stage, learning_rate, one_f_one_b, synthetic_microbatch
@@ -37,11 +38,14 @@ DEFAULT_PROCESSES = 4
 
 @dataclass
 class TrainConfig:
-    iters: int = 6
+    iters: int = 8
+    """The default job takes about 50 s on 2 idle CPU cores, most of it starting 4 processes."""
     micro_batches: int = 4
     """Microbatches per iteration; >= parallel.pp keeps the first stage's 1F1B warm-up full."""
     micro_batch_size: int = 128
-    """With seq_len and model.hidden, sets the activation memory a microbatch keeps on a stage."""
+    """With seq_len and model.hidden, sets the activation memory a microbatch keeps on a stage:
+    about 0.15 GB here. The first stage keeps 3 more of them than the last, which must clearly
+    outweigh the ~0.2 GB of logging backends the last stage (the writer rank) also holds."""
     seq_len: int = 128
     lr: float = 1e-2
     seed: int = 1234
@@ -51,7 +55,7 @@ class TrainConfig:
 class ModelConfig:
     hidden: int = 64
     layers_per_stage: int = 2
-    vocab: int = 256
+    vocab: int = 128
     heads: int = 4
 
 
@@ -141,7 +145,10 @@ def relaunch(overrides: list[str]) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DEFAULT_PROCESSES),
                "--master-port", str(_free_port()), __file__, *overrides]
-    return subprocess.call(command, env=env)
+    try:
+        return subprocess.call(command, env=env)
+    except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the ranks
+        return 130
 
 
 def _free_port() -> int:
@@ -152,10 +159,9 @@ def _free_port() -> int:
 
 def train(cfg: DemoConfig) -> None:
     """One torchrun process: join the pipeline, train, log every iteration, report at the end."""
-    # Imported here, not at the top: the launching process has no use for their ~7 s import.
+    # Imported here, not at the top: the launching process has no use for its ~7 s import.
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
     from megatron.core import parallel_state as ps
-    from tqdm import tqdm
 
     torch.set_num_threads(1)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -163,10 +169,18 @@ def train(cfg: DemoConfig) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     ps.initialize_model_parallel(pipeline_model_parallel_size=cfg.parallel.pp)
     dist.barrier()  # every rank joins the default group before the first pairwise send (NCCL)
-
     pipe = _pipeline(ps)
-    dp_rank, dp_size, dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
-    writer = dist.get_rank() == dist.get_world_size() - 1  # nemo_memlog's writer rank: a last stage
+    last_logged = _train_loop(cfg, pipe, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+                              ps.get_data_parallel_group())
+    if dist.get_rank() == dist.get_world_size() - 1:  # nemo_memlog's writer rank
+        nemo_memlog.close_writers()  # every backend flushed before the paths below are printed
+        print(summary(cfg, last_logged), flush=True)
+    dist.destroy_process_group()
+
+
+def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_group):
+    """The iterations; training_log on every rank each one. (iteration, dict) it last returned, or None."""
+    writer = dist.get_rank() == dist.get_world_size() - 1  # a last stage: it has the loss to show
     if writer:
         (Path(cfg.run.root) / cfg.run.name).mkdir(parents=True, exist_ok=True)
 
@@ -188,18 +202,14 @@ def train(cfg: DemoConfig) -> None:
         if dp_size > 1:
             loss = _average_over_data_parallel(module, loss, dp_group, dp_size)
         optimizer.step()
-        metrics = {"lr": lr} if loss is None else {"lr": lr, "loss": loss}
+        metrics = {"lr": lr} if loss is None else {"lr": lr, "loss": loss}  # only last stages have a loss
         logged = nemo_memlog.training_log(iteration, cfg, metrics=metrics)
         if logged is not None:
             last_logged = (iteration, logged)
         if loss is not None:
             progress.set_postfix(loss=f"{loss:.3f}")
     progress.close()
-
-    if writer:
-        nemo_memlog.close_writers()  # every backend flushed before the paths below are printed
-        print(summary(cfg, last_logged), flush=True)
-    dist.destroy_process_group()
+    return last_logged
 
 
 def _pipeline(ps) -> Pipeline:
@@ -228,24 +238,31 @@ def _average_over_data_parallel(module, loss, dp_group, dp_size):
 
 
 def summary(cfg: DemoConfig, last_logged) -> str:
-    """The closing report: per-stage peak host RSS vs the logged pipeline peak, and the dashboards."""
+    """The closing report: per-stage peaks vs the logged pipeline peak, and the dashboards."""
     lines = [""]
     if last_logged is None:
         lines.append("No memory was logged: turn on logger.log_memory_to_tensorboard, or make train.iters "
                      ">= logger.tensorboard_log_interval.")
     else:
-        lines += _stage_table(cfg, *last_logged)
+        iteration, logged = last_logged
+        for name, label in TABLES:
+            if f"memory/{name}" in logged:
+                lines += _stage_table(cfg, iteration, logged, name, label)
     lines += ["", "Open the dashboards:"] + [f"  {command}" for command in dashboard_commands(cfg.logger)]
     return "\n".join(lines)
 
 
-def _stage_table(cfg: DemoConfig, iteration: int, logged: dict) -> list[str]:
-    name = "peak_host_rss_gb"
+#: (logged name, label) of the closing tables: host RSS always; CUDA memory when a GPU was used.
+TABLES = (("peak_host_rss_gb", "peak host RSS"), ("peak_allocated_gb", "peak CUDA allocated"))
+
+
+def _stage_table(cfg: DemoConfig, iteration: int, logged: dict, name: str, label: str) -> list[str]:
     stages = sorted(int(key.split("/")[1].removeprefix("pp_stage_")) for key in logged
                     if key.startswith("memory/pp_stage_") and key.endswith("/" + name))
     peak, peak_stage = logged[f"memory/{name}"], logged[f"memory/peak_stage/{name}"]
-    lines = [f"Peak host RSS per pipeline stage at iteration {iteration} (memory/pp_stage_{{i}}/{name}):",
-             "  stage   microbatches in flight   peak host RSS"]
+    lines = [f"{label[0].upper() + label[1:]} per pipeline stage at iteration {iteration} "
+             f"(memory/pp_stage_{{i}}/{name}):",
+             f"  stage   microbatches in flight   {label}"]
     last = len(stages) - 1
     for stage in stages:
         in_flight = min(len(stages) - stage, cfg.train.micro_batches)
@@ -256,9 +273,10 @@ def _stage_table(cfg: DemoConfig, iteration: int, logged: dict) -> list[str]:
             notes.append("(also runs the logging backends)")
         lines.append(f"  {stage:>5}   {in_flight:>22}   {logged[f'memory/pp_stage_{stage}/{name}']:>10.3f} GB  "
                      + " ".join(notes))
-    first_minus_last = logged[f"memory/pp_stage_0/{name}"] - logged[f"memory/pp_stage_{last}/{name}"]
-    lines += [f"  logged: memory/{name} = {peak:.3f} GB, memory/peak_stage/{name} = {peak_stage}",
-              f"  stage 0 - stage {last}: {1000 * first_minus_last:+.0f} MB"]
+    lines.append(f"  logged: memory/{name} = {peak:.3f} GB, memory/peak_stage/{name} = {peak_stage}")
+    if last > 0:
+        first_minus_last = logged[f"memory/pp_stage_0/{name}"] - logged[f"memory/pp_stage_{last}/{name}"]
+        lines.append(f"  stage 0 - stage {last}: {1000 * first_minus_last:+.0f} MB")
     return lines
 
 
@@ -284,6 +302,9 @@ def _newest(folder: Path, pattern: str) -> Path | None:
 
 
 def main(argv: list[str]) -> int:
+    if {"-h", "--help"} & set(argv):
+        print(__doc__)
+        return 0
     os.environ.setdefault("WANDB_MODE", "offline")  # no account: an offline run to `wandb sync` later
     os.environ.setdefault("WANDB_SILENT", "true")  # its run summary would bury the table below
     try:

@@ -160,7 +160,7 @@ def one_f_one_b(module: Stage, pipe: Pipeline, count: int, data, hidden_shape: t
 
 
 class _PointToPoint:
-    """The four moves of a 1F1B stage. A no-op toward a pipeline end. Sends and receives of
+    """The point-to-point moves of a 1F1B stage; a no-op toward a pipeline end. Sends and receives of
     one move are posted together (batch_isend_irecv) so facing neighbours never deadlock."""
 
     def __init__(self, pipe: Pipeline, hidden_shape: tuple):

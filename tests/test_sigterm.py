@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -78,7 +79,8 @@ def preempted(tmp_path_factory):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
                "--master-port", str(free_port()), str(ROOT / "scripts" / "demo.py"),
                "train.iters=100000", "logger.tensorboard_log_interval=1", f"run.root={tmp_path}",
-               "run.name=preempted", "train.micro_batch_size=4", "train.seq_len=16"]
+               "run.name=preempted", "train.micro_batch_size=4", "train.seq_len=16",
+               "logger.comet_api_key=SECRET-ARGV-KEY"]
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     lines: list[str] = []
@@ -106,6 +108,19 @@ def test_sigterm_mid_run_keeps_every_returned_step_in_every_backend(preempted):
         # Every iteration tqdm showed as finished had returned from training_log (interval 1).
         missing = set(range(1, finished + 1)) - steps
         assert not missing, f"{backend} lost steps {sorted(missing)} (has {len(steps)} steps)"
+
+
+def test_a_secret_on_the_command_line_reaches_no_backend_file(preempted):
+    run, _ = preempted
+    scanned = 0
+    for path in run.rglob("*"):
+        if path.is_file():
+            scanned += 1
+            assert b"SECRET-ARGV-KEY" not in path.read_bytes(), path
+        if path.suffix == ".zip":  # the Comet archive is compressed: look inside
+            with zipfile.ZipFile(path) as archive:
+                assert not any(b"SECRET-ARGV-KEY" in archive.read(name) for name in archive.namelist())
+    assert scanned >= 4  # TensorBoard events, MLflow store, W&B run, Comet archive at least
 
 
 def test_report_on_the_real_run_directory(preempted, capsys):
