@@ -63,16 +63,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.collectives import count_collectives  # noqa: E402  the same pass-through spy the tests use
+
 VARIANTS = ("ours", "reduce", "bridge", "composer", "floor", "ours_a2a", "reduce_a2a")
 PIECES = ("report_memory", "capacity_report", "pack", "all_gather", "all_to_all", "unpack", "line_up",
           "attribution", "hand_off")
 DEFAULT_ITERS = {2: 400, 4: 300, 8: 200}
 BACKENDS = ("comet", "mlflow", "tensorboard", "wandb")
-COLLECTIVES = (
-    "all_gather_single", "all_gather_into_tensor", "all_gather", "all_gather_object", "all_reduce",
-    "broadcast", "broadcast_object_list", "barrier", "reduce_scatter_tensor", "gather", "scatter",
-    "reduce", "all_to_all_single", "send", "recv", "isend", "irecv",
-)
 NON_LOGGING_INTERVAL = 100
 GB = 1e9
 
@@ -132,28 +130,6 @@ def composer_reduce(memory_report: dict, group) -> dict:
 
 # --------------------------------------------------------------------------------------------
 # Helpers.
-
-
-@contextlib.contextmanager
-def count_collectives():
-    """Count torch.distributed collectives while they still run (a pass-through spy)."""
-    calls: list[str] = []
-    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
-
-    def spy(name, original):
-        def wrapper(*args, **kwargs):
-            calls.append(name)
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    for name, original in originals.items():
-        setattr(dist, name, spy(name, original))
-    try:
-        yield calls
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 @contextlib.contextmanager

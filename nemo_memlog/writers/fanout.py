@@ -20,6 +20,8 @@ import threading
 import time
 import warnings
 
+from ..config import scrubbed
+
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
 
@@ -41,7 +43,7 @@ class Sink:
         self.written = 0
         self.dropped = 0
         self.failures = 0
-        self._failing_since = None
+        self._failing = False  # set by a failure, cleared (with a message) by the next success
         self._thread = threading.Thread(target=self._run, name=f"nemo_memlog-{name}", daemon=True)
         self._thread.start()
 
@@ -117,50 +119,47 @@ class Sink:
 
     def _write(self, metrics: dict, step: int) -> bool:
         if self._backend is None:
-            self._backend = self._call("open", self._opener)
-            if self._backend is None:
+            opened, self._backend = self._call("open", self._opener)
+            if not opened:
                 return False
-        if self._call("log", self._backend.log, metrics, step) is _FAILED:
+        if not self._call("log", self._backend.log, metrics, step)[0]:
             return False
         self.written += 1
-        if self._failing_since is not None:
+        if self._failing:
             warnings.warn(
                 f"nemo_memlog: {self.name} is writing again after {self.failures} failed attempts; "
                 f"buffered steps are being replayed",
                 RuntimeWarning,
             )
-            self._failing_since = None
+            self._failing = False
         return True
 
-    def _call(self, what: str, fn, *args):
+    def _call(self, what: str, fn, *args) -> tuple[bool, object]:
+        """(succeeded, what ``fn`` returned); a failure is counted and warned once per kind."""
         try:
-            result = fn(*args)
-            return True if result is None and what != "open" else result
+            return True, fn(*args)
         except Exception as error:  # isolation: a backend never raises into training
             self.failures += 1
-            self._failing_since = self._failing_since or time.monotonic()
+            self._failing = True
             self._warn_once(
                 (what, type(error).__name__),
                 f"{what} failed with {type(error).__name__}: {error}; "
                 + ("retrying with backoff, steps stay buffered" if what in ("open", "log") else "ignored"),
             )
-            return _FAILED if what != "open" else None
+            return False, None
 
     def _warn_once(self, kind, text: str) -> None:
         if kind in self._warned:
             return
         self._warned.add(kind)
-        for secret in self._secrets:
-            text = text.replace(secret, "***redacted***")
-        warnings.warn(f"nemo_memlog: {self.name} backend: {text}", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"nemo_memlog: {self.name} backend: {scrubbed(text, self._secrets)}", RuntimeWarning,
+                      stacklevel=2)
 
     def stats(self) -> dict:
         with self._cond:
             return {"written": self.written, "pending": len(self._buffer), "dropped": self.dropped,
                     "failures": self.failures}
 
-
-_FAILED = object()
 
 
 class FanOut:
