@@ -20,7 +20,7 @@ import math
 import numbers
 import struct
 import warnings
-import zlib
+import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -37,7 +37,10 @@ NOT_CHECKED = -1
 def layout_of(keys: tuple[str, ...]) -> "Layout":
     """The packing layout of a key tuple (cached: computed once per key set)."""
     mask_words = max(1, -(-len(keys) // MASK_BITS))
-    fingerprint = zlib.crc32("\x1f".join(keys).encode()) | (len(keys) << 32)
+    # 63 bits of a cryptographic hash: two different key lists share a fingerprint with
+    # odds of 2**-63, so a mismatch is never mistaken for agreement.
+    digest = hashlib.blake2b("\x1f".join(keys).encode(), digest_size=8).digest()
+    fingerprint = int.from_bytes(digest, "little") & INT64_MAX
     head = struct.Struct("<" + "q" * (HEADER_WORDS + 2 * mask_words))
     return Layout(keys, fingerprint, mask_words, HEADER_WORDS + 2 * mask_words + len(keys), head)
 

@@ -9,6 +9,12 @@ disagree raise the same clear error together instead of mixing values up.
 A key-set handshake (a 2-word gather) runs on the first call for a group, and again
 only when some rank's key set changes. It exists because gloo, given tensors of
 different lengths, returns wrong values without an error.
+
+Every rank of a group enters the same collectives, of the same sizes, in the same order,
+whatever keys each rank passes: whether to run the handshake is decided from words every
+rank received alike (the agreed layout, and the fingerprints in the last gather), never
+from one rank's own keys. Every wait is bounded, so a rank that does not join makes the
+others raise MemoryReduceError instead of hanging.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from . import payload
+from .config import default_of
 
 #: The steady-state collective; set it alike on every rank. "all_gather" (the default):
 #: all_gather_single of each rank's words. "all_to_all": all_to_all_single of each rank's
@@ -48,7 +55,12 @@ class GatheredMemory:
     peak_rank: dict = field(default_factory=dict)  # key -> the rank holding the maximum (lowest on ties)
 
 
-def reduce_max_memory_across_pp_group(memory_report: dict, pp_group) -> dict:
+#: How long a helper call waits for the other ranks: LoggerConfig's memory_reduce_timeout_s default.
+DEFAULT_TIMEOUT_S = default_of("memory_reduce_timeout_s")
+
+
+def reduce_max_memory_across_pp_group(memory_report: dict, pp_group, *,
+                                      timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict:
     """Per-key MAX of ``memory_report`` across ``pp_group``, on every rank of the group.
 
     Megatron-Bridge's contract, kept: returns ``memory_report`` itself, with no
@@ -57,10 +69,14 @@ def reduce_max_memory_across_pp_group(memory_report: dict, pp_group) -> dict:
     Never mutates its input. ints come back as ints (exact in the int64 range), floats
     as floats; a key every rank lacks is dropped. Runs on gloo (CPU tensor) and NCCL
     (current CUDA device) alike.
+
+    Ranks that pass different keys all raise MemoryReduceError naming the keys. A rank
+    that takes one of the no-op paths above while the others reduce leaves them waiting:
+    they raise MemoryReduceError after ``timeout_s`` (None: wait forever).
     """
     if not takes_part(memory_report, pp_group):
         return memory_report
-    return gather_memory(memory_report, pp_group).maximum
+    return gather_memory(memory_report, pp_group, timeout_s=timeout_s).maximum
 
 
 def takes_part(memory_report: dict, group) -> bool:
@@ -89,14 +105,17 @@ def gather_memory(
     """
     layout = payload.layout_of(tuple(memory_report))
     channel = _channel(group)
-    if channel.layout is not layout:
+    # channel.layout changes only when every rank adopts a layout together, so this
+    # test, unlike "are my keys the agreed ones?", has the same answer on every rank.
+    if channel.layout is None:
         _agree_on_layout(channel, layout, group, iteration, timeout_s)
     while True:
+        # Always the agreed size: a rank whose keys changed sends just its header.
         reports = channel.exchange(layout, memory_report, group, iteration, timeout_s)
         fingerprint = channel.layout.fingerprint
         if all(report.fingerprint == fingerprint for report in reports):
             break
-        # Some rank's key set changed since the handshake: every rank sees that in the
+        # Some rank's key set differs from the agreed one: every rank sees that in the
         # same gathered words, so every rank re-runs the handshake together.
         _agree_on_layout(channel, layout, group, iteration, timeout_s)
     _check_iterations(reports, iteration, group)
@@ -151,16 +170,24 @@ def _check_iterations(reports: list, iteration: int | None, group) -> None:
 
 
 def _agree_on_layout(channel, layout, group, iteration, timeout_s) -> None:
-    """Handshake: a 2-word gather of (key count, fingerprint). Identical everywhere -> adopt."""
-    mine = torch.tensor([len(layout.keys), layout.fingerprint], dtype=torch.int64)
+    """Handshake: a gather of (fingerprint, length of the key names). Identical everywhere
+    -> every rank adopts the layout. Otherwise every rank gathers the names (sized by
+    the longest, so the sizes agree too) and raises the same MemoryReduceError."""
+    names = "\x1f".join(layout.keys).encode()
+    mine = torch.tensor([layout.fingerprint, len(names)], dtype=torch.int64)
     gathered = channel.gather_small(mine, group, iteration, timeout_s)
-    if all(f == layout.fingerprint for f in gathered[1::2]):
+    fingerprints, lengths = gathered[0::2], gathered[1::2]
+    if all(f == layout.fingerprint for f in fingerprints):
         channel.adopt(layout, group)
         return
     # Rare path, taken by every rank together: name the keys that differ.
-    everyone: list = [None] * group.size()
-    dist.all_gather_object(everyone, list(layout.keys), group=group)
-    raise MemoryReduceError(_key_mismatch_message(everyone, group))
+    width = max(lengths)
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: len(names)] = torch.tensor(list(names), dtype=torch.uint8)
+    everyone = channel.gather_small(padded, group, iteration, timeout_s)
+    key_lists = [bytes(everyone[r * width : r * width + n]).decode().split("\x1f") if n else []
+                 for r, n in enumerate(lengths)]
+    raise MemoryReduceError(_key_mismatch_message(key_lists, group))
 
 
 def _key_mismatch_message(key_lists: list, group) -> str:
@@ -206,7 +233,7 @@ class _Channel:
         self.recv_words = self.recv_host.numpy()
 
     def exchange(self, layout, memory_report, group, iteration, timeout_s) -> list:
-        if layout is self.layout:
+        if layout is self.layout or layout.keys == self.layout.keys:
             payload.pack_into(self.send_words, layout, memory_report, iteration, _warn_once)
         else:
             # This rank's key set changed: its header alone tells every rank to re-agree.
@@ -227,7 +254,8 @@ class _Channel:
         return payload.unpack(self.layout, self.recv_words, self.ranks)
 
     def gather_small(self, mine, group, iteration, timeout_s) -> list[int]:
-        out = torch.empty(mine.numel() * self.ranks, dtype=torch.int64, device=self.device)
+        """Every rank's ``mine`` (same size and dtype on every rank), concatenated, as a list."""
+        out = torch.empty(mine.numel() * self.ranks, dtype=mine.dtype, device=self.device)
         self._wait(_all_gather_single(out, mine.to(self.device), group), group, iteration, timeout_s)
         return out.tolist()
 
@@ -277,8 +305,10 @@ def _timeout_error(group, iteration, timeout_s) -> MemoryReduceError:
     at = "" if iteration is None else f" at iteration {iteration}"
     return MemoryReduceError(
         f"memory reduction over {_describe(group)}{at}: not every rank joined within "
-        f"memory_reduce_timeout_s={timeout_s:g}s. A stage skipped this logging call or is stuck; "
-        f"every rank must call training_log at every iteration with the same config."
+        f"memory_reduce_timeout_s={timeout_s:g}s. A stage skipped this logging call, or took a "
+        f"no-op path the others did not (an empty report, or a None group on that rank only), or is "
+        f"stuck; every rank must call training_log (or the reduction) at every iteration with the "
+        f"same config and a non-empty report."
     )
 
 

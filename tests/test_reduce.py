@@ -9,7 +9,7 @@ import torch
 
 from nemo_memlog import payload
 from nemo_memlog.reduce import MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
-from tests.cluster import RankFailure
+from tests.cluster import Cluster, RankFailure
 from tests.collectives import GATHER, count_collectives
 
 
@@ -222,3 +222,132 @@ def test_payload_round_trip_is_exact():
     assert decoded.iteration == 42 and decoded.fingerprint == layout.fingerprint
     assert decoded.values == [0.1, -(2**62), None, math.inf, 2.5]
     assert [type(v) for v in decoded.values] == [float, int, type(None), float, float]
+
+
+# --- issue 11: ranks whose keys change after the group agreed never break the collective ---
+
+BASE = ("a", "b")
+CHANGES = {"added": ("a", "b", "c"), "removed": ("a",), "reordered": ("b", "a")}
+
+
+def _values(keys, stage, call):
+    return {key: float(100 * call + 10 * stage + i) for i, key in enumerate(keys)}
+
+
+def reduce_outcome(keys, stage, call):
+    """("ok", result) or ("error", message) for one call; any other exception propagates."""
+    try:
+        with count_collectives() as calls:
+            result = reduce_max_memory_across_pp_group(_values(keys, stage, call), _pp_group(), timeout_s=60)
+        return "ok", result, calls
+    except MemoryReduceError as error:
+        return "error", str(error), None
+
+
+def change_keys_in_steady_state(kind):
+    """Steady state, then the key set changes on one stage, then another, then on all."""
+    rank, stage, dp = _coords()
+    changed = CHANGES[kind]
+    plan = [
+        BASE, BASE,  # agreed, then steady
+        changed if stage == 1 else BASE,  # one stage
+        BASE,  # back in agreement: the group still works
+        changed if stage == 0 else BASE,  # another stage
+        changed,  # all alike: re-agree and carry on
+        changed,  # steady again
+    ]
+    return stage, [reduce_outcome(keys, stage, call) for call, keys in enumerate(plan)]
+
+
+@pytest.mark.parametrize("kind", sorted(CHANGES))
+@pytest.mark.parametrize("grid", ["pp2dp2", "pp4"])
+def test_key_set_changed_on_some_ranks_raises_everywhere_then_recovers(grid, kind, request):
+    cluster = request.getfixturevalue(grid)
+    stages = 2 if grid == "pp2dp2" else 4
+    changed = CHANGES[kind]
+    for stage, outcomes in cluster.run_ok(change_keys_in_steady_state, kind):
+        status = [outcome[0] for outcome in outcomes]
+        assert status == ["ok", "ok", "error", "ok", "error", "ok", "ok"], (stage, outcomes)
+        for call in (2, 4):
+            message = outcomes[call][1]
+            assert "different keys" in message
+            named = {"added": "lacks ['c']", "removed": "lacks ['b']", "reordered": "different order"}[kind]
+            assert named in message, message
+        for call, keys in ((0, BASE), (1, BASE), (3, BASE), (5, changed), (6, changed)):
+            assert outcomes[call][1] == _values(keys, stages - 1, call), (stage, call)
+        assert outcomes[1][2] == [GATHER] and outcomes[6][2] == [GATHER], "steady state is one collective"
+
+
+CHOICES = (("a", "b"), ("a", "b", "c"), ("b", "a"), ("a",), ("c", "a", "b", "d"))
+
+
+def reduce_random_key_sets(seed, calls):
+    """Each call: every rank draws a key set; most calls a shared draw, some a rank's own."""
+    import random
+
+    rank, stage, dp = _coords()
+    shared, own = random.Random(seed), random.Random(seed * 1000 + rank)
+    drawn, outcomes = [], []
+    for call in range(calls):
+        common = shared.randrange(len(CHOICES))
+        choice = common if shared.random() < 0.5 else own.randrange(len(CHOICES))
+        drawn.append(choice)
+        outcome = reduce_outcome(CHOICES[choice], stage, call)
+        outcomes.append(outcome[:2])
+    return (rank, stage), drawn, outcomes
+
+
+@pytest.mark.parametrize("grid", ["pp2dp2", "pp4"])
+def test_random_key_sets_never_crash_and_agreeing_calls_are_right(grid, request):
+    cluster = request.getfixturevalue(grid)
+    results = cluster.run_ok(reduce_random_key_sets, 11, 50, timeout=240)
+    groups = [[0, 2], [1, 3]] if grid == "pp2dp2" else [[0, 1, 2, 3]]
+    agreed = disagreed = 0
+    for group in groups:
+        stages = [results[rank][0][1] for rank in group]
+        for call in range(50):
+            choices = {results[rank][1][call] for rank in group}
+            for rank in group:
+                status, value = results[rank][2][call]
+                if len(choices) == 1:
+                    keys = CHOICES[next(iter(choices))]
+                    assert status == "ok", (rank, call, value)
+                    assert value == _values(keys, max(stages), call), (rank, call)
+                else:
+                    assert status == "error" and "different keys" in value, (rank, call, value)
+            agreed += len(choices) == 1
+            disagreed += len(choices) > 1
+    assert agreed >= 10 and disagreed >= 10, (agreed, disagreed)  # both paths really ran
+
+
+def skip_on_one_rank(skip):
+    """PP 2 x DP 2: in PP group {0, 2} rank 0 passes an empty report; in {1, 3} rank 1 a None group."""
+    rank, stage, dp = _coords()
+    group = _pp_group()
+    reduce_max_memory_across_pp_group({"x": 1.0}, group, timeout_s=60)  # agreed and steady
+    report = {} if (skip and rank == 0) else {"x": 2.0}
+    if skip and rank == 1:
+        group = None
+    start = __import__("time").monotonic()
+    try:
+        if skip:
+            return "returned", reduce_max_memory_across_pp_group(report, group, timeout_s=2.0), None
+        return "returned", reduce_max_memory_across_pp_group(report, group), None
+    except MemoryReduceError as error:
+        return "raised", str(error), __import__("time").monotonic() - start
+
+
+def test_a_rank_that_takes_a_noop_path_alone_makes_the_others_raise_not_hang():
+    from nemo_memlog import LoggerConfig
+
+    assert (reduce_max_memory_across_pp_group.__kwdefaults__["timeout_s"]
+            == LoggerConfig().memory_reduce_timeout_s), "the helper's default wait is memory_reduce_timeout_s's"
+    with Cluster(world=4, pp=2) as cluster:
+        results = cluster.run_ok(skip_on_one_rank, True, timeout=60)
+    assert results[0][:2] == ("returned", {}), "an empty report stays a no-op (Megatron-Bridge's contract)"
+    assert results[1][:2] == ("returned", {"x": 2.0}), "a None group stays a no-op"
+    for rank in (2, 3):
+        status, message, waited = results[rank]
+        assert status == "raised", (rank, message)
+        assert "memory_reduce_timeout_s=2" in message and "empty report" in message
+        assert 1.5 < waited < 30, waited
