@@ -1,0 +1,265 @@
+"""Megatron-Bridge's training loop, driven on CPU gloo ranks, with its real pieces.
+
+``pretrain()`` asserts CUDA, so this module replaces only the loop driver. Everything
+it drives is Megatron-Bridge 0.3.1's own: a real ``GlobalState`` and ``ConfigContainer``,
+the loggers it opens (``state.tensorboard_logger``, ``state.wandb_logger``,
+``state.mlflow_logger``), its ``CallbackManager`` (``normalize_callbacks``), and its
+``training_log``. ``train`` follows ``megatron.bridge.training.train.train``: the loggers
+opened as its ``setup()`` opens them (TensorBoard and W&B; MLflow on first use),
+``on_train_start``; per iteration ``on_train_step_start``, the train step,
+``on_train_step_end``, ``train_state.step += 1``, ``training_log`` (which logs that
+iteration at the incremented step); after the loop the TensorBoard flush,
+``on_train_end``, and what ``_finish_train`` does to the loggers (``wandb.finish()``).
+The CUDA calls Bridge makes are pointed at the CPU by ``tests.bridge_env``.
+
+The train step is a real SGD step on a tiny model. Stage 0 also holds a ballast of host
+memory, as a real first stage holds the most in-flight activations, so the pipeline's
+peak (``peak_host_rss_gb``) lives on stage 0 and not on the last stage, where Bridge logs.
+
+Each rank returns a ``RankRecord``: its coordinates, its own host peak around each
+``on_train_step_end``, the collectives each callback event issued, and what the loop
+handed Bridge's ``training_log`` at each step (so the test can check it is logged
+unchanged). Run with ``cluster.run_ok(train, RunSpec(...))``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+from tests import bridge_env
+
+MB = 2**20
+
+
+@dataclass
+class RunSpec:
+    """One training run. ``root`` holds the last rank's logger directories."""
+
+    root: str
+    callback_kwargs: dict | None = None  # None: Bridge alone; else MemoryLogCallback(**callback_kwargs)
+    log_memory_to_tensorboard: bool = True
+    train_iters: int = 6
+    tensorboard_log_interval: int = 2
+    log_interval: int = 1
+    ballast_mb: int = 300
+    backends: tuple = ("tensorboard", "wandb", "mlflow")
+
+    @property
+    def tensorboard_dir(self):
+        return os.path.join(self.root, "tb")
+
+    @property
+    def wandb_save_dir(self):
+        return os.path.join(self.root, "wandb_save")
+
+    @property
+    def mlflow_uri(self):
+        return f"sqlite:///{self.root}/mlflow.db"
+
+    def logging_steps(self):
+        return [s for s in range(1, self.train_iters + 1) if s % self.tensorboard_log_interval == 0]
+
+
+@dataclass
+class StepRecord:
+    """What the loop handed Bridge's training_log for one iteration, logged at ``step``."""
+
+    step: int
+    learning_rate: float
+    loss: float | None  # None off the last stage: Megatron reduces the loss there only
+    grad_norm: float
+    batch_size: int
+    consumed_train_samples: int
+    peak_before: float  # this rank's peak_host_rss_gb just before on_train_step_end
+    peak_after: float  # ... and just after
+    flag_seen_by_training_log: bool
+
+
+@dataclass
+class RankRecord:
+    rank: int
+    pp_stage: int
+    dp_rank: int
+    steps: list = field(default_factory=list)
+    collectives: dict = field(default_factory=dict)  # event (or "on_train_step_end@<step>") -> names
+    flag_after_run: bool | None = None
+
+
+_ballast: list = []
+
+
+def _host_peak_gb() -> float:
+    from nemo_memlog import report_memory
+
+    return report_memory()["peak_host_rss_gb"]
+
+
+def _config(spec: RunSpec, pp: int):
+    from megatron.bridge.models.gpt_provider import GPTModelProvider
+    from megatron.bridge.training import config as bc
+    from megatron.bridge.training.tokenizers.config import TokenizerConfig
+
+    logger = bc.LoggerConfig(
+        log_interval=spec.log_interval,
+        tensorboard_log_interval=spec.tensorboard_log_interval,
+        log_memory_to_tensorboard=spec.log_memory_to_tensorboard,
+    )
+    if "tensorboard" in spec.backends:
+        logger.tensorboard_dir = spec.tensorboard_dir
+    if "wandb" in spec.backends:
+        logger.wandb_project, logger.wandb_exp_name = "memlog-bridge", "pp-run"
+        logger.wandb_save_dir = spec.wandb_save_dir
+    if "mlflow" in spec.backends:
+        logger.mlflow_experiment, logger.mlflow_run_name = "memlog-bridge", "pp-run"
+        logger.mlflow_tracking_uri = spec.mlflow_uri
+    cfg = bc.ConfigContainer(
+        train=bc.TrainingConfig(micro_batch_size=1, global_batch_size=4, train_iters=spec.train_iters),
+        model=GPTModelProvider(num_layers=2, hidden_size=8, num_attention_heads=2, kv_channels=4, num_query_groups=2,
+                               ffn_hidden_size=32, seq_length=16, vocab_size=64, pipeline_model_parallel_size=pp),
+        optimizer=bc.OptimizerConfig(lr=1e-3),
+        scheduler=bc.SchedulerConfig(),
+        dataset=bc.MockGPTDatasetConfig(random_seed=1, seq_length=16),
+        logger=logger,
+        tokenizer=TokenizerConfig(),
+        checkpoint=bc.CheckpointConfig(save=os.path.join(spec.root, "checkpoints")),
+    )
+    cfg.set_data_parallel_size()
+    return cfg
+
+
+def _environment(spec: RunSpec) -> None:
+    # W&B offline, and everything it writes under root (set on every rank; only the last opens it).
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        os.environ[name] = os.path.join(spec.root, name.lower())
+
+
+def _train_step(model, optimizer, stage: int, last_stage: bool, iteration: int, spec: RunSpec):
+    """One SGD step on a tiny model. (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad)."""
+    import numpy as np
+    import torch
+
+    if stage == 0 and spec.ballast_mb and not _ballast:
+        _ballast.append(np.ones(spec.ballast_mb * MB // 8))  # touched: resident, not just reserved
+    for group in optimizer.param_groups:
+        group["lr"] = 1e-3 * (iteration + 1)  # a schedule, so each step's value is its own
+    torch.manual_seed(iteration)
+    loss = model[0](torch.randn(4, 8)).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model[0].parameters(), 1e9))
+    optimizer.step()
+    loss_dict = {"lm loss": loss.detach()} if last_stage else {}
+    return loss_dict, 0, grad_norm, None
+
+
+def _fire(manager, event, record, key, **context_fields):
+    from megatron.bridge.training.callbacks import CallbackContext, should_fire
+
+    from tests.collectives import count_collectives
+
+    if not should_fire(manager, event):
+        return
+    with count_collectives() as calls:
+        manager.fire(event, CallbackContext(user_state=manager.user_state, **context_fields))
+    record.collectives[key] = list(calls)
+
+
+def train(spec: RunSpec) -> RankRecord:
+    """Run Bridge's training loop on this rank; see the module docstring."""
+    bridge_env.load()
+    import torch
+    import torch.distributed as dist
+    from megatron.bridge.training.callbacks import normalize_callbacks
+    from megatron.bridge.training.state import GlobalState
+    from megatron.bridge.training.utils.train_utils import training_log
+    from megatron.core import parallel_state as ps
+    from megatron.core.num_microbatches_calculator import (
+        destroy_num_microbatches_calculator, get_num_microbatches, init_num_microbatches_calculator)
+
+    _environment(spec)
+    pp = ps.get_pipeline_model_parallel_world_size()
+    stage = ps.get_pipeline_model_parallel_rank()
+    record = RankRecord(rank=dist.get_rank(), pp_stage=stage, dp_rank=ps.get_data_parallel_rank())
+    cfg = _config(spec, pp)
+    state = GlobalState()
+    assert state.cfg is None, "GlobalState must be fresh per run"
+    state.cfg = cfg
+    init_num_microbatches_calculator(dist.get_rank(), None, cfg.train.global_batch_size,
+                                     cfg.train.micro_batch_size, cfg.data_parallel_size)
+    model = [torch.nn.Linear(8, 8)]
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=1e-3)
+    for group in optimizer.param_groups:
+        group["is_decoupled_lr"] = False
+    manager = None
+    if spec.callback_kwargs is not None:
+        bridge_env.load()  # nemo_memlog.bridge imports Bridge's callbacks
+        from nemo_memlog.bridge import MemoryLogCallback
+
+        manager = normalize_callbacks([MemoryLogCallback(**spec.callback_kwargs)])
+    events = dict(state=state, model=model, optimizer=optimizer, scheduler=None)
+    try:
+        with bridge_env.cpu_redirects():
+            state.tensorboard_logger, state.wandb_logger  # noqa: B018 -- opened where Bridge's setup() opens them
+            total_loss_dict: dict = {}
+            state.timers("interval-time", log_level=0).start(barrier=True)
+            report_memory_flag = False  # True would print torch.cuda.memory_stats text once
+            _fire(manager, "on_train_start", record, "on_train_start", **events)
+            while state.train_state.step < cfg.train.train_iters:
+                iteration = state.train_state.step
+                _fire(manager, "on_train_step_start", record, f"on_train_step_start@{iteration + 1}", **events)
+                loss_dict, skipped_iter, grad_norm, num_zeros = _train_step(
+                    model, optimizer, stage, ps.is_pipeline_last_stage(), iteration, spec)
+                peak_before = _host_peak_gb()
+                _fire(manager, "on_train_step_end", record, f"on_train_step_end@{iteration + 1}", **events,
+                      loss_dict=loss_dict, grad_norm=grad_norm, skipped_iter=bool(skipped_iter))
+                peak_after = _host_peak_gb()
+                state.train_state.step += 1
+                batch_size = ps.get_data_parallel_world_size() * cfg.train.micro_batch_size * get_num_microbatches()
+                state.train_state.consumed_train_samples += batch_size
+                learning_rate = optimizer.param_groups[0]["lr"]
+                record.steps.append(StepRecord(
+                    step=state.train_state.step, learning_rate=learning_rate,
+                    loss=float(loss_dict["lm loss"]) if loss_dict else None, grad_norm=grad_norm,
+                    batch_size=batch_size, consumed_train_samples=state.train_state.consumed_train_samples,
+                    peak_before=peak_before, peak_after=peak_after,
+                    flag_seen_by_training_log=cfg.logger.log_memory_to_tensorboard))
+                report_memory_flag = training_log(
+                    loss_dict, total_loss_dict, learning_rate, None, 1.0, report_memory_flag, skipped_iter,
+                    grad_norm, None, num_zeros, cfg, state, None, model, None)
+            if state.tensorboard_logger:
+                state.tensorboard_logger.flush()
+            _fire(manager, "on_train_end", record, "on_train_end", **events)
+            if state.wandb_logger:
+                state.wandb_logger.finish()  # as _finish_train does
+        record.flag_after_run = cfg.logger.log_memory_to_tensorboard
+    finally:
+        _close_what_bridge_leaves_open(state)
+        destroy_num_microbatches_calculator()
+        _ballast.clear()
+    return record
+
+
+def _close_what_bridge_leaves_open(state) -> None:
+    """Bridge never closes its SummaryWriter or ends its MLflow run (its process exits);
+    these rank processes host several runs, so the next one must start clean."""
+    if state._tensorboard_logger is not None:
+        state._tensorboard_logger.close()
+    if state._mlflow_logger is not None:
+        state._mlflow_logger.end_run()
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def finite(value) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
