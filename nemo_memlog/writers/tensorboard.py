@@ -36,6 +36,13 @@ def config_text(params: dict, secrets: list[str]) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
+def adopt(obj) -> "TensorBoardBackend | None":
+    """A SummaryWriter (torch's or tensorboardX's) that someone else opened, else None."""
+    if type(obj).__module__.startswith(("torch.utils.tensorboard", "tensorboardX")) and hasattr(obj, "add_scalar"):
+        return TensorBoardBackend(obj)
+    return None
+
+
 class TensorBoardBackend:
     def __init__(self, writer):
         self.writer = writer
