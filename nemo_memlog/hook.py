@@ -50,6 +50,8 @@ def _log_step(iteration, config, logger, pg_collection, pp_group, writers, metri
         check_logger_fields(logger)
         _checked[id(logger)] = logger
     report = memory.report_memory(setting(logger, "memory_keys"))
+    if setting(logger, "memory_peak_window") == "interval":
+        memory.reset_peaks()  # the next report's peak_* cover the next interval only
     report.update(memory.capacity_report())
     world = setting(logger, "memory_reduce_scope") == "world"
     group = _world_group() if world else megatron.pipeline_group(pp_group, pg_collection)
