@@ -104,11 +104,21 @@ def _device_usage(stats: dict[str, int]) -> tuple[int | None, int | None]:
     used = total - free for the whole device (what nvidia-smi shows, all processes);
     other = used - this process's reserved memory, never below 0.
     """
-    if not _cuda_in_use():
+    if not (_cuda_in_use() and _has_context(stats)):
         return None, None
     free, total = torch.cuda.mem_get_info()
     used = total - free
     return used, max(0, used - stats.get("reserved_bytes.all.current", 0))
+
+
+def _has_context(stats: dict[str, int]) -> bool:
+    """Whether the current device already has this process's CUDA context. cudaMemGetInfo
+    would create one otherwise, and torch.cuda.is_initialized() alone does not say (a
+    torch.cuda.current_device() call initialises CUDA without a context)."""
+    check = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # CUDA builds
+    if check is not None:
+        return bool(check(torch.cuda.current_device()))
+    return stats.get("reserved_bytes.all.current", 0) > 0  # the allocator holds memory there
 
 
 def reset_peaks() -> None:

@@ -61,6 +61,7 @@ def test_device_keys_and_reset_with_cuda_in_use_simulated(monkeypatch):
     """The arithmetic and the calls of the CUDA path, with torch.cuda stubbed (no GPU here)."""
     calls = []
     monkeypatch.setattr(memory, "_cuda_in_use", lambda: True)
+    monkeypatch.setattr(memory, "_has_context", lambda stats: True)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"reserved_bytes.all.current": 30 * 10**9,
                                                              "reserved_bytes.all.peak": 50 * 10**9})
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (45 * 10**9, 80 * 10**9))  # (free, total)
@@ -70,6 +71,16 @@ def test_device_keys_and_reset_with_cuda_in_use_simulated(monkeypatch):
     assert report["peak_reserved_gb"] == 50.0
     reset_peaks()
     assert calls == ["reset"]
+
+
+def test_cuda_initialised_without_a_context_on_this_device_gets_no_device_keys(monkeypatch):
+    """torch.cuda.current_device() initialises CUDA without a context: mem_get_info would create one."""
+    monkeypatch.setattr(memory, "_cuda_in_use", lambda: True)
+    monkeypatch.delattr(torch._C, "_cuda_hasPrimaryContext", raising=False)  # as on CPU builds: the fallback
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"reserved_bytes.all.current": 0})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: pytest.fail("would create a CUDA context"))
+    report = report_memory()
+    assert all(math.isnan(report[k]) for k in DEVICE_KEYS)
 
 
 def test_a_host_peak_that_cannot_be_reset_warns_once(monkeypatch):
