@@ -150,6 +150,8 @@ def _peak_window(configs: list[tuple[float, str]]) -> str | None:
             params = params_from_text(text)
         except ValueError:  # not a config this library wrote
             continue
+        if not isinstance(params, dict):
+            continue
         window = str(params.get("logger.memory_peak_window", params.get("memory_peak_window", "run")))
         if not windows or windows[-1] != window:
             windows.append(window)
