@@ -15,7 +15,7 @@ import importlib
 import pkgutil
 import weakref
 
-from ..config import flat_params, logger_section, secrets_of, setting
+from ..config import logger_section, recorded_params, secrets_of, setting
 from .fanout import FanOut, Sink
 from .inline import InlineFanOut
 
@@ -32,13 +32,14 @@ def build_writers(config, *, run_config=None) -> FanOut:
 
     ``config`` is a LoggerConfig, any object with its field names, or a container with
     ``.logger``. ``run_config`` (default: ``config``) is recorded once per backend as
-    hyperparameters, with secrets redacted. Backends open lazily in their own threads.
-    Closed at interpreter exit and on SIGTERM (see signals.py).
+    hyperparameters, with secrets redacted and the resolved ``memory_peak_window`` added.
+    Backends open lazily in their own threads. Closed at interpreter exit and on SIGTERM
+    (see signals.py).
     """
     logger = logger_section(config)
     run_config = config if run_config is None else run_config
     secrets = secrets_of(run_config) + secrets_of(logger)
-    params = flat_params(run_config)
+    params = recorded_params(run_config, logger)
     sinks = []
     for name in backend_modules():
         module = importlib.import_module(f"{__name__}.{name}")
