@@ -32,7 +32,9 @@ def training_log(iteration: int, config, *, pg_collection=None, pp_group=None, w
     if monitor is None:
         monitor = _monitors[key] = MemoryMonitor(config, pg_collection=pg_collection, pp_group=pp_group,
                                                  writers=writers)
-    return monitor.log(iteration, metrics)
+    if not monitor.enabled or iteration % monitor.interval:  # monitor.log's gate, one call fewer
+        return None
+    return monitor.log_step(iteration, metrics)
 
 
 def close_writers() -> None:

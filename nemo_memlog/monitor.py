@@ -50,9 +50,10 @@ class MemoryMonitor:
         ``metrics``, hand to the writers (writer rank), and return the unified dict."""
         if not self.enabled or iteration % self.interval:
             return None
-        return self._log_step(iteration, metrics)
+        return self.log_step(iteration, metrics)
 
-    def _log_step(self, iteration: int, metrics: dict | None) -> dict:
+    def log_step(self, iteration: int, metrics: dict | None = None) -> dict:
+        """``log`` past its gate: callers that gate themselves (training_log) call it directly."""
         if not self._placed:
             self.place()
         report = memory.report_memory(self.memory_keys)
