@@ -15,6 +15,7 @@ _EXPORTS = {
     "close_writers": "hook",
     "DEFAULT_MEMORY_KEYS": "memory",
     "report_memory": "memory",
+    "reset_peaks": "memory",
     "GatheredMemory": "reduce",
     "MemoryReduceError": "reduce",
     "gather_memory": "reduce",

@@ -5,12 +5,15 @@ From one GatheredMemory (position i = pipeline stage i) it derives:
     memory/<name>                     max over stages (what the dashboards plotted before, fixed)
     memory/peak_stage/<name>          int: the stage holding that max (lowest stage on ties)
     memory/pp_stage_{i}/<name>        stage i's own value, for names matching memory_per_stage_keys
-    memory/headroom_gb                min over stages of device_total - peak_reserved     (CUDA)
+    memory/headroom_gb                min over stages of device_total - device_other - peak_reserved (CUDA)
     memory/headroom_stage             int: that stage
     memory/peak_reserved_pct          100 * peak_reserved / device_total at that stage
     memory/host_headroom_gb           min over stages of the host's MemAvailable (SIGKILL distance)
     memory/host_headroom_stage        int: that stage
     memory/peak_host_rss_pct          max over stages of 100 * peak_host_rss / host_total
+
+The ``peak_*`` inputs cover the window memory.py measured them over (memory_peak_window:
+the run, or the interval since the previous logging step); everything above follows.
 """
 
 from __future__ import annotations
@@ -60,8 +63,10 @@ def _headroom(keys, per_rank) -> dict:
     out = {}
     totals = _column(keys, per_rank, "device_total_gb")
     reserved = _column(keys, per_rank, "peak_reserved_gb")
+    # Memory outside the allocator (CUDA context, NCCL, other processes) is not free for it.
+    other = _column(keys, per_rank, "device_other_gb") or [None] * len(per_rank)
     if totals and reserved:
-        stages = [(t - r, stage, r / t) for stage, (t, r) in enumerate(zip(totals, reserved))
+        stages = [(t - (o or 0.0) - r, stage, r / t) for stage, (t, r, o) in enumerate(zip(totals, reserved, other))
                   if t is not None and r is not None and t > 0]
         if stages:
             headroom, stage, used = min(stages)

@@ -12,6 +12,8 @@ from typing import Any, Dict, List, Optional
 
 SECRET_NAME = re.compile(r"api[_-]?key|token|password|passwd|secret|credential|auth", re.IGNORECASE)
 REDACTED = "***redacted***"
+#: memory_peak_window's values: the peaks of the whole run, or of each logging interval.
+PEAK_WINDOWS = ("run", "interval")
 
 
 @dataclass
@@ -49,8 +51,17 @@ class LoggerConfig:
     # --- nemo_memlog's own ---
     comet_offline_directory: Optional[str] = None
     """Write a Comet offline archive here; also used when no API key is available."""
-    memory_per_stage_keys: List[str] = field(default_factory=lambda: ["peak_*"])
+    memory_per_stage_keys: List[str] = field(
+        default_factory=lambda: ["peak_*", "device_used_gb", "device_other_gb"])
     """Logged names (fnmatch patterns) that also get memory/pp_stage_{i}/<name>."""
+    memory_peak_window: str = "run"
+    """What each ``peak_*`` value (CUDA allocator peaks and the host's VmHWM) covers.
+    "run": the peak since the process started (Megatron-Bridge's behaviour). "interval":
+    the peak since the previous logging step; per-stage values, peak stage and headroom
+    follow. "interval" resets process-wide state at every logging step
+    (torch.cuda.reset_peak_memory_stats, and /proc/self/clear_refs for the host, Linux
+    only: elsewhere the host peak stays the run's, with one warning), so anything else
+    reading those peaks, such as Megatron's own text memory report, sees them reset too."""
     memory_reduce_scope: str = "pp"
     """"pp": max over the pipeline group; "world": max over every rank, with its location."""
     memory_headroom_warn_fraction: float = 0.10
@@ -101,6 +112,10 @@ def check_logger_fields(logger) -> None:
     scope = setting(logger, "memory_reduce_scope")
     if scope not in ("pp", "world"):
         raise ValueError(f"logger.memory_reduce_scope must be 'pp' or 'world'; got {scope!r}")
+    window = setting(logger, "memory_peak_window")
+    if window not in PEAK_WINDOWS:
+        raise ValueError(f"logger.memory_peak_window must be one of {', '.join(map(repr, PEAK_WINDOWS))} "
+                         f"(peak since the process started, or since the previous logging step); got {window!r}")
     fraction = setting(logger, "memory_headroom_warn_fraction")
     if not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
         raise ValueError(f"logger.memory_headroom_warn_fraction must be in [0, 1); got {fraction!r}")
@@ -167,6 +182,16 @@ def flat_params(config) -> dict[str, Any]:
 
     walk("", redacted(config))
     return out
+
+
+def recorded_params(run_config, logger) -> dict[str, Any]:
+    """What the writers record for a run: ``flat_params(run_config)``, with the peak window
+    this run uses always present, also when the logger object lacks the field (Megatron-Bridge's
+    LoggerConfig): the report command labels the ``peak_*`` values with it."""
+    params = flat_params(run_config)
+    name = "memory_peak_window" if logger is run_config else "logger.memory_peak_window"
+    params[name] = setting(logger, "memory_peak_window")
+    return params
 
 
 def secrets_of(config) -> list[str]:

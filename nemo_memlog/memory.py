@@ -34,6 +34,8 @@ DEFAULT_MEMORY_KEYS: dict[str, str] = {
 }
 
 HOST_KEYS = ("host_rss_gb", "peak_host_rss_gb")
+#: Whole-device figures from cudaMemGetInfo, beside the allocator's own (CUDA in use only).
+DEVICE_KEYS = ("device_used_gb", "device_other_gb")
 
 #: A value a rank reports for a statistic it does not have. The reduction ignores it,
 #: and drops the key only when every rank lacks it.
@@ -56,6 +58,11 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | 
       ``torch.cuda.memory_stats()``: byte counts as GB floats (1e9 bytes), counters
       as Python ints. ``memory_keys`` maps torch's statistic names to logged names.
     - Host memory is always reported: ``host_rss_gb`` and ``peak_host_rss_gb``.
+    - ``device_used_gb`` (the whole device: total - free, every process) and
+      ``device_other_gb`` (device used - this process's reserved memory: the CUDA
+      context, NCCL buffers, other processes), both now, from ``torch.cuda.mem_get_info``.
+    - ``peak_*`` values are peaks since the process started or since the last
+      ``reset_peaks()``.
     - A statistic this rank lacks is present with the value ``MISSING`` (NaN), which
       the reduction ignores; names torch cannot produce warn once.
 
@@ -75,15 +82,94 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | 
     rss, peak_rss = host_rss_bytes()
     report["host_rss_gb"] = rss / GB
     report["peak_host_rss_gb"] = peak_rss / GB
+    used, other = _device_usage(stats)
+    report["device_used_gb"] = MISSING if used is None else used / GB
+    report["device_other_gb"] = MISSING if other is None else other / GB
     return report
 
 
-def _cuda_stats() -> dict[str, int]:
+def _cuda_in_use() -> bool:
     # "In use" means this process already initialised CUDA: never create a context
     # (hundreds of MB of device memory) just to read statistics.
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.memory_stats()
-    return {}
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _cuda_stats() -> dict[str, int]:
+    return torch.cuda.memory_stats() if _cuda_in_use() else {}
+
+
+def _device_usage(stats: dict[str, int]) -> tuple[int | None, int | None]:
+    """(used, other) bytes of the current device; (None, None) without CUDA in use.
+
+    used = total - free for the whole device (what nvidia-smi shows, all processes);
+    other = used - this process's reserved memory, never below 0.
+    """
+    if not (_cuda_in_use() and _has_context(stats)):
+        return None, None
+    free, total = torch.cuda.mem_get_info()
+    used = total - free
+    return used, max(0, used - stats.get("reserved_bytes.all.current", 0))
+
+
+def _has_context(stats: dict[str, int]) -> bool:
+    """Whether the current device already has this process's CUDA context. cudaMemGetInfo
+    would create one otherwise, and torch.cuda.is_initialized() alone does not say (a
+    torch.cuda.current_device() call initialises CUDA without a context)."""
+    check = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # CUDA builds
+    if check is not None:
+        return bool(check(torch.cuda.current_device()))
+    return stats.get("reserved_bytes.all.current", 0) > 0  # the allocator holds memory there
+
+
+def reset_peaks() -> None:
+    """Start a new peak window: from now on every ``peak_*`` value is the peak since this call.
+
+    - CUDA: ``torch.cuda.reset_peak_memory_stats()`` on the current device, only when this
+      process has initialised CUDA (never creates a context).
+    - Host: writes ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), which sets VmHWM to
+      the current RSS. Where that is impossible (macOS, other systems read the peak from
+      getrusage, which cannot be reset; a kernel or sandbox refusing the write), the host
+      peak stays the process's lifetime peak, and this warns once per process.
+
+    Both are process-wide state: anything else reading the same peaks (Megatron's own
+    text log, torch.cuda.max_memory_allocated) sees them reset too. No collective.
+    """
+    if _cuda_in_use():
+        torch.cuda.reset_peak_memory_stats()
+    problem = reset_host_peak()
+    if problem is not None:
+        _warn_host_reset_once(problem)
+
+
+def reset_host_peak() -> str | None:
+    """Reset this process's VmHWM to its current RSS. None on success, else why not."""
+    try:
+        fd = os.open("/proc/self/clear_refs", os.O_WRONLY | os.O_CLOEXEC)
+    except OSError as error:
+        return f"/proc/self/clear_refs cannot be opened ({error.strerror})"
+    try:
+        os.write(fd, b"5")
+    except OSError as error:
+        return f"writing 5 to /proc/self/clear_refs failed ({error.strerror}; Linux >= 4.0 needed)"
+    finally:
+        os.close(fd)
+    return None
+
+
+_host_reset_warned = False
+
+
+def _warn_host_reset_once(problem: str) -> None:
+    global _host_reset_warned
+    if _host_reset_warned:
+        return
+    _host_reset_warned = True
+    warnings.warn(
+        f"nemo_memlog: memory_peak_window='interval' cannot reset the host peak here: {problem}. "
+        "peak_host_rss_gb stays the process's lifetime peak; CUDA peaks (if any) are still reset.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 @lru_cache(maxsize=16)
@@ -102,8 +188,9 @@ def _validated(keys: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]
                 f"'reserved_bytes.all.peak' or 'num_alloc_retries'.",
                 stacklevel=3,
             )
-        if logged_name in HOST_KEYS:
-            raise ValueError(f"memory_keys: {logged_name!r} is reserved for host memory; choose another name")
+        if logged_name in HOST_KEYS + DEVICE_KEYS:
+            raise ValueError(f"memory_keys: {logged_name!r} is reserved for host and device memory; "
+                             f"choose another name")
     return keys
 
 
@@ -146,7 +233,7 @@ def host_total_bytes() -> int:
 
 def device_total_bytes() -> int | None:
     """Total memory of the current CUDA device, or None without CUDA in use."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if _cuda_in_use():
         return _device_total(torch.cuda.current_device())
     return None
 

@@ -15,6 +15,7 @@ def write_png(run: MemoryRun, metric: str, path) -> Path:
 
     One line per pipeline stage (memory/pp_stage_{i}/<metric>), the logged pipeline-wide
     max (memory/<metric>) dashed, and the capacity (device or host total) as a horizontal line.
+    The title (also the PNG's Title text) names the run's peak window (memory_peak_window).
     """
     import matplotlib
 
@@ -34,12 +35,13 @@ def write_png(run: MemoryRun, metric: str, path) -> Path:
         axes.set_ylim(bottom=0)  # distance to the capacity line reads as headroom
     axes.set_xlabel("step")
     axes.set_ylabel(_unit_label(metric))
-    axes.set_title(f"{metric} per pipeline stage  ({run.run_dir.name or run.run_dir})")
+    title = f"{metric} per pipeline stage, peak window: {run.peak_window or 'not recorded'}"
+    axes.set_title(f"{title}  ({run.run_dir.name or run.run_dir})")
     axes.grid(alpha=0.3)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")  # never over the lines
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
+    figure.savefig(path, metadata={"Title": title})  # the PNG's own text says what it shows
     return path
 
 

@@ -11,6 +11,8 @@ are those attribution.py writes:
     memory/headroom_gb, _stage      device headroom         -> "headroom" on device rows
     memory/host_headroom_gb, _stage host headroom           -> "headroom" on host rows
 
+and the run config the TensorBoard writer records as text, for ``memory_peak_window``:
+whether each ``peak_*`` point is the peak of the run so far or of its logging interval.
 Every other tag (loss, lr, ...) is ignored.
 """
 
@@ -67,6 +69,7 @@ class MemoryRun:
     run_dir: Path
     series: dict[str, Series]
     skipped: list[str] = field(default_factory=list)  # "file: reason" for unreadable event files
+    peak_window: str | None = None  # memory_peak_window from the recorded config; None: not recorded
 
     def get(self, tag: str) -> Series | None:
         return self.series.get(tag)
@@ -113,12 +116,14 @@ def load_run(run_dir) -> MemoryRun:
         raise ReportError(f"{run_dir}: no TensorBoard event files found under it; {_EXPECTED}")
     points: dict[str, dict[int, tuple[float, float]]] = {}
     skipped = []
+    configs = []
     for path in files:
         try:
-            read = _read_memory_scalars(path)
+            read, config = _read_event_file(path)
         except Exception as error:  # one corrupt file must not hide the others
             skipped.append(f"{path}: {type(error).__name__}: {error}")
             continue
+        configs += config
         for tag, triples in read.items():
             by_step = points.setdefault(tag, {})
             for wall_time, step, value in triples:
@@ -130,17 +135,44 @@ def load_run(run_dir) -> MemoryRun:
     for tag, by_step in points.items():
         steps = tuple(sorted(by_step))
         series[tag.removeprefix(PREFIX)] = Series(steps, tuple(by_step[s][1] for s in steps))
-    return MemoryRun(run_dir, series, skipped)
+    return MemoryRun(run_dir, series, skipped, _peak_window(configs))
 
 
-def _read_memory_scalars(path: Path) -> dict[str, list[tuple[float, int, float]]]:
-    """(wall_time, step, value) per memory tag of one event file, old- and new-style scalars."""
+def _peak_window(configs: list[tuple[float, str]]) -> str | None:
+    """memory_peak_window from the recorded run configs, oldest first; "a -> b" when a resumed
+    run changed it; None when no config was recorded. A config without the field was written
+    before the option existed, when every peak was the run's."""
+    from .writers.tensorboard import params_from_text
+
+    windows = []
+    for _, text in sorted(configs):
+        try:
+            params = params_from_text(text)
+        except ValueError:  # not a config this library wrote
+            continue
+        if not isinstance(params, dict):
+            continue
+        window = str(params.get("logger.memory_peak_window", params.get("memory_peak_window", "run")))
+        if not windows or windows[-1] != window:
+            windows.append(window)
+    return " -> ".join(windows) or None
+
+
+def _read_event_file(path: Path) -> tuple[dict[str, list[tuple[float, int, float]]], list[tuple[float, str]]]:
+    """One event file: (wall_time, step, value) per memory tag, old- and new-style scalars;
+    and (wall_time, text) of each run config recorded in it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
+
+    from .writers.tensorboard import CONFIG_TENSOR_TAG
 
     accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
     accumulator.Reload()
     tags = accumulator.Tags()
+    configs = []
+    if CONFIG_TENSOR_TAG in tags.get("tensors", []):
+        configs = [(e.wall_time, e.tensor_proto.string_val[0].decode("utf-8", "replace"))
+                   for e in accumulator.Tensors(CONFIG_TENSOR_TAG) if e.tensor_proto.string_val]
     out = {}
     for tag in tags.get("scalars", []):
         if tag.startswith(PREFIX):
@@ -149,7 +181,7 @@ def _read_memory_scalars(path: Path) -> dict[str, list[tuple[float, int, float]]
         if tag.startswith(PREFIX) and tag not in out:
             values = [(e.wall_time, e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)]
             out[tag] = [(w, s, float(v)) for w, s, v in values if v.size == 1]
-    return out
+    return out, configs
 
 
 def choose_metric(run: MemoryRun, metric: str | None = None) -> str:
@@ -209,6 +241,7 @@ def format_report(run: MemoryRun) -> str:
     lines = [f"run: {run.run_dir}",
              f"steps {steps[0]}..{last} ({len(steps)} logged); pipeline stages: {len(run.stages)}; "
              f"now = step {last}, peak = max over steps; GB unless the name says otherwise"]
+    lines.append(peak_window_line(run))
     capacity = [f"{label} {format_value(tag, run.get(tag).latest)} GB"
                 for label, tag in (("device", "device_total_gb"), ("host", "host_total_gb")) if run.get(tag)]
     if capacity:
@@ -220,6 +253,20 @@ def format_report(run: MemoryRun) -> str:
     lines += _render(_columns(run, names), TABLE_WIDTH)
     lines += [f"skipped unreadable event file {entry}" for entry in run.skipped]
     return "\n".join(lines)
+
+
+_WINDOW_MEANING = {
+    "run": "each peak_* point is the peak since its process started",
+    "interval": "each peak_* point is the peak since the previous logged step",
+}
+
+
+def peak_window_line(run: MemoryRun) -> str:
+    """Which window the run's peak_* values cover (logger.memory_peak_window), in words."""
+    if run.peak_window is None:
+        return "peak window: not recorded (no run config in the events; nemo_memlog's default is run)"
+    meaning = _WINDOW_MEANING.get(run.peak_window, "changed when the run was resumed")
+    return f"peak window: {run.peak_window} ({meaning})"
 
 
 def _columns(run: MemoryRun, names: list[str]) -> list[Column]:

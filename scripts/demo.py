@@ -5,6 +5,8 @@
 
 Overrides, e.g. ``train.iters=40 model.hidden=256 parallel.pp=2 logger.tensorboard_log_interval=5``:
 ``train``, ``model``, ``parallel``, ``run`` are below; ``logger`` is nemo_memlog's LoggerConfig.
+``logger.memory_peak_window=interval`` logs each interval's peaks (peak since the previous
+logging step) instead of the run's, so the peak_* lines can fall as well as rise.
 Everything lands in ``<run.root>/<run.name>/``: TensorBoard events, an MLflow SQLite store, a
 W&B offline run and a Comet offline archive. No accounts, no servers, no GPU needed.
 
@@ -260,7 +262,8 @@ def _stage_table(cfg: DemoConfig, iteration: int, logged: dict, name: str, label
     stages = sorted(int(key.split("/")[1].removeprefix("pp_stage_")) for key in logged
                     if key.startswith("memory/pp_stage_") and key.endswith("/" + name))
     peak, peak_stage = logged[f"memory/{name}"], logged[f"memory/peak_stage/{name}"]
-    lines = [f"{label[0].upper() + label[1:]} per pipeline stage at iteration {iteration} "
+    window = " (since the previous logging step)" if cfg.logger.memory_peak_window == "interval" else ""
+    lines = [f"{label[0].upper() + label[1:]} per pipeline stage at iteration {iteration}{window} "
              f"(memory/pp_stage_{{i}}/{name}):",
              f"  stage   microbatches in flight   {label}"]
     last = len(stages) - 1

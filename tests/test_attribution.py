@@ -33,3 +33,18 @@ def test_device_and_host_headroom_name_the_worst_stage():
     assert [(kind, stage) for kind, stage, _ in warned] == [("device", 0), ("host", 0)]  # 12.5% and 8%
     assert low_headroom(logged, 0.05) == []
     assert "pipeline stage 0 has 10.00 GB of device memory left (12.5% of 80.0 GB)" in warned[0][2]
+
+
+def test_memory_outside_the_allocator_counts_against_device_headroom():
+    keys = ("peak_reserved_gb", "device_total_gb", "device_used_gb", "device_other_gb")
+    # Stage 1 reserves less but holds 15 GB outside the allocator (NCCL, context): it has the least left.
+    per_stage = [[70.0, 80.0, 72.0, 2.0], [60.0, 80.0, 70.0, 15.0]]
+    maximum = {key: max(v[i] for v in per_stage) for i, key in enumerate(keys)}
+    peak = {key: max(range(2), key=lambda r: (per_stage[r][i], -r)) for i, key in enumerate(keys)}
+    logged = memory_metrics(GatheredMemory(keys, per_stage, maximum, peak),
+                            ("peak_*", "device_used_gb", "device_other_gb"))
+    assert logged["memory/headroom_gb"] == 5.0 and logged["memory/headroom_stage"] == 1  # 80 - 15 - 60
+    assert logged["memory/peak_reserved_pct"] == 75.0  # 60 / 80: the allocator's share, as before
+    assert logged["memory/device_other_gb"] == 15.0 and logged["memory/peak_stage/device_other_gb"] == 1
+    assert [logged[f"memory/pp_stage_{i}/device_other_gb"] for i in range(2)] == [2.0, 15.0]
+    assert [logged[f"memory/pp_stage_{i}/device_used_gb"] for i in range(2)] == [72.0, 70.0]

@@ -2,14 +2,16 @@
 
 import pytest
 
-from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, from_overrides, secrets_of
+from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, from_overrides, recorded_params, secrets_of
 
 
 def test_dotted_overrides_as_recipes_pass_them():
     cfg = from_overrides(["logger.log_memory_to_tensorboard=true", "logger.tensorboard_log_interval=10",
-                          "train.iters=5", "logger.mlflow_tags={team: llm}", "logger.memory_reduce_scope=world"])
+                          "train.iters=5", "logger.mlflow_tags={team: llm}", "logger.memory_reduce_scope=world",
+                          "logger.memory_peak_window=interval"])
     assert cfg.log_memory_to_tensorboard is True and cfg.tensorboard_log_interval == 10
     assert cfg.mlflow_tags == {"team": "llm"} and cfg.memory_reduce_scope == "world"
+    assert cfg.memory_peak_window == "interval" and LoggerConfig().memory_peak_window == "run"
 
 
 @pytest.mark.parametrize("override, message", [
@@ -19,6 +21,7 @@ def test_dotted_overrides_as_recipes_pass_them():
     ("logger.memory_reduce_scope=node", "must be 'pp' or 'world'"),
     ("logger.memory_reduce_timeout_s=0", "positive number of seconds"),
     ("logger.writer_buffer_steps=0", "writer_buffer_steps must be an int >= 1"),
+    ("logger.memory_peak_window=step", "memory_peak_window must be one of 'run', 'interval'"),
     ("logger.no_such_field=1", "Known logger fields"),
 ])
 def test_bad_settings_name_the_field(override, message):
@@ -33,3 +36,17 @@ def test_secrets_are_redacted_everywhere_a_config_is_shown():
     assert params["comet_api_key"] == REDACTED and params["mlflow_tags.auth_token"] == REDACTED
     assert params["mlflow_tags.team"] == "llm"
     assert sorted(secrets_of(cfg)) == ["TOKEN-2", "TOP-SECRET"]
+
+
+def test_the_peak_window_is_recorded_also_for_a_config_without_the_field():
+    class BridgeLogger:  # Megatron-Bridge's LoggerConfig has no memory_peak_window field
+        log_memory_to_tensorboard = True
+
+    class Container:
+        logger = BridgeLogger()
+
+    assert recorded_params(Container(), Container.logger)["logger.memory_peak_window"] == "run"
+    Container.logger.memory_peak_window = "interval"  # set on the object: used, and recorded
+    assert recorded_params(Container(), Container.logger)["logger.memory_peak_window"] == "interval"
+    cfg = LoggerConfig(memory_peak_window="interval")
+    assert recorded_params(cfg, cfg) == flat_params(cfg)  # already there: nothing added

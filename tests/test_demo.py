@@ -1,8 +1,9 @@
 """End to end: ``python scripts/demo.py ...`` run exactly as a user would (it re-launches
 itself under torchrun, 4 gloo processes, PP 4), then its TensorBoard events read back.
 
-Smaller than the default job so it takes seconds, not a minute, and TensorBoard is the
-only backend: the others add time, and their memory on the writer rank (the last stage)
+Smaller than the default job so it takes seconds, not a minute, with interval peaks
+(``logger.memory_peak_window=interval``; the default, "run", is the demo of test_sigterm.py),
+and TensorBoard is the only backend: the others add time, and their memory on the writer rank (the last stage)
 would need bigger activations to stay below the first stage's. Each backend's own handling
 (secrets included) is tested in tests/writers/, all four under the demo in test_sigterm.py.
 """
@@ -35,7 +36,7 @@ def demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     result = run_demo(
         f"run.root={root}", "run.name=test", f"train.iters={ITERS}", f"logger.tensorboard_log_interval={INTERVAL}",
-        "train.micro_batch_size=32", f"model.vocab={VOCAB}",
+        "train.micro_batch_size=32", f"model.vocab={VOCAB}", "logger.memory_peak_window=interval",
         "logger.wandb_project=null", "logger.mlflow_experiment=null", "logger.comet_project=null",
         f"logger.comet_api_key={SECRET}",  # recorded with the run config: must come out redacted
     )
@@ -79,11 +80,20 @@ def test_the_table_and_the_dashboard_command_are_printed(demo):
     result, _, scalars = demo
     stdout = result.stdout
     step = LOGGED_STEPS[-1]
-    assert f"Peak host RSS per pipeline stage at iteration {step}" in stdout
+    assert f"Peak host RSS per pipeline stage at iteration {step} (since the previous logging step)" in stdout
     for stage in range(STAGES):
         assert f"{scalars[f'memory/pp_stage_{stage}/{PEAK}'][step]:.3f} GB" in stdout
     assert f"memory/{PEAK} = {scalars[f'memory/{PEAK}'][step]:.3f} GB" in stdout
     assert "tensorboard --logdir " in stdout
+
+
+def test_the_report_names_the_interval_window_recorded_with_the_run_config(demo, capsys):
+    from nemo_memlog.cli import main
+
+    _, run, _ = demo
+    assert main(["report", str(run), "--png", str(run / "report.png")]) == 0
+    assert "peak window: interval" in capsys.readouterr().out
+    assert b"peak window: interval" in (run / "report.png").read_bytes()
 
 
 def test_an_unknown_override_is_refused_before_any_process_starts(monkeypatch, capsys):

@@ -2,20 +2,96 @@
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from nemo_memlog import DEFAULT_MEMORY_KEYS, report_memory
-from nemo_memlog.memory import capacity_report
+from nemo_memlog import memory
+from nemo_memlog.memory import DEVICE_KEYS, capacity_report, host_rss_bytes, reset_host_peak, reset_peaks
+
+CUDA_IN_USE = torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
 def test_default_keys_in_order_with_real_host_memory():
     report = report_memory()
-    assert list(report) == list(DEFAULT_MEMORY_KEYS.values()) + ["host_rss_gb", "peak_host_rss_gb"]
+    assert list(report) == list(DEFAULT_MEMORY_KEYS.values()) + ["host_rss_gb", "peak_host_rss_gb", *DEVICE_KEYS]
     assert 0.01 < report["host_rss_gb"] <= report["peak_host_rss_gb"] < 1000
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+    if not CUDA_IN_USE:
         assert all(math.isnan(report[k]) for k in DEFAULT_MEMORY_KEYS.values())  # missing, same keys
+        assert all(math.isnan(report[k]) for k in DEVICE_KEYS)
+
+
+def touched_ballast(mb):
+    """``mb`` MiB of host memory, every page written: resident, not just reserved."""
+    import numpy
+
+    return numpy.full(mb * 2**20, 1, dtype=numpy.uint8)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc/self/clear_refs")
+def test_reset_brings_the_host_peak_back_to_the_current_rss():
+    ballast = touched_ballast(200)
+    del ballast
+    rss, peak_before = host_rss_bytes()
+    assert peak_before - rss > 150 * 2**20, "the freed ballast is in VmHWM"
+    assert reset_host_peak() is None
+    rss, peak_after = host_rss_bytes()
+    assert peak_after - rss < 20 * 2**20, "VmHWM is back near VmRSS"
+    print(f"VmHWM {peak_before / 2**20:.0f} MiB -> {peak_after / 2**20:.0f} MiB (VmRSS {rss / 2**20:.0f} MiB)")
+
+
+def test_without_cuda_in_use_nothing_touches_cuda(monkeypatch):
+    if CUDA_IN_USE:
+        pytest.skip("this process has initialised CUDA")
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("CUDA was touched although this process never initialised it")
+
+    for name in ("reset_peak_memory_stats", "mem_get_info", "memory_stats", "init", "current_device"):
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    reset_peaks()
+    report = report_memory()
+    assert all(math.isnan(report[k]) for k in DEVICE_KEYS)
+    assert not torch.cuda.is_initialized()
+
+
+def test_device_keys_and_reset_with_cuda_in_use_simulated(monkeypatch):
+    """The arithmetic and the calls of the CUDA path, with torch.cuda stubbed (no GPU here)."""
+    calls = []
+    monkeypatch.setattr(memory, "_cuda_in_use", lambda: True)
+    monkeypatch.setattr(memory, "_has_context", lambda stats: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"reserved_bytes.all.current": 30 * 10**9,
+                                                             "reserved_bytes.all.peak": 50 * 10**9})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (45 * 10**9, 80 * 10**9))  # (free, total)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
+    report = report_memory()
+    assert report["device_used_gb"] == 35.0 and report["device_other_gb"] == 5.0
+    assert report["peak_reserved_gb"] == 50.0
+    reset_peaks()
+    assert calls == ["reset"]
+
+
+def test_cuda_initialised_without_a_context_on_this_device_gets_no_device_keys(monkeypatch):
+    """torch.cuda.current_device() initialises CUDA without a context: mem_get_info would create one."""
+    monkeypatch.setattr(memory, "_cuda_in_use", lambda: True)
+    monkeypatch.delattr(torch._C, "_cuda_hasPrimaryContext", raising=False)  # as on CPU builds: the fallback
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"reserved_bytes.all.current": 0})
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: pytest.fail("would create a CUDA context"))
+    report = report_memory()
+    assert all(math.isnan(report[k]) for k in DEVICE_KEYS)
+
+
+def test_a_host_peak_that_cannot_be_reset_warns_once(monkeypatch):
+    monkeypatch.setattr(memory, "reset_host_peak", lambda: "no /proc here")
+    monkeypatch.setattr(memory, "_host_reset_warned", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        reset_peaks()
+        reset_peaks()
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and "no /proc here" in messages[0] and "lifetime peak" in messages[0]
 
 
 def test_peak_rss_follows_a_real_allocation():
@@ -38,7 +114,7 @@ def test_recipe_memory_keys_and_unknown_names():
 
 
 def test_memory_keys_must_be_names():
-    with pytest.raises(ValueError, match="reserved for host memory"):
+    with pytest.raises(ValueError, match="reserved for host and device memory"):
         report_memory({"reserved_bytes.all.peak": "host_rss_gb"})
 
 

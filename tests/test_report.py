@@ -154,3 +154,33 @@ def test_console_script(run_dir, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "peak_reserved_gb" in done.stdout and (tmp_path / "r.png").is_file()
+
+
+def test_without_a_recorded_config_the_window_is_said_to_be_unknown(report):
+    assert "peak window: not recorded" in report[1]
+
+
+def write_with_config(tensorboard_dir, steps, params):
+    """Events as the TensorBoard writer leaves them: the run config as text, then the steps."""
+    from nemo_memlog.config import LoggerConfig
+    from nemo_memlog.writers import tensorboard
+
+    backend = tensorboard.open_backend(LoggerConfig(tensorboard_dir=str(tensorboard_dir)), params, [])
+    for step in steps:
+        backend.log(step_metrics(step // 10), step)
+    backend.close()
+
+
+@pytest.mark.parametrize("recorded, label", [
+    ([{"memory_peak_window": "interval"}], "peak window: interval (each peak_* point is the peak since the previous logged step)"),
+    ([{"logger.memory_peak_window": "run"}], "peak window: run (each peak_* point is the peak since its process started)"),
+    ([{"tensorboard_dir": "x"}], "peak window: run"),  # recorded before the option existed
+    ([{"memory_peak_window": "run"}, {"memory_peak_window": "interval"}], "peak window: run -> interval"),
+], ids=["interval", "run", "before-the-option", "resumed-with-another"])
+def test_table_and_png_name_the_peak_window(tmp_path, capsys, recorded, label):
+    for index, params in enumerate(recorded):
+        write_with_config(tmp_path / "tb", STEPS[2 * index:2 * index + 2], params)
+    png = tmp_path / "p.png"
+    assert main(["report", str(tmp_path), "--png", str(png)]) == 0
+    assert label in capsys.readouterr().out
+    assert f"peak_reserved_gb per pipeline stage, {label.split(' (')[0]}".encode() in png.read_bytes()

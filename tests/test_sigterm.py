@@ -141,6 +141,7 @@ def test_report_on_the_real_run_directory(preempted, capsys):
     out = capsys.readouterr().out
     (row,) = [line for line in out.splitlines() if line.startswith("peak_host_rss_gb")]
     assert f"{max(per_stage):.2f}" in row and "pipeline stages: 4" in out
+    assert "peak window: run (each peak_* point is the peak since its process started)" in out  # the default
     (width, height), size = png_size(run / "memory_report.png")
     assert width >= 400 and height >= 300 and size > 10_000
 

@@ -1,9 +1,11 @@
 """Writers: one module per backend, discovered here, fanned out by fanout.FanOut.
 
 A backend module exposes ``enabled(logger)``, ``open_backend(logger, params, secrets)``
-and a backend object with ``log(metrics, step)``, ``flush()`` and ``close()``. Modules
-are found by listing this package, and imported only when their config asks for them,
-so this file names no backend and an uninstalled backend costs nothing.
+and a backend object with ``log(metrics, step)``, ``flush()`` and ``close()``; and
+``adopt(obj)``, which wraps a logger object of its kind that someone else opened (or
+returns None for any other object) without importing its library. Modules are found by
+listing this package, and imported only when their config asks for them, so this file
+names no backend and an uninstalled backend costs nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import importlib
 import pkgutil
 import weakref
 
-from ..config import flat_params, logger_section, secrets_of, setting
+from ..config import logger_section, recorded_params, secrets_of, setting
 from .fanout import FanOut, Sink
+from .inline import InlineFanOut
 
-_INFRASTRUCTURE = {"fanout"}
+_INFRASTRUCTURE = {"fanout", "inline"}
 _open_fanouts: "weakref.WeakSet[FanOut]" = weakref.WeakSet()
 
 
@@ -29,13 +32,14 @@ def build_writers(config, *, run_config=None) -> FanOut:
 
     ``config`` is a LoggerConfig, any object with its field names, or a container with
     ``.logger``. ``run_config`` (default: ``config``) is recorded once per backend as
-    hyperparameters, with secrets redacted. Backends open lazily in their own threads.
-    Closed at interpreter exit and on SIGTERM (see signals.py).
+    hyperparameters, with secrets redacted and the resolved ``memory_peak_window`` added.
+    Backends open lazily in their own threads. Closed at interpreter exit and on SIGTERM
+    (see signals.py).
     """
     logger = logger_section(config)
     run_config = config if run_config is None else run_config
     secrets = secrets_of(run_config) + secrets_of(logger)
-    params = flat_params(run_config)
+    params = recorded_params(run_config, logger)
     sinks = []
     for name in backend_modules():
         module = importlib.import_module(f"{__name__}.{name}")
@@ -49,6 +53,23 @@ def build_writers(config, *, run_config=None) -> FanOut:
 
         signals.install(close_all)
     return fanout
+
+
+def adopt_writers(open_loggers) -> InlineFanOut:
+    """Writers over logger objects a framework already opened in this process (None
+    entries are skipped; objects no backend recognises are ignored). They are written on
+    the calling thread and flushed, never closed, by us: see inline.py."""
+    modules = [importlib.import_module(f"{__name__}.{name}") for name in backend_modules()]
+    backends = []
+    for obj in open_loggers:
+        if obj is None:
+            continue
+        for module in modules:
+            backend = module.adopt(obj)
+            if backend is not None:
+                backends.append((module.__name__.rsplit(".", 1)[1], backend))
+                break
+    return InlineFanOut(backends)
 
 
 def _opener(module, logger, params, secrets):
@@ -66,4 +87,4 @@ def close_all(timeout_s: float | None = None) -> None:
 
 atexit.register(close_all)
 
-__all__ = ["FanOut", "build_writers", "close_all", "backend_modules"]
+__all__ = ["FanOut", "InlineFanOut", "adopt_writers", "build_writers", "close_all", "backend_modules"]

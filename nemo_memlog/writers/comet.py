@@ -82,6 +82,13 @@ def import_comet_ml():
 
 
 
+def adopt(obj) -> "CometBackend | None":
+    """A comet_ml Experiment (online or offline) that someone else opened, else None."""
+    if type(obj).__module__.startswith("comet_ml") and hasattr(obj, "log_metrics"):
+        return CometBackend(obj)
+    return None
+
+
 class CometBackend:
     def __init__(self, experiment):
         self.experiment = experiment

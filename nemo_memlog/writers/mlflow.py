@@ -75,17 +75,45 @@ def open_backend(logger, params: dict, secrets: list[str]) -> "MlflowBackend":
 
 
 
+def adopt(obj) -> "MlflowBackend | None":
+    """The ``mlflow`` module with a run active on this thread, opened by someone else (a
+    framework such as Megatron-Bridge); else None.
+
+    Writes go to that run through a client holding its id, so they land in it from any
+    thread (the fluent API's active run is per thread: elsewhere it silently starts a new
+    run on every call). Names are spelled as such frameworks spell theirs, ``/`` -> ``_``
+    (``memory/peak_reserved_gb`` -> ``memory_peak_reserved_gb``), so our series sit with the
+    framework's own and keep the names its dashboards already use.
+    """
+    if getattr(obj, "__name__", None) != "mlflow" or not hasattr(obj, "active_run"):
+        return None
+    run = obj.active_run()
+    if run is None:
+        return None
+    from mlflow.tracking import MlflowClient
+
+    return MlflowBackend(MlflowClient(tracking_uri=obj.get_tracking_uri()), run.info.run_id, name=framework_name)
+
+
+@functools.lru_cache(maxsize=4096)
+def framework_name(key: str) -> str:
+    """``key`` spelled the way frameworks that log through the fluent API spell theirs."""
+    return mlflow_name(key.replace("/", "_"))
+
+
 class MlflowBackend:
-    def __init__(self, client, run_id: str):
+    def __init__(self, client, run_id: str, name=mlflow_name):
         self.client = client
         self.run_id = run_id
+        self.name = name
 
     def log(self, metrics: dict, step: int) -> None:
         """Every metric at ``step`` as a float, in batches of 1000; raises what MLflow raises."""
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        batch = [Metric(mlflow_name(k), float(v), now_ms, step) for k, v in metrics.items()]
+        name = self.name
+        batch = [Metric(name(k), float(v), now_ms, step) for k, v in metrics.items()]
         for start in range(0, len(batch), METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=batch[start:start + METRICS_PER_BATCH], synchronous=True)
 

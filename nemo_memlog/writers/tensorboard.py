@@ -12,6 +12,10 @@ import json
 
 from ..config import scrubbed, setting
 
+#: The text summary holding the run config; TensorBoard stores it as "<tag>/text_summary".
+CONFIG_TAG = "config"
+CONFIG_TENSOR_TAG = CONFIG_TAG + "/text_summary"
+
 
 def enabled(logger) -> bool:
     return bool(setting(logger, "tensorboard_dir"))
@@ -25,7 +29,7 @@ def open_backend(logger, params: dict, secrets: list[str]) -> "TensorBoardBacken
         log_dir=setting(logger, "tensorboard_dir"),
         max_queue=setting(logger, "tensorboard_queue_size"),
     )
-    writer.add_text("config", config_text(params, secrets), 0)
+    writer.add_text(CONFIG_TAG, config_text(params, secrets), 0)
     return TensorBoardBackend(writer)
 
 
@@ -34,6 +38,18 @@ def config_text(params: dict, secrets: list[str]) -> str:
     text = scrubbed(json.dumps(params, indent=2, sort_keys=True, default=str), secrets)
     # Four leading spaces make TensorBoard's markdown render it verbatim.
     return "\n".join("    " + line for line in text.splitlines())
+
+
+def adopt(obj) -> "TensorBoardBackend | None":
+    """A SummaryWriter (torch's or tensorboardX's) that someone else opened, else None."""
+    if type(obj).__module__.startswith(("torch.utils.tensorboard", "tensorboardX")) and hasattr(obj, "add_scalar"):
+        return TensorBoardBackend(obj)
+    return None
+
+
+def params_from_text(text: str) -> dict:
+    """The inverse of config_text (for the report command): the recorded params, secrets scrubbed."""
+    return json.loads("\n".join(line.removeprefix("    ") for line in text.splitlines()))
 
 
 class TensorBoardBackend:

@@ -56,13 +56,23 @@ def open_backend(logger, params: dict, secrets: list[str]) -> "WandbBackend":
 
 
 
+def adopt(obj) -> "WandbBackend | None":
+    """The ``wandb`` module after ``wandb.init()``, or a W&B Run, that someone else opened;
+    else None. Rows are merged into the opener's row for the step, not committed: a
+    commit would make W&B drop every later metric the opener logs at that step."""
+    if (getattr(obj, "__name__", None) == "wandb" or type(obj).__module__.startswith("wandb")) and hasattr(obj, "log"):
+        return WandbBackend(obj, commit=False)
+    return None
+
+
 class WandbBackend:
-    def __init__(self, run):
+    def __init__(self, run, commit: bool = True):
         self.run = run
+        self.commit = commit
 
     def log(self, metrics: dict, step: int) -> None:
         """Log ``metrics`` as the row of ``step`` (W&B gets its own copy: ``metrics`` is never mutated)."""
-        self.run.log(dict(metrics), step=step, commit=True)
+        self.run.log(dict(metrics), step=step, commit=self.commit)
 
     def flush(self) -> None:
         pass  # wandb streams each log call to its service process; there is nothing to push

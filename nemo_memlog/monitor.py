@@ -1,0 +1,152 @@
+"""MemoryMonitor: one run's memory logging, built once from a config and the process groups.
+
+It owns what a run keeps between logging steps: the settings (resolved once, when it is
+built), the group it reduces over and this rank's place in it (resolved at the first
+logging step, when the groups surely exist), the writers (writer rank only) and the
+once-only warnings. ``log(iteration)`` is the per-iteration entry point, called on every
+rank: off the logging iterations it returns None after two attribute reads and a modulo,
+with no collective, no allocation and no backend call.
+
+``training_log()`` (hook.py) finds the monitor for its config; a framework integration
+(bridge.py) holds one.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.distributed as dist
+
+from . import attribution, megatron, memory
+from .config import check_logger_fields, logger_section, setting
+from .payload import scalar
+from .reduce import gather_memory, single_rank, takes_part
+
+
+class MemoryMonitor:
+    """Per-run memory logging. ``writers`` (anything with ``log(metrics, step)``) default to
+    the fan-out built from ``config`` on the writer rank, at the first logging step."""
+
+    def __init__(self, config, *, pg_collection=None, pp_group=None, writers=None):
+        logger = logger_section(config)
+        check_logger_fields(logger)  # raises, naming the field and what to change
+        self.config = config  # kept: recorded as the run config, and its id is never reused while cached
+        self.enabled = bool(setting(logger, "log_memory_to_tensorboard"))
+        self.interval = setting(logger, "tensorboard_log_interval")
+        self.memory_keys = setting(logger, "memory_keys")
+        self.world_scope = setting(logger, "memory_reduce_scope") == "world"
+        self.per_stage_keys = tuple(setting(logger, "memory_per_stage_keys"))
+        self.headroom_warn_fraction = setting(logger, "memory_headroom_warn_fraction")
+        self.timeout_s = setting(logger, "memory_reduce_timeout_s")
+        self.reset_peaks = setting(logger, "memory_peak_window") == "interval"
+        self.writers = writers
+        self._owns_writers = writers is None
+        self._groups = (pp_group, pg_collection)
+        self._placed = False  # group, coordinates and writer rank resolved (first logging step)
+        self._warned: set = set()
+
+    def log(self, iteration: int, metrics: dict | None = None) -> dict | None:
+        """Every rank, every iteration. On logging iterations: report, reduce, merge with
+        ``metrics``, hand to the writers (writer rank), and return the unified dict."""
+        if not self.enabled or iteration % self.interval:
+            return None
+        return self.log_step(iteration, metrics)
+
+    def log_step(self, iteration: int, metrics: dict | None = None) -> dict:
+        """``log`` past its gate: callers that gate themselves (training_log) call it directly."""
+        if not self._placed:
+            self.place()
+        report = memory.report_memory(self.memory_keys)
+        if self.reset_peaks:
+            memory.reset_peaks()  # the next report's peak_* cover the next interval only
+        report.update(memory.capacity_report())
+        if self.world_scope:
+            report.update(self._coordinates)
+        if takes_part(report, self.group):
+            gathered = gather_memory(report, self.group, iteration=iteration, timeout_s=self.timeout_s)
+        else:
+            gathered = single_rank(report)
+        if self.world_scope:
+            logged = attribution.world_metrics(gathered, self.per_stage_keys)
+        else:
+            logged = attribution.memory_metrics(gathered, self.per_stage_keys)
+        unified = self._merge(metrics, logged)
+        if self.is_writer_rank:
+            self._writers().log(unified, iteration)
+            self._warn_low_headroom(unified)
+        return unified
+
+    def place(self) -> None:
+        """Resolve this rank's group and place in the job (``group``, ``is_writer_rank``) now,
+        instead of at the first logging step. Needs the process groups to exist."""
+        pp_group, pg_collection = self._groups
+        distributed = dist.is_available() and dist.is_initialized()
+        if self.world_scope:
+            self.group = dist.group.WORLD if distributed else None
+            coords = megatron.coordinates(pp_group, pg_collection)
+            self._coordinates = {"rank": dist.get_rank() if distributed else 0, "pp_rank": coords["pp"],
+                                 "tp_rank": coords["tp"], "dp_rank": coords["dp"]}
+        else:
+            self.group = megatron.pipeline_group(pp_group, pg_collection)
+        self.is_writer_rank = not distributed or dist.get_rank() == dist.get_world_size() - 1
+        self._placed = True
+
+    def use_writers(self, writers) -> None:
+        """Write to ``writers`` (opened by someone else: flushed at close, never closed)."""
+        self.writers = writers
+        self._owns_writers = False
+
+    def _writers(self):
+        if self.writers is None:
+            from .writers import build_writers
+
+            self.writers = build_writers(self.config)
+            if not self.writers.sinks:
+                self.warn_once(("no-writer",), "log_memory_to_tensorboard is on but no writer is configured "
+                               "(set tensorboard_dir, wandb_project, mlflow_experiment or comet_project); "
+                               "training_log still returns the metrics")
+        return self.writers
+
+    def _merge(self, metrics: dict | None, logged: dict) -> dict:
+        """The caller's metrics (cleaned to plain numbers) plus ours, in one new dict."""
+        if not metrics:
+            return logged
+        unified = {}
+        for key, value in metrics.items():
+            clean, kind, problem = scalar(value)
+            if problem is not None:
+                self.warn_once(("metric", key, problem),
+                               f"metrics[{key!r}]: {problem}" + ("" if kind else "; it is not logged"))
+            if kind is None and clean is None:
+                continue  # not a number: warned above, nothing a scalar store could hold
+            unified[key] = value if kind is None else clean  # NaN stays NaN: a NaN loss is news
+        for key in logged.keys() & unified.keys():
+            self.warn_once(("clash", key), f"metrics[{key!r}] clashes with a memory metric; the memory value is logged")
+        unified.update(logged)
+        return unified
+
+    def _warn_low_headroom(self, unified: dict) -> None:
+        # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
+        # least can flip from step to step, and a warning per flip would be noise.
+        for kind, stage, sentence in attribution.low_headroom(unified, self.headroom_warn_fraction):
+            self.warn_once(("headroom", kind), sentence)
+
+    def warn_once(self, key, text: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"nemo_memlog: {text}", RuntimeWarning, stacklevel=4)
+
+    def flush(self) -> None:
+        """Wait (bounded) until the writers have written every step handed to them."""
+        if self.writers is not None:
+            self.writers.flush()
+
+    def close(self) -> None:
+        """Drain and close the writers this monitor built; writers it was given are only flushed."""
+        if self.writers is None:
+            return
+        if self._owns_writers:
+            self.writers.close()
+            self.writers = None
+        else:
+            self.writers.flush()
