@@ -24,9 +24,7 @@ unchanged). Run with ``cluster.run_ok(train, RunSpec(...))``.
 
 from __future__ import annotations
 
-import math
 import os
-import time
 from dataclasses import dataclass, field
 
 from tests import bridge_env
@@ -252,14 +250,49 @@ def _close_what_bridge_leaves_open(state) -> None:
         state._mlflow_logger.end_run()
 
 
-def wait_for(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+def bench_off_interval(calls: int) -> dict:
+    """Median microseconds of an off-interval ``on_train_step_end`` (the callback alone,
+    called as Bridge's manager calls it) and of ``nemo_memlog.training_log`` off-interval,
+    interleaved, alternating which goes first; and the collectives both issued (none)."""
+    bridge_env.load()
+    import statistics
+    from time import perf_counter_ns
 
+    import torch
+    from megatron.bridge.training.callbacks import CallbackContext, normalize_callbacks
+    from megatron.bridge.training.state import GlobalState
+    from megatron.core import parallel_state as ps
 
-def finite(value) -> bool:
-    return isinstance(value, (int, float)) and math.isfinite(value)
+    from nemo_memlog import LoggerConfig, training_log
+    from nemo_memlog.bridge import MemoryLogCallback
+
+    from tests.collectives import count_collectives
+
+    spec = RunSpec(root="/nonexistent", backends=(), tensorboard_log_interval=1000)
+    state = GlobalState()
+    state.cfg = _config(spec, ps.get_pipeline_model_parallel_world_size())
+    model = [torch.nn.Linear(8, 8)]
+    callback = MemoryLogCallback(memory_reduce_timeout_s=60)
+    manager = normalize_callbacks([callback])
+    manager.fire("on_train_start", CallbackContext(state=state, model=model, user_state=manager.user_state))
+    state.train_state.step = 1  # logged at step 2: off-interval
+    context = CallbackContext(state=state, model=model, user_state=manager.user_state, loss_dict={},
+                              grad_norm=1.0, skipped_iter=False)
+    hook_config = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1000)
+    step_end = callback.on_train_step_end
+    timings = {"callback": [], "training_log": [], "empty": []}
+    with count_collectives() as collectives:
+        for i in range(calls):
+            for name in (("callback", "training_log") if i % 2 else ("training_log", "callback")):
+                start = perf_counter_ns()
+                if name == "callback":
+                    step_end(context)
+                else:
+                    training_log(2, hook_config)
+                timings[name].append(perf_counter_ns() - start)
+            start = perf_counter_ns()
+            timings["empty"].append(perf_counter_ns() - start)
+    manager.fire("on_train_end", CallbackContext(state=state, model=model, user_state=manager.user_state))
+    result = {f"{name}_us": statistics.median(values) / 1e3 for name, values in timings.items()}
+    result["collectives"] = list(collectives)
+    return result

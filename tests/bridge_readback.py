@@ -1,0 +1,74 @@
+"""Read back what a harness run (tests/bridge_harness.py) left in its loggers' stores.
+
+Raw, so that duplicates show: TensorBoard events are counted one by one from the event
+files (``EventAccumulator`` keeps one event per tag and step), W&B rows come from the
+run's ``.wandb`` log (tests/writers/test_wandb.py's record reader), MLflow histories from
+its SQLite store through ``MlflowClient``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from tests.writers.test_wandb import wandb_records
+
+
+def tensorboard_events(root) -> tuple[list[Path], dict[str, list[tuple[int, float]]]]:
+    """(every event file under root, {tag: [(step, value), ...]} with one entry per event)."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+    from tensorboard.util import tensor_util
+
+    files = sorted(Path(root).rglob("events.out.tfevents.*"))
+    scalars: dict[str, list[tuple[int, float]]] = defaultdict(list)
+    for path in files:
+        for event in LegacyEventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    scalars[value.tag].append((event.step, value.simple_value))
+                elif value.HasField("tensor") and not value.tensor.string_val:
+                    scalars[value.tag].append((event.step, float(tensor_util.make_ndarray(value.tensor))))
+    return files, dict(scalars)
+
+
+def wandb_run(root) -> tuple[list[Path], dict[int, dict], dict]:
+    """(every run log (.wandb file) under root, {step: {key: value}} from the history
+    records, the run config as recorded). Expects exactly one run; the caller checks."""
+    logs = sorted(Path(root).rglob("*.wandb"))
+    history: dict[int, dict] = {}
+    config: dict = {}
+    for log in logs:
+        for record in wandb_records(log):
+            kind = record.WhichOneof("record_type")
+            if kind == "history":
+                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                       for item in record.history.item}
+                step = int(row["_step"])
+                assert step not in history, f"two W&B history rows at step {step}"
+                history[step] = row
+            elif kind == "run":
+                config = {item.key: json.loads(item.value_json) for item in record.run.config.update}
+    return logs, history, config
+
+
+def mlflow_runs(uri: str, experiment: str) -> list[dict]:
+    """Every run of ``experiment``: {"status", "params", "metrics": {name: [(step, value), ...]}}."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    runs = []
+    for run in client.search_runs([found.experiment_id]):
+        metrics = {name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+                   for name in run.data.metrics}
+        runs.append({"status": run.info.status, "params": dict(run.data.params), "metrics": metrics})
+    return runs
+
+
+def mlflow_experiments(uri: str) -> list[str]:
+    from mlflow.tracking import MlflowClient
+
+    return sorted(e.name for e in MlflowClient(tracking_uri=uri).search_experiments())

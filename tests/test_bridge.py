@@ -1,0 +1,275 @@
+"""MemoryLogCallback inside Megatron-Bridge 0.3.1's real training pieces, on CPU gloo ranks.
+
+tests/bridge_harness.py drives Bridge's loop (real GlobalState, ConfigContainer, loggers,
+CallbackManager, training_log) with PP 2 (world 2) and PP 2 x DP 2 (world 4); stage 0
+holds a ballast, so the pipeline's host peak is on the first stage while Bridge logs from
+the last rank. Then the last rank's stores are read back raw (tests/bridge_readback.py):
+TensorBoard events, the W&B offline run, the MLflow SQLite store. 6 iterations,
+tensorboard_log_interval=2, log_interval=1: Bridge logs (and the callback logs memory)
+at steps 2, 4, 6.
+"""
+
+import statistics
+
+import numpy as np
+import pytest
+
+from tests.bridge_harness import RunSpec, bench_off_interval, train
+from tests.bridge_readback import mlflow_experiments, mlflow_runs, tensorboard_events, wandb_run
+from tests.cluster import Cluster
+from tests.collectives import GATHER
+
+CALLBACK = {"memory_reduce_scope": "pp", "memory_per_stage_keys": ["peak_*"], "memory_reduce_timeout_s": 60}
+LOGGING_STEPS = [2, 4, 6]
+BALLAST_MB = 600
+#: How far stage 0's peak must stand above the last stage's: the ballast, less what the
+#: last rank alone carries (Bridge's loggers, W&B's and MLflow's clients: about 0.1-0.2 GB).
+CLEAR_GB = 0.25
+RUN_TIMEOUT_S = 240  # a loaded 2-core machine: imports, W&B's service, MLflow's first open
+
+#: Every memory series the callback must write on this CPU machine (host memory only).
+REQUIRED_MEMORY = [
+    "memory/host_rss_gb", "memory/peak_host_rss_gb", "memory/peak_stage/peak_host_rss_gb",
+    "memory/pp_stage_0/peak_host_rss_gb", "memory/pp_stage_1/peak_host_rss_gb",
+    "memory/host_headroom_gb", "memory/host_headroom_stage", "memory/peak_host_rss_pct",
+]
+#: Bridge 0.3.1's own series at its logging steps, per backend (with our LoggerConfig).
+BRIDGE_TB = ["learning-rate", "batch-size", "lm loss", "loss-scale", "grad-norm"]
+BRIDGE_TB_VS_SAMPLES = [f"{tag} vs samples" for tag in BRIDGE_TB]
+BRIDGE_WANDB_MLFLOW = ["learning-rate", "batch-size", "lm loss", "loss-scale", "grad-norm", "samples vs steps"]
+
+
+class Run:
+    """One harness run: its spec and every rank's record, with the ranks that matter."""
+
+    def __init__(self, spec, records):
+        self.spec, self.records = spec, records
+        self.writer = records[-1]  # Bridge's loggers live on the last rank
+        (self.first_stage,) = [r for r in records if r.pp_stage == 0 and r.dp_rank == self.writer.dp_rank]
+
+    def at(self, record, step):
+        (found,) = [s for s in record.steps if s.step == step]
+        return found
+
+    def bridge_values(self, step):
+        """What the loop handed Bridge's training_log for the iteration logged at ``step``."""
+        s = self.at(self.writer, step)
+        # Bridge max-reduces the learning rate over the model-parallel group as a float32 tensor.
+        return {"learning-rate": f32(s.learning_rate), "batch-size": s.batch_size, "lm loss": s.loss,
+                "loss-scale": 1.0, "grad-norm": s.grad_norm, "samples vs steps": s.consumed_train_samples}
+
+
+def _run(cluster, root, **spec_fields):
+    spec = RunSpec(root=str(root), ballast_mb=BALLAST_MB, **spec_fields)
+    return Run(spec, cluster.run_ok(train, spec, timeout=RUN_TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def pp2():
+    with Cluster(world=2, pp=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def pp2dp2_bridge():
+    """Its own PP 2 x DP 2 cluster: these ranks import Bridge and hold a ballast."""
+    with Cluster(world=4, pp=2) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def bridge_alone(pp2, tmp_path_factory):
+    return _run(pp2, tmp_path_factory.mktemp("bridge_alone"))
+
+
+@pytest.fixture(scope="module", params=["pp2", "pp2dp2"])
+def with_callback(request, tmp_path_factory):
+    cluster = request.getfixturevalue("pp2" if request.param == "pp2" else "pp2dp2_bridge")
+    return _run(cluster, tmp_path_factory.mktemp(f"callback_{request.param}"), callback_kwargs=CALLBACK)
+
+
+@pytest.fixture(scope="module")
+def flag_off(pp2, tmp_path_factory):
+    return _run(pp2, tmp_path_factory.mktemp("flag_off"), callback_kwargs=CALLBACK, log_memory_to_tensorboard=False)
+
+
+def f32(value):
+    """A value as TensorBoard stores it (float32)."""
+    return float(np.float32(value))
+
+
+def memory_names(names):
+    return sorted(n for n in names if n.startswith("memory"))
+
+
+def check_bridge_metrics(run, tb, history, mlflow_metrics):
+    """Bridge's own series: at each of its logging steps, once, with the values it was given."""
+    for tag in BRIDGE_TB:
+        expected = [(s, f32(run.bridge_values(s)[tag])) for s in LOGGING_STEPS]
+        assert tb[tag] == expected, tag
+    for tag, base in zip(BRIDGE_TB_VS_SAMPLES, BRIDGE_TB):
+        expected = [(run.at(run.writer, s).consumed_train_samples, f32(run.bridge_values(s)[base])) for s in LOGGING_STEPS]
+        assert tb[tag] == expected, tag
+    assert sorted(history) == LOGGING_STEPS, "one W&B row per Bridge logging step, none elsewhere"
+    for step in LOGGING_STEPS:
+        for key in BRIDGE_WANDB_MLFLOW:
+            assert history[step][key] == pytest.approx(run.bridge_values(step)[key], rel=1e-12), (step, key)
+    for key in BRIDGE_WANDB_MLFLOW:
+        expected = [(s, pytest.approx(run.bridge_values(s)[key], rel=1e-12)) for s in LOGGING_STEPS]
+        assert mlflow_metrics[key] == expected, key
+
+
+# --- the baseline: Bridge alone, proving the harness and showing the problem -----------------
+
+
+def test_bridge_alone_logs_its_last_stage_memory_into_all_three_backends(bridge_alone):
+    run = bridge_alone
+    files, tb = tensorboard_events(run.spec.root)
+    assert len(files) == 1
+    logs, history, config = wandb_run(run.spec.root)
+    assert len(logs) == 1
+    (mlflow_run,) = mlflow_runs(run.spec.mlflow_uri, "memlog-bridge")
+    check_bridge_metrics(run, tb, history, mlflow_run["metrics"])
+    # Bridge's memory series (its names), at its steps, are the last stage's own peak...
+    peak = "memory/mem-max-allocated-gigabytes"
+    assert [s for s, _ in tb[peak]] == LOGGING_STEPS
+    for step, value in tb[peak]:
+        last, first = run.at(run.writer, step), run.at(run.first_stage, step)
+        assert value == pytest.approx(last.peak_after, rel=1e-4), "Bridge reports the last rank only"
+        assert first.peak_after - value > CLEAR_GB, "... while the first stage holds the peak"
+        assert history[step][peak] == pytest.approx(value, rel=1e-6)
+    assert [s for s, _ in mlflow_run["metrics"]["memory_mem-max-allocated-gigabytes"]] == LOGGING_STEPS
+    # ... and nothing pipeline-wide exists without the callback.
+    assert not any("pp_stage" in name or "peak_stage" in name for name in tb)
+
+
+# --- the callback: TensorBoard --------------------------------------------------------------------
+
+
+def test_tensorboard_one_writer_each_memory_series_once_per_step_with_the_first_stage_peak(with_callback):
+    run = with_callback
+    files, tb = tensorboard_events(run.spec.root)
+    assert len(files) == 1, f"one events file (Bridge's writer), no second writer or directory: {files}"
+    memory = memory_names(tb)
+    assert set(REQUIRED_MEMORY) <= set(memory), sorted(set(REQUIRED_MEMORY) - set(memory))
+    assert not [n for n in memory if n.startswith("memory/mem-")], "Bridge's own last-stage memory series must be off"
+    assert "memory/pp_stage_2/peak_host_rss_gb" not in memory
+    for name in memory:
+        assert [s for s, _ in tb[name]] == LOGGING_STEPS, f"{name}: once per Bridge logging step"
+    for step, value in tb["memory/peak_host_rss_gb"]:
+        first, last = run.at(run.first_stage, step), run.at(run.writer, step)
+        # The peak is the value stage 0 read inside on_train_step_end: VmHWM only grows.
+        assert f32(first.peak_before) <= value <= f32(first.peak_after), (step, value, first)
+        assert dict(tb["memory/pp_stage_0/peak_host_rss_gb"])[step] == value
+        stage1 = dict(tb["memory/pp_stage_1/peak_host_rss_gb"])[step]
+        assert f32(last.peak_before) <= stage1 <= f32(last.peak_after)
+        assert value - stage1 > CLEAR_GB, "the first stage's ballast shows"
+        assert dict(tb["memory/peak_stage/peak_host_rss_gb"])[step] == 0
+
+
+def test_tensorboard_bridge_series_unchanged(with_callback, bridge_alone):
+    run = with_callback
+    _, tb = tensorboard_events(run.spec.root)
+    _, history, _ = wandb_run(run.spec.root)
+    (mlflow_run,) = mlflow_runs(run.spec.mlflow_uri, "memlog-bridge")
+    check_bridge_metrics(run, tb, history, mlflow_run["metrics"])
+    _, alone = tensorboard_events(bridge_alone.spec.root)
+    bridge_tags = sorted(t for t in alone if not t.startswith("memory"))
+    assert sorted(t for t in tb if not t.startswith("memory")) == bridge_tags, "no Bridge series lost or added"
+    for tag in bridge_tags:
+        assert [s for s, _ in tb[tag]] == [s for s, _ in alone[tag]], tag
+
+
+# --- the callback: W&B ------------------------------------------------------------------------------
+
+
+def test_wandb_one_run_memory_and_bridge_metrics_in_the_same_rows(with_callback, bridge_alone):
+    run = with_callback
+    logs, history, config = wandb_run(run.spec.root)
+    assert len(logs) == 1, f"one W&B run (Bridge's): {logs}"
+    _, tb = tensorboard_events(run.spec.root)
+    _, alone, _ = wandb_run(bridge_alone.spec.root)
+    bridge_keys = sorted(k for k in alone[2] if not k.startswith(("memory", "_")))
+    assert sorted(history) == LOGGING_STEPS
+    for step in LOGGING_STEPS:
+        row = history[step]
+        assert memory_names(row) == memory_names(tb), f"step {step}: every memory series in Bridge's row"
+        missing = [k for k in bridge_keys if k not in row]
+        assert not missing, f"step {step}: Bridge's metrics lost from the row (the commit trap): {missing}"
+        first = run.at(run.first_stage, step)
+        assert first.peak_before <= row["memory/peak_host_rss_gb"] <= first.peak_after
+        assert row["memory/peak_stage/peak_host_rss_gb"] == 0
+    assert config["logger"]["log_memory_to_tensorboard"] is True, "the recorded config shows the user's setting"
+
+
+# --- the callback: MLflow -----------------------------------------------------------------------------
+
+
+def test_mlflow_one_run_bridge_spelling_first_stage_peak_and_recorded_flag(with_callback, bridge_alone):
+    run = with_callback
+    assert mlflow_experiments(run.spec.mlflow_uri) == ["Default", "memlog-bridge"]
+    runs = mlflow_runs(run.spec.mlflow_uri, "memlog-bridge")
+    assert len(runs) == 1, f"one MLflow run (Bridge's), got {len(runs)}"
+    metrics, params = runs[0]["metrics"], runs[0]["params"]
+    _, tb = tensorboard_events(run.spec.root)
+    assert memory_names(metrics) == sorted(name.replace("/", "_") for name in memory_names(tb)), \
+        "every memory series, spelled as Bridge spells its MLflow names ('/' -> '_')"
+    for name in memory_names(metrics):
+        assert [s for s, _ in metrics[name]] == LOGGING_STEPS, f"{name}: once per Bridge logging step"
+    for step, value in metrics["memory_peak_host_rss_gb"]:
+        first = run.at(run.first_stage, step)
+        assert first.peak_before <= value <= first.peak_after
+        assert dict(metrics["memory_pp_stage_0_peak_host_rss_gb"])[step] == value
+    assert [v for _, v in metrics["memory_peak_stage_peak_host_rss_gb"]] == [0, 0, 0]
+    alone = mlflow_runs(bridge_alone.spec.mlflow_uri, "memlog-bridge")[0]["metrics"]
+    assert sorted(n for n in metrics if not n.startswith("memory")) == \
+        sorted(n for n in alone if not n.startswith("memory")), "Bridge's own MLflow series all there"
+    assert params["logger.log_memory_to_tensorboard"] == "True", "the recorded config shows the user's setting"
+
+
+# --- the callback's contract with the loop ----------------------------------------------------------
+
+
+def test_takeover_flag_and_one_gather_per_logging_step_on_every_rank(with_callback):
+    run = with_callback
+    for record in run.records:
+        assert [s.flag_seen_by_training_log for s in record.steps] == [False] * 6, \
+            f"rank {record.rank}: Bridge's training_log must not write memory itself"
+        assert record.flag_after_run is True, f"rank {record.rank}: the flag is restored at on_train_end"
+        for step in range(1, 7):
+            calls = record.collectives[f"on_train_step_end@{step}"]
+            if step == LOGGING_STEPS[0]:  # + the key-set handshake, once per group and process
+                assert calls in ([GATHER, GATHER], [GATHER]), (record.rank, step, calls)
+            else:
+                assert calls == ([GATHER] if step in LOGGING_STEPS else []), (record.rank, step, calls)
+        assert record.collectives["on_train_start"] == [] and record.collectives["on_train_end"] == []
+
+
+def test_flag_off_costs_no_collective_and_writes_no_memory(flag_off):
+    run = flag_off
+    for record in run.records:
+        assert record.collectives, "the callback's events fired"
+        assert all(calls == [] for calls in record.collectives.values()), (record.rank, record.collectives)
+        assert [s.flag_seen_by_training_log for s in record.steps] == [False] * 6
+        assert record.flag_after_run is False
+    files, tb = tensorboard_events(run.spec.root)
+    logs, history, _ = wandb_run(run.spec.root)
+    (mlflow_run,) = mlflow_runs(run.spec.mlflow_uri, "memlog-bridge")
+    assert len(files) == 1 and len(logs) == 1
+    assert memory_names(tb) == [] and memory_names(mlflow_run["metrics"]) == []
+    assert all(memory_names(row) == [] for row in history.values())
+    check_bridge_metrics(run, tb, history, mlflow_run["metrics"])
+
+
+# --- cost of an off-interval step (measured, not asserted on time) ------------------------------------
+
+
+def test_off_interval_step_end_cost_on_every_rank(pp2dp2_bridge):
+    results = pp2dp2_bridge.run_ok(bench_off_interval, 2000, timeout=RUN_TIMEOUT_S)
+    for result in results:
+        assert result["collectives"] == [], "off-interval: no collective"
+    callback = statistics.median(r["callback_us"] for r in results)
+    hook = statistics.median(r["training_log_us"] for r in results)
+    print(f"\noff-interval cost, median per rank (us): callback on_train_step_end "
+          f"{[round(r['callback_us'], 2) for r in results]}, nemo_memlog.training_log "
+          f"{[round(r['training_log_us'], 2) for r in results]}; medians {callback:.2f} vs {hook:.2f}")
