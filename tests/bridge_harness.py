@@ -104,6 +104,7 @@ def _config(spec: RunSpec, pp: int):
         log_interval=spec.log_interval,
         tensorboard_log_interval=spec.tensorboard_log_interval,
         log_memory_to_tensorboard=spec.log_memory_to_tensorboard,
+        log_timers_to_tensorboard=True,  # iteration-time at every log_interval step: Bridge writes every step
     )
     if "tensorboard" in spec.backends:
         logger.tensorboard_dir = spec.tensorboard_dir

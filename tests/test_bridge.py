@@ -5,8 +5,8 @@ CallbackManager, training_log) with PP 2 (world 2) and PP 2 x DP 2 (world 4); st
 holds a ballast, so the pipeline's host peak is on the first stage while Bridge logs from
 the last rank. Then the last rank's stores are read back raw (tests/bridge_readback.py):
 TensorBoard events, the W&B offline run, the MLflow SQLite store. 6 iterations,
-tensorboard_log_interval=2, log_interval=1: Bridge logs (and the callback logs memory)
-at steps 2, 4, 6.
+tensorboard_log_interval=2, log_interval=1: Bridge logs its metrics (and the callback
+memory) at steps 2, 4, 6, and its iteration-time (log_timers_to_tensorboard) at every step.
 """
 
 import statistics
@@ -21,6 +21,7 @@ from tests.collectives import GATHER
 
 CALLBACK = {"memory_reduce_scope": "pp", "memory_per_stage_keys": ["peak_*"], "memory_reduce_timeout_s": 60}
 LOGGING_STEPS = [2, 4, 6]
+ALL_STEPS = [1, 2, 3, 4, 5, 6]
 BALLAST_MB = 600
 #: How far stage 0's peak must stand above the last stage's: the ballast, less what the
 #: last rank alone carries (Bridge's loggers, W&B's and MLflow's clients: about 0.1-0.2 GB).
@@ -37,6 +38,8 @@ REQUIRED_MEMORY = [
 BRIDGE_TB = ["learning-rate", "batch-size", "lm loss", "loss-scale", "grad-norm"]
 BRIDGE_TB_VS_SAMPLES = [f"{tag} vs samples" for tag in BRIDGE_TB]
 BRIDGE_WANDB_MLFLOW = ["learning-rate", "batch-size", "lm loss", "loss-scale", "grad-norm", "samples vs steps"]
+#: Bridge's series at every log_interval step (a timing: checked for presence, not value).
+BRIDGE_EVERY_STEP = "iteration-time"
 
 
 class Run:
@@ -102,21 +105,40 @@ def memory_names(names):
     return sorted(n for n in names if n.startswith("memory"))
 
 
+def bridge_memory_names(names):
+    """Bridge's own memory series (its MEMORY_KEYS names: memory/mem-..., MLflow memory_mem-...)."""
+    return [n for n in names if n.startswith(("memory/mem-", "memory_mem-"))]
+
+
+def check_required_memory(names, spell=lambda name: name):
+    missing = [spell(n) for n in REQUIRED_MEMORY if spell(n) not in names]
+    assert not missing, f"memory series missing: {missing}"
+    assert not bridge_memory_names(names), "Bridge's own last-stage memory series must be off"
+    assert spell("memory/pp_stage_2/peak_host_rss_gb") not in names, "PP 2 has stages 0 and 1"
+
+
 def check_bridge_metrics(run, tb, history, mlflow_metrics):
     """Bridge's own series: at each of its logging steps, once, with the values it was given."""
     for tag in BRIDGE_TB:
         expected = [(s, f32(run.bridge_values(s)[tag])) for s in LOGGING_STEPS]
         assert tb[tag] == expected, tag
     for tag, base in zip(BRIDGE_TB_VS_SAMPLES, BRIDGE_TB):
-        expected = [(run.at(run.writer, s).consumed_train_samples, f32(run.bridge_values(s)[base])) for s in LOGGING_STEPS]
+        expected = [(run.at(run.writer, s).consumed_train_samples, f32(run.bridge_values(s)[base]))
+                    for s in LOGGING_STEPS]
         assert tb[tag] == expected, tag
-    assert sorted(history) == LOGGING_STEPS, "one W&B row per Bridge logging step, none elsewhere"
-    for step in LOGGING_STEPS:
+    assert [s for s, _ in tb[BRIDGE_EVERY_STEP]] == ALL_STEPS
+    assert sorted(history) == ALL_STEPS, "one W&B row per step Bridge logs at"
+    for step in ALL_STEPS:
+        assert BRIDGE_EVERY_STEP in history[step], step
         for key in BRIDGE_WANDB_MLFLOW:
-            assert history[step][key] == pytest.approx(run.bridge_values(step)[key], rel=1e-12), (step, key)
+            if step in LOGGING_STEPS:
+                assert history[step][key] == pytest.approx(run.bridge_values(step)[key], rel=1e-12), (step, key)
+            else:
+                assert key not in history[step], (step, key)
     for key in BRIDGE_WANDB_MLFLOW:
         expected = [(s, pytest.approx(run.bridge_values(s)[key], rel=1e-12)) for s in LOGGING_STEPS]
         assert mlflow_metrics[key] == expected, key
+    assert [s for s, _ in mlflow_metrics[BRIDGE_EVERY_STEP]] == ALL_STEPS
 
 
 # --- the baseline: Bridge alone, proving the harness and showing the problem -----------------
@@ -126,7 +148,7 @@ def test_bridge_alone_logs_its_last_stage_memory_into_all_three_backends(bridge_
     run = bridge_alone
     files, tb = tensorboard_events(run.spec.root)
     assert len(files) == 1
-    logs, history, config = wandb_run(run.spec.root)
+    logs, history, _ = wandb_run(run.spec.root)
     assert len(logs) == 1
     (mlflow_run,) = mlflow_runs(run.spec.mlflow_uri, "memlog-bridge")
     check_bridge_metrics(run, tb, history, mlflow_run["metrics"])
@@ -151,9 +173,7 @@ def test_tensorboard_one_writer_each_memory_series_once_per_step_with_the_first_
     files, tb = tensorboard_events(run.spec.root)
     assert len(files) == 1, f"one events file (Bridge's writer), no second writer or directory: {files}"
     memory = memory_names(tb)
-    assert set(REQUIRED_MEMORY) <= set(memory), sorted(set(REQUIRED_MEMORY) - set(memory))
-    assert not [n for n in memory if n.startswith("memory/mem-")], "Bridge's own last-stage memory series must be off"
-    assert "memory/pp_stage_2/peak_host_rss_gb" not in memory
+    check_required_memory(memory)
     for name in memory:
         assert [s for s, _ in tb[name]] == LOGGING_STEPS, f"{name}: once per Bridge logging step"
     for step, value in tb["memory/peak_host_rss_gb"]:
@@ -189,13 +209,17 @@ def test_wandb_one_run_memory_and_bridge_metrics_in_the_same_rows(with_callback,
     assert len(logs) == 1, f"one W&B run (Bridge's): {logs}"
     _, tb = tensorboard_events(run.spec.root)
     _, alone, _ = wandb_run(bridge_alone.spec.root)
-    bridge_keys = sorted(k for k in alone[2] if not k.startswith(("memory", "_")))
-    assert sorted(history) == LOGGING_STEPS
-    for step in LOGGING_STEPS:
+    assert sorted(history) == sorted(alone) == ALL_STEPS
+    for step in ALL_STEPS:
         row = history[step]
-        assert memory_names(row) == memory_names(tb), f"step {step}: every memory series in Bridge's row"
+        bridge_keys = sorted(k for k in alone[step] if not k.startswith(("memory", "_")))
         missing = [k for k in bridge_keys if k not in row]
         assert not missing, f"step {step}: Bridge's metrics lost from the row (the commit trap): {missing}"
+        if step not in LOGGING_STEPS:
+            assert memory_names(row) == [], f"step {step}: memory only at logging steps"
+            continue
+        check_required_memory(row)
+        assert memory_names(row) == memory_names(tb), f"step {step}: every memory series in Bridge's row"
         first = run.at(run.first_stage, step)
         assert first.peak_before <= row["memory/peak_host_rss_gb"] <= first.peak_after
         assert row["memory/peak_stage/peak_host_rss_gb"] == 0
@@ -212,6 +236,7 @@ def test_mlflow_one_run_bridge_spelling_first_stage_peak_and_recorded_flag(with_
     assert len(runs) == 1, f"one MLflow run (Bridge's), got {len(runs)}"
     metrics, params = runs[0]["metrics"], runs[0]["params"]
     _, tb = tensorboard_events(run.spec.root)
+    check_required_memory(metrics, spell=lambda name: name.replace("/", "_"))
     assert memory_names(metrics) == sorted(name.replace("/", "_") for name in memory_names(tb)), \
         "every memory series, spelled as Bridge spells its MLflow names ('/' -> '_')"
     for name in memory_names(metrics):
