@@ -91,7 +91,9 @@ def test_max_on_every_rank_of_each_pp_group(grid, request):
             assert got["result"]["huge_counter"] == 2**53 + 1 + max(group)  # exact beyond 2**53
             assert got["unchanged"], "the input report was mutated"
             assert got["calls"] == [GATHER], "steady state must be one collective"
-            assert got["first_calls"].count(GATHER) == 2  # handshake + data, once
+            # handshake + data; on a group that agreed other keys before (the shared cluster
+            # ran other tests first), one more: the exchange in which every rank sees the change
+            assert got["first_calls"].count(GATHER) in (2, 3), got["first_calls"]
 
 
 def reduce_with_missing():
