@@ -157,7 +157,8 @@ def test_bridge_alone_logs_its_last_stage_memory_into_all_three_backends(bridge_
     assert [s for s, _ in tb[peak]] == LOGGING_STEPS
     for step, value in tb[peak]:
         last, first = run.at(run.writer, step), run.at(run.first_stage, step)
-        assert value == pytest.approx(last.peak_after, rel=1e-4), "Bridge reports the last rank only"
+        # Bridge rounds to 5 significant digits, and reads a little after the harness did.
+        assert value == pytest.approx(last.peak_after, rel=1e-3), "Bridge reports the last rank only"
         assert first.peak_after - value > CLEAR_GB, "... while the first stage holds the peak"
         assert history[step][peak] == pytest.approx(value, rel=1e-6)
     assert [s for s, _ in mlflow_run["metrics"]["memory_mem-max-allocated-gigabytes"]] == LOGGING_STEPS
@@ -273,7 +274,9 @@ def test_takeover_flag_and_one_gather_per_logging_step_on_every_rank(with_callba
 def test_flag_off_costs_no_collective_and_writes_no_memory(flag_off):
     run = flag_off
     for record in run.records:
-        assert record.collectives, "the callback's events fired"
+        fired = sorted(record.collectives)
+        assert fired == sorted(["on_train_start", "on_train_end"] + [f"on_train_step_end@{s}" for s in ALL_STEPS]), \
+            "every event the callback handles fired (and was counted)"
         assert all(calls == [] for calls in record.collectives.values()), (record.rank, record.collectives)
         assert [s.flag_seen_by_training_log for s in record.steps] == [False] * 6
         assert record.flag_after_run is False
