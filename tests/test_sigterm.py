@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import free_port
-from tests.readback import stored_steps
+from tests.readback import stored_steps, wandb_finished
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,6 +60,7 @@ def test_sigterm_mid_run_keeps_every_returned_step_in_every_backend(preempted):
         # Every iteration tqdm showed as finished had returned from training_log (interval 1).
         missing = set(range(1, finished + 1)) - steps
         assert not missing, f"{backend} lost steps {sorted(missing)} (has {len(steps)} steps)"
+    assert wandb_finished(run)
 
 
 def test_a_secret_on_the_command_line_reaches_no_backend_file(preempted):

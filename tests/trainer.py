@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         time.sleep(0.02)
     if writer_rank:
         if writers is not None:
-            wait_written(writers, args.wait_for.split(",") if args.wait_for else writers.sinks, step)
+            wait_written(writers, args.wait_for.split(",") if args.wait_for else list(writers.stats()), step)
         print(json.dumps({**host_memory_mb(), "writer_pid": getattr(writers, "pid", None)}), flush=True)
         if args.end == "os_exit":
             os._exit(0)

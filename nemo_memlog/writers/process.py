@@ -24,7 +24,7 @@ counts, and exits; a watchdog ends it half a second after the budget whatever a
 backend does, so it never outlives its job. It also polls its parent, in case a forked
 child of the trainer still holds the socket. It ignores SIGINT and SIGTERM, which a
 terminal or a scheduler sends to the whole process group: the trainer's own handler
-(signals.py) or its death decides when the writer process closes.
+(signals.py) or its death decides when the writer process closes. It runs at nice +10.
 
 Secrets travel through the socket only. The writer process's environment is this
 process's, less every variable whose name looks like a secret or whose value holds a
@@ -60,6 +60,7 @@ REPLY_GRACE_S = 2.0  # a reply may take this much longer than the budget it answ
 STATS_WAIT_S = 10.0
 PARENT_POLL_S = 0.5
 EXIT_GRACE_S = 0.5
+WRITER_NICE = 10  # when CPU is short, training goes first; an idle core still runs the writer at full speed
 _EOF = object()
 _live: "weakref.WeakSet[ProcessFanOut]" = weakref.WeakSet()
 
@@ -484,6 +485,10 @@ def serve(sock: socket.socket, parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
+    try:
+        os.nice(WRITER_NICE)
+    except OSError:
+        pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     serve(socket.socket(fileno=int(argv[1])), os.getppid())

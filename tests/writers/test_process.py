@@ -82,7 +82,7 @@ def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_p
             cwd=ROOT, env=_trainer_env(), stdout=out, stderr=err, start_new_session=True)
     try:
         handed, deadline = 0, time.monotonic() + 180
-        while handed < 25:
+        while handed < 25 or not list(run.glob("wandb/offline-run-*")):  # mid-run: the backends are writing
             assert torchrun.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
             time.sleep(0.1)
             lines = out_path.read_text().splitlines()
@@ -98,7 +98,10 @@ def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_p
         if torchrun.poll() is None:
             os.killpg(torchrun.pid, signal.SIGKILL)
         torchrun.wait()
-    for backend, steps in stored_steps(run).items():
+    stored = stored_steps(run)
+    print(f"SIGKILL after {handed} steps handed over; the writer process ended {writer_exit_s:.1f} s later; "
+          f"steps stored: {({backend: len(steps) for backend, steps in stored.items()})}")
+    for backend, steps in stored.items():
         missing = set(range(1, handed + 1)) - steps
         assert not missing, f"{backend} lost steps {sorted(missing)} of the {handed} handed over before the kill"
     assert wandb_finished(run), "the W&B run was not finished"
