@@ -65,11 +65,11 @@ def thread_fanout(logger, names: list[str], params: dict, secrets: list[str]) ->
 
 
 def _process_fanout(logger, names, params, secrets):
-    from .process import ProcessFanOut
-
     try:
+        from .process import ProcessFanOut
+
         return ProcessFanOut(logger, names, params, secrets)
-    except OSError as error:  # no process can be started here (limits, a sandbox): threads still work
+    except Exception as error:  # no process can be started here (limits, a sandbox, no AF_UNIX): threads work
         warnings.warn(f"nemo_memlog: could not start the writer process ({type(error).__name__}: {error}); "
                       f"the backends write from threads of this process instead (logger.writer_mode='thread')",
                       RuntimeWarning, stacklevel=3)

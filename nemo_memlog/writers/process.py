@@ -182,12 +182,13 @@ class ProcessFanOut:
             self._send(("close", budget), droppable=False)
             self._wait_for_backlog(deadline)
         self._stop_sending(reentered)
-        self._ended.wait(max(0.0, deadline - time.monotonic()) + REPLY_GRACE_S)
+        final = deadline + REPLY_GRACE_S
+        self._ended.wait(max(0.0, final - time.monotonic()))
         try:
-            self.process.wait(max(0.0, deadline - time.monotonic()) + REPLY_GRACE_S)
+            self.process.wait(max(0.0, final - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass  # its watchdog ends it; nothing here waits any longer
-        if self._goodbye is None:
+        if self._goodbye is None and "gone" not in self._warned:
             self._warn_once("no-goodbye", f"the writer process did not confirm closing the backends within {budget} s")
         if self.dropped:
             warnings.warn(f"nemo_memlog: {self.dropped} logged steps never reached the writer process", RuntimeWarning)
@@ -196,7 +197,13 @@ class ProcessFanOut:
 
     # --- sending: ordered, never blocking the caller ---
     def _send(self, message, droppable: bool) -> bool:
-        chunks = encode(message)
+        try:
+            chunks = encode(message)
+        except Exception as error:  # e.g. a metric value that cannot be pickled: never raise into training
+            self._warn_once(("pickle", type(error).__name__), f"a step could not be sent to the writer process "
+                            f"({type(error).__name__}: {error}); such steps are dropped and counted")
+            self._lose(droppable)
+            return False
         with self._lock:
             self._sending_thread = threading.get_ident()
             try:
@@ -220,9 +227,9 @@ class ProcessFanOut:
 
     def _enqueue(self, chunks: list[bytes], droppable: bool) -> None:
         if droppable and self._backlog_steps >= self._limit:
-            for entry in self._backlog:
+            for index, entry in enumerate(self._backlog):
                 if entry[1] and entry[2] == 0:  # a step not yet begun: the oldest one
-                    self._backlog.remove(entry)
+                    del self._backlog[index]
                     self._backlog_steps -= 1
                     self._lose(True)
                     self._warn_once("full", f"the writer process is behind and {self._limit} steps wait for it; "
@@ -329,10 +336,11 @@ class ProcessFanOut:
             kind = message[0]
             if kind == "warning":
                 warnings.warn(message[2], _warning_category(message[1]), stacklevel=1)
-            elif kind == "reply" and message[1] in self._replies:
-                slot = self._replies[message[1]]
-                slot[1] = message[2]
-                slot[0].set()
+            elif kind == "reply":
+                slot = self._replies.get(message[1])
+                if slot is not None:  # else its caller stopped waiting
+                    slot[1] = message[2]
+                    slot[0].set()
             elif kind == "goodbye":
                 self._goodbye = message[1]
         self._shut = True
@@ -407,9 +415,11 @@ class _Link:
             if not self.open:
                 return False
             try:
-                for chunk in encode(message):
+                for chunk in encode(message):  # one chunk: replies and warnings are small
                     self.sock.sendall(chunk)
                 return True
+            except socket.timeout:  # the training process is not reading (stopped?): this one is not sent
+                return False
             except OSError:
                 self.open = False
                 return False
@@ -445,7 +455,8 @@ def _forward_warnings(link: _Link) -> None:
     show = warnings.showwarning
 
     def forward(message, category, filename, lineno, file=None, line=None):
-        if not (str(message).startswith("nemo_memlog") and link.send(("warning", category.__name__, str(message)))):
+        text = str(message)[:8192]
+        if not (text.startswith("nemo_memlog") and link.send(("warning", category.__name__, text))):
             show(message, category, filename, lineno, file, line)
 
     warnings.showwarning = forward

@@ -206,3 +206,15 @@ def test_a_stopped_or_killed_writer_process_never_holds_up_training(tmp_path, mo
     assert len([m for m in messages if "the writer process is behind" in m]) == 1
     assert len([m for m in messages if "writer process ended unexpectedly" in m]) == 1
     assert fanout.dropped == dropped_here + 5 and close_s < 1
+
+
+def test_where_no_process_can_start_the_backends_run_in_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))  # starting it fails for real
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fanout = build_writers(LoggerConfig(tensorboard_dir=str(tmp_path / "tensorboard")))
+        fanout.log({"memory/peak_host_rss_gb": 1.5}, 3)
+        fanout.close()
+    assert not isinstance(fanout, process.ProcessFanOut)
+    assert len([w for w in caught if "could not start the writer process" in str(w.message)]) == 1
+    assert tensorboard_steps(tmp_path) == {3}
