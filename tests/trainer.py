@@ -9,7 +9,7 @@ Comet offline archive), as in the demo; ``--backends`` picks fewer, ``--mlflow-u
 MLflow elsewhere. Every rank joins a gloo group (of one without torchrun), which is the
 pipeline group. At the end the writer rank waits until every backend (or those named by
 ``--wait-for``) has written every step, prints one JSON line (host RSS now and peak, in MB,
-and the writer process's pid), then closes the writers, or with ``--end os_exit`` dies on
+and the writer process's pid and RSS), then closes the writers, or with ``--end os_exit`` dies on
 the spot.
 """
 
@@ -37,8 +37,8 @@ def logger_config(root: str, mode: str, backends, mlflow_uri: str | None, close_
                         writer_close_timeout_s=close_timeout_s, **chosen)
 
 
-def host_memory_mb() -> dict:
-    with open("/proc/self/status") as status:
+def host_memory_mb(pid="self") -> dict:
+    with open(f"/proc/{pid}/status") as status:
         fields = dict(line.split(":", 1) for line in status)
     return {"rss_mb": int(fields["VmRSS"].split()[0]) / 1024, "peak_rss_mb": int(fields["VmHWM"].split()[0]) / 1024}
 
@@ -97,7 +97,9 @@ def main(argv=None) -> int:
     if writer_rank:
         if writers is not None:
             wait_written(writers, args.wait_for.split(",") if args.wait_for else list(writers.stats()), step)
-        print(json.dumps({**host_memory_mb(), "writer_pid": getattr(writers, "pid", None)}), flush=True)
+        writer_pid = getattr(writers, "pid", None)
+        writer_rss_mb = host_memory_mb(writer_pid)["rss_mb"] if writer_pid else None
+        print(json.dumps({**host_memory_mb(), "writer_pid": writer_pid, "writer_rss_mb": writer_rss_mb}), flush=True)
         if args.end == "os_exit":
             os._exit(0)
         if writers is not None:
