@@ -176,7 +176,7 @@ class ProcessFanOut:
         budget = self.close_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         # A signal handler (SIGTERM) that interrupted this very thread inside _send must not
-        # send: the socket would be left mid-message. Ending the stream is always safe.
+        # take the lock this thread holds (a deadlock). Ending the stream needs no lock.
         reentered = self._sending_thread == threading.get_ident()
         if not reentered:
             self._send(("close", budget), droppable=False)
