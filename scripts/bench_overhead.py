@@ -507,7 +507,7 @@ def writer_part(metrics: dict, steps: int, backends: tuple, root: str, work_ms: 
         "loss": {mode: summary([b - o for b, o in zip(busy[mode], busy["off"])]) for mode in MODES},
         "other_threads_cpu": {mode: summary(others[mode]) for mode in MODES},
         "work_off": summary(busy["off"]), "synchronous": summary(synchronous),
-        "lost": {mode: sum(s["dropped"] + s["failures"] for s in stats[mode].values()) for mode in MODES},
+        "dropped": {mode: sum(s["dropped"] for s in stats[mode].values()) for mode in MODES},
         "failures": {mode: {name: s["failures"] for name, s in stats[mode].items() if s["failures"]} for mode in MODES},
         "open_s": open_s, "close_s": time.perf_counter() - closed,
     }
@@ -616,8 +616,8 @@ def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, memory
             f"the training thread's work: {writer['work_off']['median_us'] / 1e3:.1f} ms of pure Python "
             f"(median, logging off). ms per step, median (p90):", "",
             "| writer_mode | hand-off (`log`), wall | hand-off, its CPU | training thread's loss, GIL included "
-            "| CPU of the trainer's other threads | steps lost or failed |",
-            "|---|---:|---:|---:|---:|---:|",
+            "| CPU of the trainer's other threads | steps dropped | backend calls failed (retried) |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
         for mode in MODES:
             h, loss, cpu = writer["handoff"][mode], writer["loss"][mode], writer["other_threads_cpu"][mode]
@@ -625,10 +625,11 @@ def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, memory
             lines.append(f"| {mode} | {h['median_us'] / 1e3:.3f} ({h['p90_us'] / 1e3:.3f}) "
                          f"| {hc['median_us'] / 1e3:.3f} ({hc['p90_us'] / 1e3:.3f}) "
                          f"| {loss['median_us'] / 1e3:.3f} ({loss['p90_us'] / 1e3:.3f}) "
-                         f"| {cpu['median_us'] / 1e3:.3f} ({cpu['p90_us'] / 1e3:.3f}) | {writer['lost'][mode]} |")
+                         f"| {cpu['median_us'] / 1e3:.3f} ({cpu['p90_us'] / 1e3:.3f}) | {writer['dropped'][mode]} "
+                         f"| {writer['failures'][mode] or 0} |")
         sync = writer["synchronous"]
         lines += ["", f"The same backends called synchronously: {sync['median_us'] / 1e3:.2f} ms "
-                  f"({sync['p90_us'] / 1e3:.2f}) per step. Steps lost or failed: {sum(writer['lost'].values())}. "
+                  f"({sync['p90_us'] / 1e3:.2f}) per step. Steps dropped: {sum(writer['dropped'].values())}. "
                   f"Opening the backends took {writer['open_s']:.1f} s, closing them {writer['close_s']:.1f} s "
                   f"(once per run)."]
     if memory:

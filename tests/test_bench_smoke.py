@@ -26,4 +26,4 @@ def test_bench_smoke_runs_and_reports_every_part():
     assert re.search(r"non_logging_ns_per_call=\d+", out)
     assert "non_logging_collectives=0," in out
     assert "| thread | " in out and "| process | " in out  # the writer part, both writer modes
-    assert "Steps lost or failed: 0." in out
+    assert "Steps dropped: 0." in out
