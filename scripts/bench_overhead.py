@@ -33,7 +33,7 @@ per call and collectives issued (a pass-through spy on torch.distributed).
 Part 3 (this process): the writer rank with real backends (all four, in a temp dir:
 TensorBoard, an MLflow SQLite store, W&B with WANDB_MODE=offline, a Comet offline archive),
 in each writer_mode: ``thread`` (the backends in threads of this process) and ``process``
-(in a writer process). Per step, interleaved with the first variant rotating: each mode's
+(in a writer process). Per step, in a random order, each after a 30 ms sleep: each mode's
 ``log`` and then a fixed piece of pure-Python work on this thread (``--work-ms``), logging
 off (the work alone), and the backends called synchronously (for scale). It reports the
 hand-off (how long ``log`` holds the training thread) and the loss: hand-off plus work,
@@ -53,6 +53,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -412,13 +413,14 @@ def python_work(rounds: int) -> int:
 
 
 MODES = ("thread", "process")
+WRITER_SETTLE_S = 0.03  # lets a backend's own background work (W&B's service, Comet's streamer) finish
 
 
 def writer_part(metrics: dict, steps: int, backends: tuple, root: str, work_ms: float) -> dict:
     """The writer rank with real backends, in each ``writer_mode``, against logging off.
 
-    Every step runs four variants, interleaved (the first one rotating), each starting after
-    a 5 ms sleep with every backend idle: for each mode, ``log`` then a fixed piece of
+    Every step runs four variants, in a random order, each starting after a 30 ms sleep with
+    every backend idle: for each mode, ``log`` then a fixed piece of
     pure-Python work on this (the training) thread, then a flush outside the timing; logging
     off: the same work alone; and, for scale, the backends called synchronously. The loss of
     a mode is its hand-off plus its work, minus the adjacent logging-off work: what the
@@ -489,10 +491,11 @@ def writer_part(metrics: dict, steps: int, backends: tuple, root: str, work_ms: 
         synchronous.append(time.perf_counter_ns() - start)
 
     variants = [lambda step, mode=mode: logging_step(mode, step) for mode in MODES] + [off_step, synchronous_step]
+    order = random.Random(0)
     for step in range(1, steps + 1):
-        shift = step % len(variants)
-        for variant in variants[shift:] + variants[:shift]:
-            time.sleep(0.005)  # every variant starts alike: after a sleep, the backends idle
+        order.shuffle(variants)  # no variant always follows the same one (and its backends' tail)
+        for variant in variants:
+            time.sleep(WRITER_SETTLE_S)  # every variant starts alike: after a sleep, the backends idle
             variant(step)
     stats = {mode: fanout.stats() for mode, fanout in fanouts.items()}
     closed = time.perf_counter()
