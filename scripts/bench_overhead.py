@@ -638,8 +638,9 @@ def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, memory
     if memory:
         off = memory["off"]
         lines += ["", "Writer rank's host memory after 20 logged steps (tests/trainer.py), MB:", "",
-                  "| | RSS | peak RSS (VmHWM) | RSS - off |", "|---|---:|---:|---:|"]
-        lines += [f"| {mode} | {m['rss_mb']:.1f} | {m['peak_rss_mb']:.1f} | {m['rss_mb'] - off['rss_mb']:+.1f} |"
+                  "| | RSS | peak RSS (VmHWM) | RSS - off | the writer process's own RSS |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {mode} | {m['rss_mb']:.1f} | {m['peak_rss_mb']:.1f} | {m['rss_mb'] - off['rss_mb']:+.1f} "
+                  f"| {'-' if m['writer_rss_mb'] is None else format(m['writer_rss_mb'], '.1f')} |"
                   for mode, m in memory.items()]
     return "\n".join(lines)
 
