@@ -250,7 +250,10 @@ class ProcessFanOut:
                     self._sendable.wait()
                 if self._shut:
                     return
-            select.select([], [self._sock], [], 0.2)
+            try:
+                select.select([], [self._sock], [], 0.2)
+            except (OSError, ValueError):  # closed meanwhile: the next round sees _shut
+                pass
             with self._lock:
                 self._pump()
                 self._sendable.notify_all()
