@@ -61,7 +61,8 @@ class LoggerConfig:
     writer_buffer_steps: int = 10000
     """Per backend: logged steps kept for retry while that backend is failing or slow."""
     writer_close_timeout_s: float = 30.0
-    """flush()/close() at exit or SIGTERM wait at most this long for the backends."""
+    """flush()/close() at exit or SIGTERM wait at most this long for the backends; a writer
+    process whose training process died drains, closes and exits within it."""
     writer_mode: str = "process"
     """"process": the backends run in a writer process of their own, fed through a socket
     (off the training process's GIL and host RSS; survives a SIGKILL of the trainer).
