@@ -14,6 +14,7 @@ SECRET_NAME = re.compile(r"api[_-]?key|token|password|passwd|secret|credential|a
 REDACTED = "***redacted***"
 #: memory_peak_window's values: the peaks of the whole run, or of each logging interval.
 PEAK_WINDOWS = ("run", "interval")
+WRITER_MODES = ("process", "thread")
 
 
 @dataclass
@@ -71,7 +72,13 @@ class LoggerConfig:
     writer_buffer_steps: int = 10000
     """Per backend: logged steps kept for retry while that backend is failing or slow."""
     writer_close_timeout_s: float = 30.0
-    """flush()/close() at exit or SIGTERM wait at most this long for the backends."""
+    """flush()/close() at exit or SIGTERM wait at most this long for the backends; a writer
+    process whose training process died drains, closes and exits within it."""
+    writer_mode: str = "process"
+    """"process": the backends run in a writer process of their own, fed through a socket
+    (off the training process's GIL and host RSS; survives a SIGKILL of the trainer).
+    "thread": they run in threads of the training process (where no process can be
+    started, or to write into loggers another framework opened in this process)."""
 
     def __post_init__(self):
         check_logger_fields(self)
@@ -123,6 +130,9 @@ def check_logger_fields(logger) -> None:
         value = setting(logger, name)
         if not isinstance(value, (int, float)) or value <= 0:
             raise ValueError(f"logger.{name} must be a positive number of seconds; got {value!r}")
+    mode = setting(logger, "writer_mode")
+    if mode not in WRITER_MODES:
+        raise ValueError(f"logger.writer_mode must be one of {', '.join(map(repr, WRITER_MODES))}; got {mode!r}")
     buffer = setting(logger, "writer_buffer_steps")
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
         raise ValueError(f"logger.writer_buffer_steps must be an int >= 1; got {buffer!r}")
@@ -166,6 +176,23 @@ def redacted(value: Any, name: str = "") -> Any:
         return value
     if hasattr(value, "__dict__"):
         return {k: redacted(v, k) for k, v in vars(value).items() if not k.startswith("_")}
+    return str(value)
+
+
+def plain_settings(logger) -> dict[str, Any]:
+    """Every LoggerConfig field of ``logger`` (our default where it lacks one), as plain
+    dicts, lists and scalars: picklable into a process that lacks the config's classes.
+    Secrets are kept: this is for the writer process, never for a record."""
+    return {name: _plain(setting(logger, name)) for name in _OURS}
+
+
+def _plain(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "items"):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) or hasattr(value, "__iter__"):
+        return [_plain(v) for v in value]
     return str(value)
 
 

@@ -11,9 +11,9 @@ variant rotating, so that drift and the shared machine's noise hit every variant
 
     ours      (a) training_log(iteration, cfg) on a logging iteration: report_memory() +
               capacity_report() (/proc reads), gather_memory (pack, ONE collective, unpack,
-              line up), attribution, and on the writer rank the hand-off to a FanOut of four
-              Sinks (real buffers and threads; backends that write nothing: the real backends
-              are part 3)
+              line up), attribution, and on the writer rank the hand-off to a thread-mode
+              FanOut of four Sinks (real buffers and threads; backends that write nothing: the
+              real backends, and the writer process, are part 3)
     reduce    gather_memory(report, group) alone: the reduction part of ``ours``
     bridge    (b) Megatron-Bridge's reduce_max_memory_across_pp_group: float64 all_reduce MAX
     composer  (c) Composer's MemoryMonitor: an all_reduce per metric for each of avg, min, max
@@ -30,12 +30,16 @@ a real logging step ("cold"); the writer rank then times them in tight loops ("h
 
 Part 2 (on the first PP size's writer rank): training_log off the logging iterations, time
 per call and collectives issued (a pass-through spy on torch.distributed).
-Part 3 (this process): the writer rank's FanOut.log with real backends (all four, in a temp
-dir: TensorBoard, an MLflow SQLite store, W&B with WANDB_MODE=offline, a Comet offline
-archive), against calling the same backends (each opened with its module's open_backend)
-synchronously, step by step in turn; the hand-off alone through null sinks (four, one, and
-four behind one dispatcher thread); and how much longer Python work on the training thread
-takes while the backends write in their threads (they share the GIL).
+Part 3 (this process): the writer rank with real backends (all four, in a temp dir:
+TensorBoard, an MLflow SQLite store, W&B with WANDB_MODE=offline, a Comet offline archive),
+in each writer_mode: ``thread`` (the backends in threads of this process) and ``process``
+(in a writer process). Per step, in a random order, each after a 30 ms sleep: each mode's
+``log`` and then a fixed piece of pure-Python work on this thread (``--work-ms``), logging
+off (the work alone), and the backends called synchronously (for scale). It reports the
+hand-off (how long ``log`` holds the training thread) and the loss: hand-off plus work,
+minus the adjacent logging-off work, so GIL and CPU contention are included.
+Part 4 (not with --smoke or --no-memory): tests/trainer.py three times, logging off and in
+each mode, with the same backends: the writer rank's host RSS after 20 logged steps.
 
 The tables show for each variant the largest median (and p90) over the ranks, and ratios of
 those medians. Nothing here asserts a timing: on a shared machine only ratios taken in one
@@ -49,6 +53,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -192,44 +197,6 @@ class NullBackend:
 
     def close(self):
         pass
-
-
-class DispatchingFanOut:
-    """A sketch for fanout.py: the training thread wakes ONE dispatcher thread per step, which
-    hands the step to every sink (waking them off the training thread)."""
-
-    def __init__(self, fanout):
-        import collections
-        import threading
-
-        self.fanout = fanout
-        self.pending = collections.deque()
-        self.ready = threading.Condition()
-        self.closing = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def log(self, metrics, step):
-        with self.ready:
-            self.pending.append((metrics, step))
-            self.ready.notify()
-
-    def _run(self):
-        while True:
-            with self.ready:
-                while not self.pending and not self.closing:
-                    self.ready.wait()
-                if not self.pending:
-                    return
-                metrics, step = self.pending.popleft()
-            self.fanout.log(metrics, step)
-
-    def close(self, timeout_s):
-        with self.ready:
-            self.closing = True
-            self.ready.notify()
-        self.thread.join(timeout_s)
-        self.fanout.close(timeout_s)
 
 
 def null_fanout():
@@ -445,88 +412,123 @@ def python_work(rounds: int) -> int:
     return total
 
 
-def writer_part(metrics: dict, steps: int, backends: tuple, root: str) -> dict:
+MODES = ("thread", "process")
+WRITER_SETTLE_S = 0.03  # lets a backend's own background work (W&B's service, Comet's streamer) finish
+
+
+def writer_part(metrics: dict, steps: int, backends: tuple, root: str, work_ms: float) -> dict:
+    """The writer rank with real backends, in each ``writer_mode``, against logging off.
+
+    Every step runs four variants, in a random order, each starting after a 30 ms sleep with
+    every backend idle: for each mode, ``log`` then a fixed piece of
+    pure-Python work on this (the training) thread, then a flush outside the timing; logging
+    off: the same work alone; and, for scale, the backends called synchronously. The loss of
+    a mode is its hand-off plus its work, minus the adjacent logging-off work: what the
+    training thread lost to logging that step, GIL and CPU contention included."""
     os.environ["WANDB_MODE"] = "offline"
     os.environ.setdefault("WANDB_SILENT", "true")
     import importlib
 
     from nemo_memlog.config import LoggerConfig, flat_params
     from nemo_memlog.writers import build_writers
-    from nemo_memlog.writers.fanout import FanOut, Sink
 
-    def config(name):
+    def config(name, mode="thread"):
         chosen = {
             "tensorboard": dict(tensorboard_dir=f"{root}/{name}/tensorboard"),
             "wandb": dict(wandb_project="bench", wandb_exp_name=name, wandb_save_dir=f"{root}/{name}"),
-            # one SQLite store for both runs: creating a store's tables takes seconds
             "mlflow": dict(mlflow_experiment="bench", mlflow_run_name=name,
-                           mlflow_tracking_uri=f"sqlite:///{root}/mlflow.db"),
+                           mlflow_tracking_uri=f"sqlite:///{root}/{name}/mlflow.db"),
             "comet": dict(comet_project="bench", comet_offline_directory=f"{root}/{name}/comet"),
         }
         fields = {k: v for backend in backends for k, v in chosen[backend].items()}
-        return LoggerConfig(log_memory_to_tensorboard=True, **fields)
+        return LoggerConfig(log_memory_to_tensorboard=True, writer_mode=mode, **fields)
 
-    for name in ("fanout", "sync"):
+    for name in ("sync",) + MODES:
         os.makedirs(f"{root}/{name}", exist_ok=True)
     opened = time.perf_counter()
+    fanouts = {mode: build_writers(config(mode, mode)) for mode in MODES}
+    for fanout in fanouts.values():
+        fanout.log(metrics, 0)  # opens the backends, in their threads (of the writer process)
     sync_cfg = config("sync")
     params = flat_params(sync_cfg)
     synchronous_backends = [importlib.import_module(f"nemo_memlog.writers.{backend}").open_backend(sync_cfg, params, [])
                             for backend in backends]
-    fanout = build_writers(config("fanout"))
-    fanout.log(metrics, 0)  # opens the backends, in their threads
-    if not fanout.flush(180):
-        raise RuntimeError(f"the fan-out's backends did not open: {fanout.stats()}")
+    for mode, fanout in fanouts.items():
+        if not fanout.flush(180):
+            raise RuntimeError(f"the {mode} fan-out's backends did not open: {fanout.stats()}")
     for backend in synchronous_backends:
         backend.log(metrics, 0)
     open_s = time.perf_counter() - opened
-    rounds = _rounds_for(0.03)
-    null_four = null_fanout()
-    null_one = FanOut([Sink("null", NullBackend, 10000, [])])
-    null_dispatched = DispatchingFanOut(null_fanout())
+    rounds = _rounds_for(work_ms / 1e3)
+    handoff = {mode: [] for mode in MODES}
+    handoff_cpu = {mode: [] for mode in MODES}
+    busy = {mode: [] for mode in MODES + ("off",)}
+    others = {mode: [] for mode in MODES}
+    synchronous = []
 
-    blocking, synchronous, busy_while_writing, busy_idle = [], [], [], []
-    four, one, dispatched = [], [], []
-    for step in range(1, steps + 1):
-        for null, times in ((null_four, four), (null_one, one), (null_dispatched, dispatched)):  # hand-off alone
-            start = time.perf_counter_ns()
-            null.log(metrics, step)
-            times.append(time.perf_counter_ns() - start)
-            python_work(rounds // 30)
+    def logging_step(mode, step):
+        process_cpu, thread_cpu = time.process_time_ns(), time.thread_time_ns()
         start = time.perf_counter_ns()
-        fanout.log(metrics, step)
+        fanouts[mode].log(metrics, step)
         handed = time.perf_counter_ns()
+        handoff_cpu[mode].append(time.thread_time_ns() - thread_cpu)
         python_work(rounds)  # the training thread goes on while the backends write
-        busy_while_writing.append(time.perf_counter_ns() - handed)
-        blocking.append(handed - start)
-        deadline = time.monotonic() + 60
-        for sink in fanout.sinks:
-            sink.drain(deadline)
-        time.sleep(0.005)  # let the backends' own background threads settle
+        handoff[mode].append(handed - start)
+        busy[mode].append(time.perf_counter_ns() - start)
+        fanouts[mode].flush(60)  # the next variant starts with every backend idle
+        # CPU this process spent on the step outside the training thread: what competes for its GIL
+        others[mode].append(time.process_time_ns() - process_cpu - (time.thread_time_ns() - thread_cpu))
+
+    def off_step(step):
+        start = time.perf_counter_ns()
+        python_work(rounds)
+        busy["off"].append(time.perf_counter_ns() - start)
+
+    def synchronous_step(step):
         start = time.perf_counter_ns()
         for backend in synchronous_backends:
             backend.log(metrics, step)
         synchronous.append(time.perf_counter_ns() - start)
-        time.sleep(0.005)
-        start = time.perf_counter_ns()
-        python_work(rounds)  # the same work with no backend busy
-        busy_idle.append(time.perf_counter_ns() - start)
-    stats = fanout.stats()
+
+    variants = [lambda step, mode=mode: logging_step(mode, step) for mode in MODES] + [off_step, synchronous_step]
+    order = random.Random(0)
+    for step in range(1, steps + 1):
+        order.shuffle(variants)  # no variant always follows the same one (and its backends' tail)
+        for variant in variants:
+            time.sleep(WRITER_SETTLE_S)  # every variant starts alike: after a sleep, the backends idle
+            variant(step)
+    stats = {mode: fanout.stats() for mode, fanout in fanouts.items()}
     closed = time.perf_counter()
-    for null in (null_four, null_one, null_dispatched):
-        null.close(5)
-    fanout.close(60)
+    for fanout in fanouts.values():
+        fanout.close(60)
     for backend in synchronous_backends:
         backend.close()
-    slowdown = [b - i for b, i in zip(busy_while_writing, busy_idle)]
     return {
-        "steps": steps, "keys": len(metrics), "backends": [sink.name for sink in fanout.sinks],
-        "fanout_log": summary(blocking), "synchronous": summary(synchronous),
-        "null_four": summary(four), "null_one": summary(one), "null_dispatched": summary(dispatched),
-        "work_idle": summary(busy_idle), "work_slowdown_ms": statistics.median(slowdown) / 1e6,
-        "lost": sum(s["dropped"] + s["failures"] for s in stats.values()),
+        "steps": steps, "keys": len(metrics), "backends": list(backends), "work_ms": work_ms,
+        "handoff": {mode: summary(handoff[mode]) for mode in MODES},
+        "handoff_cpu": {mode: summary(handoff_cpu[mode]) for mode in MODES},
+        "loss": {mode: summary([b - o for b, o in zip(busy[mode], busy["off"])]) for mode in MODES},
+        "other_threads_cpu": {mode: summary(others[mode]) for mode in MODES},
+        "work_off": summary(busy["off"]), "synchronous": summary(synchronous),
+        "dropped": {mode: sum(s["dropped"] for s in stats[mode].values()) for mode in MODES},
+        "failures": {mode: {name: s["failures"] for name, s in stats[mode].items() if s["failures"]} for mode in MODES},
         "open_s": open_s, "close_s": time.perf_counter() - closed,
     }
+
+
+def host_memory_part(backends: tuple, root: str) -> dict:
+    """The writer rank's host RSS after 20 logged steps (tests/trainer.py), per mode and off, MB."""
+    import subprocess
+
+    trainer = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "trainer.py")
+    memory = {}
+    for mode in ("off",) + MODES:
+        done = subprocess.run([sys.executable, trainer, f"{root}/rss_{mode}", "--mode", mode,
+                               "--backends", ",".join(backends)], capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            raise RuntimeError(f"tests/trainer.py --mode {mode} failed:\n{done.stderr[-2000:]}")
+        memory[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    return memory
 
 
 def wake_penalty(idle_s: float = 0.1, samples: int = 15) -> dict:
@@ -556,7 +558,8 @@ def _rounds_for(seconds: float) -> int:
 # Output.
 
 
-def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, wake: dict, command: str) -> str:
+def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, memory: dict | None, wake: dict,
+             command: str) -> str:
     lines = [
         f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, Python {sys.version.split()[0]}. "
         f"Command: `{command}`.",
@@ -611,24 +614,34 @@ def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, wake: 
                   f"({non_log['ns_per_call'] / 1e3:.3f} us, of which the loop {non_log['loop_ns']:.0f} ns), "
                   f"non_logging_collectives={non_log['collectives']}, returned None: {non_log['all_none']}"]
     if writer:
-        f, s = writer["fanout_log"], writer["synchronous"]
         lines += [
-            "", f"Writer rank, {writer['steps']} steps of {writer['keys']} metrics to "
-            f"{', '.join(writer['backends'])}, ms per step, median (p90):", "",
-            "| FanOut.log: training thread blocked | the backends called synchronously | blocked / synchronous "
-            "| hand-off alone: 4 null sinks | 1 null sink | 4 null sinks behind 1 dispatcher thread |",
-            "|---:|---:|---:|---:|---:|---:|",
-            f"| {f['median_us'] / 1e3:.3f} ({f['p90_us'] / 1e3:.3f}) | {s['median_us'] / 1e3:.2f} "
-            f"({s['p90_us'] / 1e3:.2f}) | {f['median_us'] / s['median_us']:.4f} "
-            f"| {writer['null_four']['median_us'] / 1e3:.3f} ({writer['null_four']['p90_us'] / 1e3:.3f}) "
-            f"| {writer['null_one']['median_us'] / 1e3:.3f} ({writer['null_one']['p90_us'] / 1e3:.3f}) "
-            f"| {writer['null_dispatched']['median_us'] / 1e3:.3f} ({writer['null_dispatched']['p90_us'] / 1e3:.3f}) |",
-            "", f"Python work on the training thread right after FanOut.log took {writer['work_slowdown_ms']:.2f} ms "
-            f"longer (median) than the same work with the backends idle "
-            f"({writer['work_idle']['median_us'] / 1e3:.1f} ms): the backends' threads share the GIL.",
-            f"Steps lost or failed: {writer['lost']}. Opening the backends took {writer['open_s']:.1f} s, "
-            f"closing them {writer['close_s']:.1f} s (once per run).",
+            "", f"Writer rank, {writer['steps']} steps of {writer['keys']} metrics to {', '.join(writer['backends'])}; "
+            f"the training thread's work: {writer['work_off']['median_us'] / 1e3:.1f} ms of pure Python "
+            f"(median, logging off). ms per step, median (p90):", "",
+            "| writer_mode | hand-off (`log`), wall | hand-off, its CPU | training thread's loss, GIL included "
+            "| CPU of the trainer's other threads | steps dropped | backend calls failed (retried) |",
+            "|---|---:|---:|---:|---:|---:|---:|",
         ]
+        for mode in MODES:
+            h, loss, cpu = writer["handoff"][mode], writer["loss"][mode], writer["other_threads_cpu"][mode]
+            hc = writer["handoff_cpu"][mode]
+            lines.append(f"| {mode} | {h['median_us'] / 1e3:.3f} ({h['p90_us'] / 1e3:.3f}) "
+                         f"| {hc['median_us'] / 1e3:.3f} ({hc['p90_us'] / 1e3:.3f}) "
+                         f"| {loss['median_us'] / 1e3:.3f} ({loss['p90_us'] / 1e3:.3f}) "
+                         f"| {cpu['median_us'] / 1e3:.3f} ({cpu['p90_us'] / 1e3:.3f}) | {writer['dropped'][mode]} "
+                         f"| {writer['failures'][mode] or 0} |")
+        sync = writer["synchronous"]
+        lines += ["", f"The same backends called synchronously: {sync['median_us'] / 1e3:.2f} ms "
+                  f"({sync['p90_us'] / 1e3:.2f}) per step. Steps dropped: {sum(writer['dropped'].values())}. "
+                  f"Opening the backends took {writer['open_s']:.1f} s, closing them {writer['close_s']:.1f} s "
+                  f"(once per run)."]
+    if memory:
+        off = memory["off"]
+        lines += ["", "Writer rank's host memory after 20 logged steps (tests/trainer.py), MB:", "",
+                  "| | RSS | peak RSS (VmHWM) | RSS - off | the writer process's own RSS |", "|---|---:|---:|---:|---:|"]
+        lines += [f"| {mode} | {m['rss_mb']:.1f} | {m['peak_rss_mb']:.1f} | {m['rss_mb'] - off['rss_mb']:+.1f} "
+                  f"| {'-' if m['writer_rss_mb'] is None else format(m['writer_rss_mb'], '.1f')} |"
+                  for mode, m in memory.items()]
     return "\n".join(lines)
 
 
@@ -638,14 +651,17 @@ def main(argv=None) -> int:
     parser.add_argument("--pp", type=int, nargs="+", default=None, help="PP sizes (default: 2 4 8)")
     parser.add_argument("--iters", type=int, default=None, help="repetitions per variant (default: 400/300/200)")
     parser.add_argument("--non-logging-calls", type=int, default=None, help="default: 100000")
-    parser.add_argument("--writer-steps", type=int, default=None, help="default: 60; 0 skips the writer part")
+    parser.add_argument("--writer-steps", type=int, default=None, help="default: 100; 0 skips the writer part")
     parser.add_argument("--backends", default=None, help=f"comma-separated, default: {','.join(BACKENDS)}")
+    parser.add_argument("--work-ms", type=float, default=30.0,
+                        help="the writer part's training-thread work per step (default: 30)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the writer rank's host-memory runs")
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
     smoke = args.smoke
     sizes = args.pp or ([2] if smoke else [2, 4, 8])
     non_logging_calls = args.non_logging_calls or (20000 if smoke else 100000)
-    writer_steps = args.writer_steps if args.writer_steps is not None else (5 if smoke else 60)
+    writer_steps = args.writer_steps if args.writer_steps is not None else (5 if smoke else 100)
     backends = tuple((args.backends or ("tensorboard" if smoke else ",".join(BACKENDS))).split(","))
     unknown = set(backends) - set(BACKENDS)
     if unknown:
@@ -664,21 +680,23 @@ def main(argv=None) -> int:
         rows.append(cluster_row(world, ranks))
         non_log = non_log or ranks[-1].get("non_logging")
         print(f"# PP {world} done after {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    writer = None
-    if writer_steps:
-        metrics = ranks[-1]["unified"] if ranks else {"memory/peak_reserved_gb": 1.0}
-        root = tempfile.mkdtemp(prefix="nemo_memlog_bench_")
-        try:
-            writer = writer_part(metrics, writer_steps, backends, root)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-        print(f"# writer part done after {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    writer = memory = None
+    root = tempfile.mkdtemp(prefix="nemo_memlog_bench_")
+    try:
+        if writer_steps:
+            metrics = ranks[-1]["unified"] if ranks else {"memory/peak_reserved_gb": 1.0}
+            writer = writer_part(metrics, writer_steps, backends, root, args.work_ms)
+            print(f"# writer part done after {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        if not (smoke or args.no_memory):
+            memory = host_memory_part(backends, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(markdown(rows, non_log, writer, wake, command.strip()))
+    print(markdown(rows, non_log, writer, memory, wake, command.strip()))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": rows, "non_logging": non_log, "writer": writer, "wake": wake}, out, indent=1,
-                      default=str)
+            json.dump({"rows": rows, "non_logging": non_log, "writer": writer, "memory": memory, "wake": wake}, out,
+                      indent=1, default=str)
     return 0
 
 

@@ -46,8 +46,9 @@ class TrainConfig:
     """Microbatches per iteration; >= parallel.pp keeps the first stage's 1F1B warm-up full."""
     micro_batch_size: int = 128
     """With seq_len and model.hidden, sets the activation memory a microbatch keeps on a stage:
-    about 0.15 GB here. The first stage keeps 3 more of them than the last, which must clearly
-    outweigh the ~0.2 GB of logging backends the last stage (the writer rank) also holds."""
+    about 0.15 GB here. The first stage keeps 3 more of them than the last. (With
+    logger.writer_mode=thread the last stage, the writer rank, also holds the ~0.2 GB of
+    logging backends; in the default writer process it does not.)"""
     seq_len: int = 128
     lr: float = 1e-2
     seed: int = 1234
@@ -272,7 +273,7 @@ def _stage_table(cfg: DemoConfig, iteration: int, logged: dict, name: str, label
         notes = []
         if stage == peak_stage:
             notes.append("<- pipeline peak")
-        if stage == last:
+        if stage == last and cfg.logger.writer_mode == "thread":
             notes.append("(also runs the logging backends)")
         lines.append(f"  {stage:>5}   {in_flight:>22}   {logged[f'memory/pp_stage_{stage}/{name}']:>10.3f} GB  "
                      + " ".join(notes))

@@ -22,6 +22,7 @@ def test_dotted_overrides_as_recipes_pass_them():
     ("logger.memory_reduce_timeout_s=0", "positive number of seconds"),
     ("logger.writer_buffer_steps=0", "writer_buffer_steps must be an int >= 1"),
     ("logger.memory_peak_window=step", "memory_peak_window must be one of 'run', 'interval'"),
+    ("logger.writer_mode=fork", "writer_mode must be one of 'process', 'thread'; got 'fork'"),
     ("logger.no_such_field=1", "Known logger fields"),
 ])
 def test_bad_settings_name_the_field(override, message):

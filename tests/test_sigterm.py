@@ -1,7 +1,6 @@
 """SIGTERM mid-run (a preemption, a SLURM time limit): the demo under torchrun is signalled,
 and every step training_log returned before the signal is in all four backends."""
 
-import json
 import os
 import re
 import signal
@@ -15,60 +14,15 @@ from pathlib import Path
 import pytest
 
 from tests.cluster import free_port
-from tests.writers.test_comet import read_archive
-from tests.writers.test_wandb import wandb_records
+from tests.readback import stored_steps, wandb_finished
 
 ROOT = Path(__file__).resolve().parents[1]
-TAG = "memory/peak_host_rss_gb"
 
 
 def _progress(stderr_lines):
     """The highest iteration tqdm showed as finished ('  7/100000')."""
     done = [int(m.group(1)) for line in stderr_lines for m in re.finditer(r"\b(\d+)/100000\b", line)]
     return max(done, default=0)
-
-
-def _tensorboard_steps(run):
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    steps = set()
-    for events in (run / "tensorboard").rglob("events.out.tfevents.*"):
-        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
-        accumulator.Reload()
-        if TAG in accumulator.Tags()["scalars"]:
-            steps |= {event.step for event in accumulator.Scalars(TAG)}
-    return steps
-
-
-def _mlflow_steps(run):
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
-    experiments = client.search_experiments()
-    runs = client.search_runs([e.experiment_id for e in experiments])
-    return {m.step for r in runs for m in client.get_metric_history(r.info.run_id, TAG)}
-
-
-def _wandb_steps(run):
-    steps = set()
-    for log in (run / "wandb").glob("offline-run-*/run-*.wandb"):
-        for record in wandb_records(log):
-            if record.WhichOneof("record_type") == "history":
-                items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
-                if TAG in items:
-                    steps.add(int(items["_step"]))
-    return steps
-
-
-def _comet_steps(run):
-    steps = set()
-    for archive in (run / "comet").glob("*.zip"):
-        _, messages = read_archive(archive)
-        for message in messages:
-            text = json.dumps(message)
-            if TAG in text:
-                steps |= {int(s) for s in re.findall(r'"step": (\d+)', text)}
-    return steps
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +56,11 @@ def preempted(tmp_path_factory):
 
 def test_sigterm_mid_run_keeps_every_returned_step_in_every_backend(preempted):
     run, finished = preempted
-    stored = {"tensorboard": _tensorboard_steps(run), "mlflow": _mlflow_steps(run),
-              "wandb": _wandb_steps(run), "comet": _comet_steps(run)}
-    for backend, steps in stored.items():
+    for backend, steps in stored_steps(run).items():
         # Every iteration tqdm showed as finished had returned from training_log (interval 1).
         missing = set(range(1, finished + 1)) - steps
         assert not missing, f"{backend} lost steps {sorted(missing)} (has {len(steps)} steps)"
+    assert wandb_finished(run)
 
 
 def test_a_secret_on_the_command_line_reaches_no_backend_file(preempted):

@@ -6,6 +6,10 @@ and a backend object with ``log(metrics, step)``, ``flush()`` and ``close()``; a
 returns None for any other object) without importing its library. Modules are found by
 listing this package, and imported only when their config asks for them, so this file
 names no backend and an uninstalled backend costs nothing.
+
+``writer_mode`` picks where the backends run: in a writer process of their own
+(``process.ProcessFanOut``, whose process runs a ``FanOut``), or in threads of this
+process (``FanOut`` here). Both take the same ``log``, ``flush``, ``close`` and ``stats``.
 """
 
 from __future__ import annotations
@@ -13,42 +17,44 @@ from __future__ import annotations
 import atexit
 import importlib
 import pkgutil
+import warnings
 import weakref
 
 from ..config import logger_section, recorded_params, secrets_of, setting
 from .fanout import FanOut, Sink
 from .inline import InlineFanOut
 
-_INFRASTRUCTURE = {"fanout", "inline"}
-_open_fanouts: "weakref.WeakSet[FanOut]" = weakref.WeakSet()
+_INFRASTRUCTURE = {"fanout", "inline", "process"}
+_open_fanouts: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def backend_modules() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _INFRASTRUCTURE)
 
 
-def build_writers(config, *, run_config=None) -> FanOut:
-    """The fan-out for every backend ``config`` enables (possibly none).
+def build_writers(config, *, run_config=None):
+    """The fan-out for every backend ``config`` enables (possibly none): a ``FanOut``, or
+    with ``writer_mode="process"`` a ``ProcessFanOut`` (same methods).
 
     ``config`` is a LoggerConfig, any object with its field names, or a container with
     ``.logger``. ``run_config`` (default: ``config``) is recorded once per backend as
     hyperparameters, with secrets redacted and the resolved ``memory_peak_window`` added.
-    Backends open lazily in their own threads. Closed at interpreter exit and on SIGTERM
-    (see signals.py).
+    Backends open lazily, in their own threads (of the writer process, in process mode).
+    Closed at interpreter exit and on SIGTERM (see signals.py). No backend configured: an
+    empty FanOut, and no process.
     """
     logger = logger_section(config)
     run_config = config if run_config is None else run_config
     secrets = secrets_of(run_config) + secrets_of(logger)
     params = recorded_params(run_config, logger)
-    sinks = []
-    for name in backend_modules():
-        module = importlib.import_module(f"{__name__}.{name}")
-        if module.enabled(logger):
-            opener = _opener(module, logger, params, secrets)
-            sinks.append(Sink(name, opener, setting(logger, "writer_buffer_steps"), secrets))
-    fanout = FanOut(sinks, setting(logger, "writer_close_timeout_s"))
+    names = [name for name in backend_modules() if _module(name).enabled(logger)]
+    fanout = None
+    if names and setting(logger, "writer_mode") == "process":
+        fanout = _process_fanout(logger, names, params, secrets)
+    if fanout is None:
+        fanout = thread_fanout(logger, names, params, secrets)
     _open_fanouts.add(fanout)
-    if sinks:
+    if names:
         from .. import signals
 
         signals.install(close_all)
@@ -59,7 +65,7 @@ def adopt_writers(open_loggers) -> InlineFanOut:
     """Writers over logger objects a framework already opened in this process (None
     entries are skipped; objects no backend recognises are ignored). They are written on
     the calling thread and flushed, never closed, by us: see inline.py."""
-    modules = [importlib.import_module(f"{__name__}.{name}") for name in backend_modules()]
+    modules = [_module(name) for name in backend_modules()]
     backends = []
     for obj in open_loggers:
         if obj is None:
@@ -70,6 +76,29 @@ def adopt_writers(open_loggers) -> InlineFanOut:
                 backends.append((module.__name__.rsplit(".", 1)[1], backend))
                 break
     return InlineFanOut(backends)
+
+
+def thread_fanout(logger, names: list[str], params: dict, secrets: list[str]) -> FanOut:
+    """The backends ``names``, each in a thread of this process behind its own buffer."""
+    sinks = [Sink(name, _opener(_module(name), logger, params, secrets), setting(logger, "writer_buffer_steps"),
+                  secrets) for name in names]
+    return FanOut(sinks, setting(logger, "writer_close_timeout_s"))
+
+
+def _process_fanout(logger, names, params, secrets):
+    try:
+        from .process import ProcessFanOut
+
+        return ProcessFanOut(logger, names, params, secrets)
+    except Exception as error:  # no process can be started here (limits, a sandbox, no AF_UNIX): threads work
+        warnings.warn(f"nemo_memlog: could not start the writer process ({type(error).__name__}: {error}); "
+                      f"the backends write from threads of this process instead (logger.writer_mode='thread')",
+                      RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
 
 
 def _opener(module, logger, params, secrets):
@@ -87,4 +116,5 @@ def close_all(timeout_s: float | None = None) -> None:
 
 atexit.register(close_all)
 
-__all__ = ["FanOut", "InlineFanOut", "adopt_writers", "build_writers", "close_all", "backend_modules"]
+__all__ = ["FanOut", "InlineFanOut", "adopt_writers", "build_writers", "close_all", "backend_modules",
+           "thread_fanout"]

@@ -8,8 +8,10 @@ backend, and a slow or hung backend never holds up the others.
 A backend call that fails leaves its step at the head of that backend's buffer and is
 retried with backoff (0.5 s doubling to 30 s), so a backend that comes back gets every
 step it missed, in order. When a buffer is full (``writer_buffer_steps``), the OLDEST
-step of that backend is dropped, counted, and warned about once: the training thread
-never blocks, and memory stays bounded. Failures warn once per backend and kind of
+step of that backend (other than one being written) is dropped, counted, and warned
+about once: the training thread never blocks, and memory stays bounded. ``close``
+drains every sink, then each sink's thread closes its backend, all at once, so a hung
+backend holds up no other backend's close. Failures warn once per backend and kind of
 failure, with secrets scrubbed from the message.
 """
 
@@ -50,8 +52,9 @@ class Sink:
     # --- training thread side ---
     def put(self, metrics: dict, step: int) -> None:
         with self._cond:
-            if len(self._buffer) >= self._limit:
-                self._buffer.popleft()
+            in_flight = 1 if self._busy else 0  # the step being written is kept: it ends written, not dropped
+            if len(self._buffer) >= self._limit and len(self._buffer) > in_flight:
+                del self._buffer[in_flight]
                 self.dropped += 1
                 self._warn_once(
                     "full",
@@ -72,14 +75,21 @@ class Sink:
                 self._cond.wait(min(left, 0.05))
             return True
 
-    def close(self, deadline: float) -> None:
-        drained = self.drain(deadline)
+    def request_close(self) -> None:
+        """Stop taking steps: the thread writes what it holds (giving up at a failure), then
+        closes the backend itself, alongside the other sinks' threads."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+
+    def close(self, deadline: float, drained: bool | None = None) -> None:
+        """Drain (unless ``drained`` says how that went), close, and wait for it until ``deadline``."""
+        if drained is None:
+            drained = self.drain(deadline)
+        self.request_close()
         self._thread.join(max(0.0, deadline - time.monotonic()))
-        if self._backend is not None and not self._thread.is_alive():
-            self._call("close", self._backend.close)
+        if self._thread.is_alive():
+            self._warn_once("close", "did not finish closing in time (logger.writer_close_timeout_s)")
         if not drained or self._buffer:
             self.dropped += len(self._buffer)
             self._warn_once("unwritten", f"{len(self._buffer)} steps were still unwritten at close")
@@ -100,7 +110,7 @@ class Sink:
                 while not self._buffer and not self._closing:
                     self._cond.wait()
                 if not self._buffer:
-                    return  # closing and drained
+                    break  # closing and drained
                 metrics, step = self._buffer[0]
                 self._busy = True
             ok = self._write(metrics, step)
@@ -113,9 +123,11 @@ class Sink:
                     self._cond.notify_all()
                     continue
                 if self._closing:
-                    return
+                    break
                 self._cond.wait(delay)  # back off; a drain() wakes us early to retry now
                 delay = min(delay * 2, RETRY_MAX_S)
+        if self._backend is not None:
+            self._call("close", self._backend.close)
 
     def _write(self, metrics: dict, step: int) -> bool:
         if self._backend is None:
@@ -232,8 +244,12 @@ class FanOut:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        # Drain all, then close all at once: a hung backend delays no other backend's close.
+        drained = [sink.drain(deadline) for sink in self.sinks]
         for sink in self.sinks:
-            sink.close(deadline)
+            sink.request_close()
+        for sink, done in zip(self.sinks, drained):
+            sink.close(deadline, done)
 
     def stats(self) -> dict:
         """Per backend: written, pending, dropped, failures (after the pending hand-off)."""

@@ -1,5 +1,8 @@
 """Writer isolation with real failures: a broken backend never reaches training or the others,
-warns once per kind, and a backend that comes back gets every buffered step."""
+warns once per kind, and a backend that comes back gets every buffered step.
+
+Each runs in the writer process (the default), and the cheap ones in thread mode too: the
+same sinks, in the training process."""
 
 import os
 import signal
@@ -29,7 +32,8 @@ def fresh_wandb():
     wandb.teardown()
 
 
-def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wandb):
+@pytest.mark.parametrize("writer_mode", ["process", "thread"])
+def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wandb, writer_mode):
     # W&B online with no API key: wandb.init raises for real (no network needed to fail).
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
@@ -43,6 +47,7 @@ def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wa
         tensorboard_dir=str(blocker / "tb"),  # cannot be created: its parent is a file
         wandb_project="p", wandb_save_dir=str(tmp_path),
         mlflow_experiment="isolation", mlflow_run_name="r", mlflow_tracking_uri=f"sqlite:///{db}",
+        writer_mode=writer_mode,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -73,10 +78,11 @@ def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wa
     assert sorted(steps) == [1, 2, 3, 4, 5]
 
 
-def test_full_buffer_drops_oldest_and_counts(tmp_path):
+@pytest.mark.parametrize("writer_mode", ["process", "thread"])
+def test_full_buffer_drops_oldest_and_counts(tmp_path, writer_mode):
     blocker = tmp_path / "f"
     blocker.write_text("x")
-    cfg = LoggerConfig(tensorboard_dir=str(blocker / "tb"), writer_buffer_steps=3)
+    cfg = LoggerConfig(tensorboard_dir=str(blocker / "tb"), writer_buffer_steps=3, writer_mode=writer_mode)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fanout = build_writers(cfg)

@@ -1,0 +1,70 @@
+"""Read back what a run wrote to each backend: the steps at which TAG was stored.
+
+A run directory holds ``tensorboard/`` (event files), ``mlflow.db`` (an MLflow SQLite
+store), ``wandb/`` (W&B offline runs) and ``comet/`` (Comet offline archives), as the demo
+and tests/trainer.py write them.
+"""
+
+import json
+import re
+
+from tests.writers.test_comet import read_archive
+from tests.writers.test_wandb import wandb_records
+
+TAG = "memory/peak_host_rss_gb"
+
+
+def stored_steps(run) -> dict[str, set[int]]:
+    """Backend name -> the steps at which TAG is stored there."""
+    return {"tensorboard": tensorboard_steps(run), "mlflow": mlflow_steps(run), "wandb": wandb_steps(run),
+            "comet": comet_steps(run)}
+
+
+def tensorboard_steps(run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steps = set()
+    for events in (run / "tensorboard").rglob("events.out.tfevents.*"):
+        accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        if TAG in accumulator.Tags()["scalars"]:
+            steps |= {event.step for event in accumulator.Scalars(TAG)}
+    return steps
+
+
+def mlflow_steps(run):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    experiments = client.search_experiments()
+    runs = client.search_runs([e.experiment_id for e in experiments])
+    return {m.step for r in runs for m in client.get_metric_history(r.info.run_id, TAG)}
+
+
+def wandb_steps(run):
+    steps = set()
+    for log in (run / "wandb").glob("offline-run-*/run-*.wandb"):
+        for record in wandb_records(log):
+            if record.WhichOneof("record_type") == "history":
+                items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+                if TAG in items:
+                    steps.add(int(items["_step"]))
+    return steps
+
+
+def comet_steps(run):
+    steps = set()
+    for archive in (run / "comet").glob("*.zip"):
+        _, messages = read_archive(archive)
+        for message in messages:
+            text = json.dumps(message)
+            if TAG in text:
+                steps |= {int(s) for s in re.findall(r'"step": (\d+)', text)}
+    return steps
+
+
+def wandb_finished(run) -> bool:
+    """Every W&B run under ``run`` was finished: its log ends the run with an exit record."""
+    logs = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    return bool(logs) and all(any(record.WhichOneof("record_type") == "exit" for record in wandb_records(log))
+                              for log in logs)

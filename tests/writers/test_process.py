@@ -1,0 +1,220 @@
+"""The writer process, for real: trainers killed with SIGKILL or ending with os._exit, a hung
+backend, a stopped and a killed writer process, host memory, and what /proc shows of it.
+
+Trainers are tests/trainer.py (alone, or two ranks under torchrun); their runs are read
+back with tests/readback.py, as the SIGTERM test reads the demo's.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from nemo_memlog import LoggerConfig, build_writers
+from nemo_memlog.writers import process
+from tests.cluster import free_port
+from tests.readback import stored_steps, tensorboard_steps, wandb_finished
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER = ROOT / "tests" / "trainer.py"
+SECRET = "SECRET-WRITER-KEY"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids, timeout_s: float) -> float:
+    """Seconds until none of ``pids`` runs; fails the test after ``timeout_s``."""
+    started = time.monotonic()
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() - started < timeout_s, f"still running: {[p for p in pids if _alive(p)]}"
+        time.sleep(0.05)
+    return time.monotonic() - started
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _trainer_env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+
+
+def _run_trainer(run: Path, *args) -> dict:
+    done = subprocess.run([sys.executable, str(TRAINER), str(run), *args], cwd=ROOT, env=_trainer_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_path):
+    """Two ranks under torchrun; the writer rank's training process is SIGKILLed mid-run."""
+    run, close_s = tmp_path / "killed", 20
+    out_path = tmp_path / "stdout"
+    with open(out_path, "w") as out, open(tmp_path / "stderr", "w") as err:
+        torchrun = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+             str(TRAINER), str(run), "--steps", "0", "--close-timeout", str(close_s)],
+            cwd=ROOT, env=_trainer_env(), stdout=out, stderr=err, start_new_session=True)
+    try:
+        handed, deadline = 0, time.monotonic() + 180
+        while handed < 25 or not list(run.glob("wandb/offline-run-*")):  # mid-run: the backends are writing
+            assert torchrun.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
+            time.sleep(0.1)
+            lines = out_path.read_text().splitlines()
+            handed = max([int(line.split()[1]) for line in lines if line.startswith("handed ")], default=0)
+        (ids,) = [line.split() for line in lines if line.startswith("trainer ")]
+        trainer, writer = int(ids[1]), int(ids[3])
+        ours = _descendants(torchrun.pid)
+        assert {trainer, writer} <= ours
+        os.kill(trainer, signal.SIGKILL)  # as the OOM killer does: this one process, nothing else
+        writer_exit_s = _wait_gone([writer], close_s + 10)
+        _wait_gone(ours | {torchrun.pid}, close_s + 60)  # torchrun ends rank 0 and itself
+    finally:
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+        torchrun.wait()
+    stored = stored_steps(run)
+    print(f"SIGKILL after {handed} steps handed over; the writer process ended {writer_exit_s:.1f} s later; "
+          f"steps stored: {({backend: len(steps) for backend, steps in stored.items()})}")
+    for backend, steps in stored.items():
+        missing = set(range(1, handed + 1)) - steps
+        assert not missing, f"{backend} lost steps {sorted(missing)} of the {handed} handed over before the kill"
+    assert wandb_finished(run), "the W&B run was not finished"
+    assert writer_exit_s < close_s, "the writer process must end on its own within writer_close_timeout_s"
+
+
+def test_the_writer_rank_holds_no_backend_memory(tmp_path):
+    """Host RSS of the trainer after 20 logged steps, all written to the four backends."""
+    memory = {mode: _run_trainer(tmp_path / mode, "--mode", mode) for mode in ("off", "process", "thread")}
+    print("host memory (MB):", memory)
+    for key in ("rss_mb", "peak_rss_mb"):
+        assert abs(memory["process"][key] - memory["off"][key]) < 30, (key, memory)
+        # The same measurement sees the backends when they do live in the trainer:
+        assert memory["thread"][key] - memory["off"][key] > 60, (key, memory)
+    for backend, steps in stored_steps(tmp_path / "process").items():
+        assert steps == set(range(1, 21)), backend
+    assert not _alive(memory["process"]["writer_pid"]), "closing reaps the writer process"
+
+
+def test_a_dead_trainer_and_a_hung_backend_leave_no_writer_process_behind(tmp_path):
+    """os._exit in the trainer while MLflow's server never answers: TensorBoard still gets
+    closed, the writer process ends within writer_close_timeout_s, and its warnings still
+    reach the console."""
+    run, close_s = tmp_path / "exited", 3
+    with socket.create_server(("127.0.0.1", 0)) as black_hole:  # connections queue, never answered
+        uri = f"http://127.0.0.1:{black_hole.getsockname()[1]}"
+        # Files, not pipes: the writer process shares them, and would hold a pipe open.
+        with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+            subprocess.run(
+                [sys.executable, str(TRAINER), str(run), "--backends", "tensorboard,mlflow", "--mlflow-uri", uri,
+                 "--wait-for", "tensorboard", "--steps", "10", "--close-timeout", str(close_s), "--end", "os_exit"],
+                cwd=ROOT, env=_trainer_env(), stdout=out, stderr=err, timeout=300, check=True)
+        writer = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])["writer_pid"]
+        exit_s = _wait_gone([writer], 30)  # from the trainer's end
+    assert exit_s < close_s + 3, exit_s
+    assert tensorboard_steps(run) == set(range(1, 11))
+    assert "nemo_memlog: mlflow backend: did not finish closing in time" in (tmp_path / "stderr").read_text()
+
+
+def test_no_secret_in_the_writer_process_command_line_or_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMET_API_KEY", SECRET)
+    monkeypatch.setenv("DEPLOY_NOTE", f"the key is {SECRET}")  # a secret under a harmless name
+    monkeypatch.setattr(sys, "argv", ["pretrain.py", f"logger.comet_api_key={SECRET}"])
+    cfg = LoggerConfig(tensorboard_dir=str(tmp_path / "tb"), comet_api_key=SECRET)
+    fanout = build_writers(cfg)
+    try:
+        fanout.log({"memory/peak_host_rss_gb": 1.0}, 1)
+        assert fanout.flush(120)  # the writer process runs, has read the secrets, has written
+        with open(f"/proc/{fanout.pid}/cmdline", "rb") as cmdline, open(f"/proc/{fanout.pid}/environ", "rb") as env:
+            argv, environ = cmdline.read(), env.read()
+    finally:
+        fanout.close()
+    assert argv.split(b"\0")[1:3] == [b"-m", b"nemo_memlog.writers.process"]
+    assert SECRET.encode() not in argv and SECRET.encode() not in environ
+    names = {entry.split(b"=", 1)[0] for entry in environ.split(b"\0")}
+    assert b"PATH" in names and b"COMET_API_KEY" not in names and b"DEPLOY_NOTE" not in names
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()] == []
+
+
+def test_secret_variables_go_through_the_socket():
+    public, private = process.split_environment(
+        {"PATH": "/bin", "WANDB_API_KEY": "k1", "MLFLOW_TRACKING_TOKEN": "k2", "NOTE": f"x{SECRET}y"}, [SECRET])
+    assert public == {"PATH": "/bin"}
+    assert private == {"WANDB_API_KEY": "k1", "MLFLOW_TRACKING_TOKEN": "k2", "NOTE": f"x{SECRET}y"}
+
+
+def test_a_stopped_or_killed_writer_process_never_holds_up_training(tmp_path, monkeypatch):
+    monkeypatch.setattr(process, "SEND_BUFFER", 64 * 1024)  # a small socket fills in fewer steps
+    cfg = LoggerConfig(tensorboard_dir=str(tmp_path / "tb"), writer_buffer_steps=10)
+    padding = {f"pad/{i}": 0.0 for i in range(40)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fanout = build_writers(cfg)
+        fanout.log({"x": 0.0}, 0)
+        assert fanout.flush(120)
+        os.kill(fanout.pid, signal.SIGSTOP)  # stuck: reads nothing
+        try:
+            handoff = []
+            for step in range(1, 201):
+                started = time.perf_counter()
+                fanout.log({"x": float(step), **padding}, step)
+                handoff.append(time.perf_counter() - started)
+            dropped_here = fanout.dropped
+        finally:
+            os.kill(fanout.pid, signal.SIGCONT)
+        assert fanout.flush(60)
+        stats = fanout.stats()["tensorboard"]
+        os.kill(fanout.pid, signal.SIGKILL)  # gone
+        deadline = time.monotonic() + 30
+        while not any("writer process ended unexpectedly" in str(w.message) for w in caught):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for step in range(201, 206):
+            fanout.log({"x": float(step)}, step)  # never raises
+        started = time.perf_counter()
+        fanout.close(timeout_s=5)
+        close_s = time.perf_counter() - started
+    messages = [str(w.message) for w in caught]
+    assert max(handoff) < 0.05, "the training thread never waits for the writer process"
+    assert 0 < dropped_here < 200 and stats["pending"] == 0
+    assert stats["written"] + stats["dropped"] == 201, stats  # every step written or counted
+    assert len([m for m in messages if "the writer process is behind" in m]) == 1
+    assert len([m for m in messages if "writer process ended unexpectedly" in m]) == 1
+    assert fanout.dropped == dropped_here + 5 and close_s < 1
+
+
+def test_where_no_process_can_start_the_backends_run_in_threads(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))  # starting it fails for real
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fanout = build_writers(LoggerConfig(tensorboard_dir=str(tmp_path / "tensorboard")))
+        fanout.log({"memory/peak_host_rss_gb": 1.5}, 3)
+        fanout.close()
+    assert not isinstance(fanout, process.ProcessFanOut)
+    assert len([w for w in caught if "could not start the writer process" in str(w.message)]) == 1
+    assert tensorboard_steps(tmp_path) == {3}
