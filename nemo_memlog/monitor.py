@@ -38,7 +38,7 @@ class MemoryMonitor:
         self.per_stage_keys = tuple(setting(logger, "memory_per_stage_keys"))
         self.headroom_warn_fraction = setting(logger, "memory_headroom_warn_fraction")
         self.timeout_s = setting(logger, "memory_reduce_timeout_s")
-        self.reset_peaks = setting(logger, "memory_peak_window") == "interval"
+        self.interval_peaks = setting(logger, "memory_peak_window") == "interval"
         self.writers = writers
         self._owns_writers = writers is None
         self._groups = (pp_group, pg_collection)
@@ -57,7 +57,7 @@ class MemoryMonitor:
         if not self._placed:
             self.place()
         report = memory.report_memory(self.memory_keys)
-        if self.reset_peaks:
+        if self.interval_peaks:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
         report.update(memory.capacity_report())
         if self.world_scope:
