@@ -78,7 +78,8 @@ class LoggerConfig:
     """"process": the backends run in a writer process of their own, fed through a socket
     (off the training process's GIL and host RSS; survives a SIGKILL of the trainer).
     "thread": they run in threads of the training process (where no process can be
-    started, or to write into loggers another framework opened in this process)."""
+    started). Loggers another framework opened in this process (Megatron-Bridge's, through
+    nemo_memlog.bridge) are written on its training thread, in neither mode."""
 
     def __post_init__(self):
         check_logger_fields(self)
