@@ -84,7 +84,7 @@ GB = 1e9
 # The anchors, as their projects write them (the device aside: gloo needs CPU tensors).
 
 
-def bridge_reduce_max(memory_report: dict, pp_group) -> dict:
+def bridge_reduce_max(memory_report: dict, pp_group, device: str = "cpu") -> dict:
     """Megatron-Bridge PR 3645's reduce_max_memory_across_pp_group (device="cpu" for gloo)."""
     if not memory_report:
         return memory_report
@@ -93,8 +93,13 @@ def bridge_reduce_max(memory_report: dict, pp_group) -> dict:
     pp_size_attr = getattr(pp_group, "size", None)
     if not callable(pp_size_attr) or pp_size_attr() <= 1:
         return memory_report
+    return bridge_all_reduce_max(memory_report, pp_group, device)
+
+
+def bridge_all_reduce_max(memory_report: dict, pp_group, device: str) -> dict:
+    """The collective part of bridge_reduce_max (bench_cuda.py runs it at world size 1 too)."""
     keys = list(memory_report.keys())
-    values = torch.tensor([memory_report[k] for k in keys], dtype=torch.float64, device="cpu")
+    values = torch.tensor([memory_report[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=pp_group)
     reduced = {}
     for key, max_val in zip(keys, values.tolist()):
@@ -645,6 +650,25 @@ def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, memory
     return "\n".join(lines)
 
 
+def cuda_part(smoke: bool, no_gpu: bool) -> dict:
+    """Part 5 (bench_cuda.py): reading the allocator statistics (an H100's, fed through the real
+    code, without CUDA); with a GPU (not with --smoke), the logging step against Megatron-Bridge's,
+    the floor and queued GPU work, in a spawned process of its own."""
+    import bench_cuda
+
+    part = {"statistics": bench_cuda.statistics_part(300 if smoke else 3000)}
+    if torch.cuda.is_available() and not (smoke or no_gpu):
+        part["gpu"] = bench_cuda.run_gpu_part()
+    return part
+
+
+def cuda_markdown(part: dict) -> list[str]:
+    import bench_cuda
+
+    lines = bench_cuda.statistics_markdown(part["statistics"])
+    return lines + ([""] + bench_cuda.gpu_markdown(part["gpu"]) if "gpu" in part else [])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="PP 2, few iterations, TensorBoard only")
@@ -656,6 +680,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work-ms", type=float, default=30.0,
                         help="the writer part's training-thread work per step (default: 30)")
     parser.add_argument("--no-memory", action="store_true", help="skip the writer rank's host-memory runs")
+    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part (bench_cuda.py) where CUDA is present")
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
     smoke = args.smoke
@@ -691,12 +716,14 @@ def main(argv=None) -> int:
             memory = host_memory_part(backends, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    cuda = cuda_part(smoke, args.no_gpu)
     command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(markdown(rows, non_log, writer, memory, wake, command.strip()))
+    print("\n" + "\n".join(cuda_markdown(cuda)))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": rows, "non_logging": non_log, "writer": writer, "memory": memory, "wake": wake}, out,
-                      indent=1, default=str)
+            json.dump({"rows": rows, "non_logging": non_log, "writer": writer, "memory": memory, "wake": wake,
+                       "cuda": cuda}, out, indent=1, default=str)
     return 0
 
 
