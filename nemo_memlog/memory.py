@@ -241,8 +241,13 @@ def _plan(keys: tuple[tuple[str, str], ...]) -> tuple[tuple[str, tuple[str, ...]
     return tuple((logged_name, tuple(stat_name.split(".")), "bytes" in stat_name) for stat_name, logged_name in keys)
 
 
+_default = []
+
+
 def _default_plan():
-    return _plan(tuple(DEFAULT_MEMORY_KEYS.items()))
+    if not _default:  # resolved at the first report: the warnings of _plan, if any, go to its caller
+        _default.append(_plan(tuple(DEFAULT_MEMORY_KEYS.items())))
+    return _default[0]
 
 
 def host_rss_bytes() -> tuple[int, int]:

@@ -252,6 +252,7 @@ def test_four_stages_on_one_gpu_log_the_first_stages_real_cuda_peak(four_stages)
 
 def test_four_stages_log_without_waiting_for_their_queued_gpu_work(four_stages):
     _, results = four_stages
+    print("training_log with queued work, s per stage:", [round(r["took_s"], 4) for r in results])
     for result in results:
         assert result["calls"] == [GATHER], "one collective, over gloo"
         assert result["busy"], f"stage {result['stage']}: the queued work was still running"
