@@ -15,6 +15,8 @@ REDACTED = "***redacted***"
 #: memory_peak_window's values: the peaks of the whole run, or of each logging interval.
 PEAK_WINDOWS = ("run", "interval")
 WRITER_MODES = ("process", "thread")
+#: memory_reduce_backend's values.
+REDUCE_BACKENDS = ("auto", "gloo", "group")
 
 
 @dataclass
@@ -69,6 +71,14 @@ class LoggerConfig:
     """Warn (writer rank) when a stage's free memory falls below this fraction of capacity."""
     memory_reduce_timeout_s: float = 300.0
     """Ranks that joined a memory reduction raise after this long waiting for the others."""
+    memory_reduce_backend: str = "auto"
+    """Which process group carries the memory gather. The gathered numbers are host-side
+    values, so they need no GPU: "auto" gathers the ``pp`` scope over a gloo group of the
+    same ranks (created once, at the first logging step, by every rank together) when the
+    job's default group runs on NCCL, and over the group itself otherwise (CPU jobs, and the
+    ``world`` scope: README says why). "gloo": always a gloo group of its own, both scopes.
+    "group": the group itself; on NCCL that copies the words to the GPU, runs an NCCL
+    kernel on the pipeline's communicator and waits for all queued GPU work."""
     writer_buffer_steps: int = 10000
     """Per backend: logged steps kept for retry while that backend is failing or slow."""
     writer_close_timeout_s: float = 30.0
@@ -120,6 +130,11 @@ def check_logger_fields(logger) -> None:
     scope = setting(logger, "memory_reduce_scope")
     if scope not in ("pp", "world"):
         raise ValueError(f"logger.memory_reduce_scope must be 'pp' or 'world'; got {scope!r}")
+    reduce_backend = setting(logger, "memory_reduce_backend")
+    if reduce_backend not in REDUCE_BACKENDS:
+        raise ValueError(f"logger.memory_reduce_backend must be one of {', '.join(map(repr, REDUCE_BACKENDS))} "
+                         f"(auto: gloo for the pp scope on NCCL jobs; gloo; group: the group's own backend); "
+                         f"got {reduce_backend!r}")
     window = setting(logger, "memory_peak_window")
     if window not in PEAK_WINDOWS:
         raise ValueError(f"logger.memory_peak_window must be one of {', '.join(map(repr, PEAK_WINDOWS))} "

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import attribution, megatron, memory
 from .config import check_logger_fields, logger_section, setting
 from .payload import scalar
-from .reduce import gather_memory, single_rank, takes_part
+from .reduce import gather_memory, reduction_group, single_rank, takes_part
 
 
 class MemoryMonitor:
@@ -38,6 +38,7 @@ class MemoryMonitor:
         self.per_stage_keys = tuple(setting(logger, "memory_per_stage_keys"))
         self.headroom_warn_fraction = setting(logger, "memory_headroom_warn_fraction")
         self.timeout_s = setting(logger, "memory_reduce_timeout_s")
+        self.reduce_backend = setting(logger, "memory_reduce_backend")
         self.interval_peaks = setting(logger, "memory_peak_window") == "interval"
         self.writers = writers
         self._owns_writers = writers is None
@@ -78,7 +79,9 @@ class MemoryMonitor:
 
     def place(self) -> None:
         """Resolve this rank's group and place in the job (``group``, ``is_writer_rank``) now,
-        instead of at the first logging step. Needs the process groups to exist."""
+        instead of at the first logging step. Needs the process groups to exist, and every
+        rank to place itself at the same time (the gloo twin of the group is created here,
+        a collective over the whole world: see reduce.reduction_group)."""
         pp_group, pg_collection = self._groups
         distributed = dist.is_available() and dist.is_initialized()
         if self.world_scope:
@@ -88,6 +91,9 @@ class MemoryMonitor:
                                  "tp_rank": coords["tp"], "dp_rank": coords["dp"]}
         else:
             self.group = megatron.pipeline_group(pp_group, pg_collection)
+        # On NCCL jobs, by default, a gloo group of the same ranks: memory logging off the GPU stream.
+        self.group = reduction_group(self.group, backend=self.reduce_backend, world_scope=self.world_scope,
+                                     timeout_s=self.timeout_s)
         self.is_writer_rank = not distributed or dist.get_rank() == dist.get_world_size() - 1
         self._placed = True
 

@@ -76,7 +76,10 @@ def reduce_max_memory_across_pp_group(memory_report: dict, pp_group, *,
     """
     if not takes_part(memory_report, pp_group):
         return memory_report
-    return gather_memory(memory_report, pp_group, timeout_s=timeout_s).maximum
+    # A MemoryMonitor placed in this job made a gloo twin of this group: same ranks, same
+    # result, and no GPU work. Without one, the group itself (this helper creates no group:
+    # that is a collective over the whole world, which its callers do not promise to enter).
+    return gather_memory(memory_report, _twins.get(pp_group, pp_group), timeout_s=timeout_s).maximum
 
 
 def takes_part(memory_report: dict, group) -> bool:
@@ -210,9 +213,7 @@ class _Channel:
     """Per-group state: the agreed layout and pre-allocated buffers for the exchange."""
 
     def __init__(self, group):
-        backend = str(dist.get_backend(group))
-        use_cuda = "gloo" not in backend and "nccl" in backend
-        self.device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_cuda(group) else torch.device("cpu")
         self.ranks = group.size()
         self.layout = None
 
@@ -299,6 +300,74 @@ def _channel(group) -> _Channel:
     if channel is None:
         channel = _channels[group] = _Channel(group)
     return channel
+
+
+def on_cuda(group) -> bool:
+    """Whether a collective over ``group`` runs on CUDA tensors (NCCL without a gloo part)."""
+    backend = str(dist.get_backend(group))
+    return "gloo" not in backend and "nccl" in backend
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU twin of a group: what the memory gather runs over by default on NCCL jobs.
+
+#: group -> its gloo twin (the same ranks), for the groups a MemoryMonitor placed itself in.
+_twins: dict = {}
+
+
+def reduction_group(group, *, backend: str = "auto", world_scope: bool = False, timeout_s: float | None = None):
+    """The group to gather memory over: ``group`` itself, or a gloo group of the same ranks.
+
+    ``backend`` is LoggerConfig.memory_reduce_backend: "group" -> ``group``; "gloo" -> a gloo
+    twin; "auto" -> a gloo twin for the pp scope when the job's default group runs on NCCL,
+    else ``group`` (CPU jobs; and the world scope, where gloo's ring of world-size steps
+    would cost more than the wait it saves: see README).
+
+    Creating groups is a collective over the whole world: call this on EVERY rank at once,
+    with the same settings, once per run (MemoryMonitor.place does). For the pp scope every
+    rank learns every PP group's ranks from one small gather over the world (megatron-core
+    keeps only this rank's), then every rank creates every twin, in the same order. That
+    gather waits at most ``timeout_s`` (None: for ever), then raises MemoryReduceError.
+    """
+    if backend == "group" or not (dist.is_available() and dist.is_initialized()):
+        return group
+    world = dist.group.WORLD
+    if backend == "auto" and (world_scope or not on_cuda(world)):
+        return group
+    if group in _twins:
+        return _twins[group]
+    if world_scope:
+        twin = _new_gloo_group(None, timeout_s)
+    else:
+        twin = _pp_twin(group, world, timeout_s)
+    _twins[group] = twin
+    return twin
+
+
+def _pp_twin(group, world, timeout_s):
+    """Every rank names its group by its lowest global rank (-1: no group, or one of one);
+    the same gathered names give every rank the same partition and creation order."""
+    ranks = dist.get_process_group_ranks(group) if group is not None and group.size() > 1 else []
+    mine = min(ranks) if ranks else -1
+    names = _channel(world).gather_small(torch.tensor([mine], dtype=torch.int64), world, None, timeout_s)
+    twin = group
+    for name in sorted(set(names) - {-1}):
+        members = [rank for rank, named in enumerate(names) if named == name]
+        created = _new_gloo_group(members, timeout_s)
+        if name == mine:
+            twin = created if members == sorted(ranks) else group  # not a partition: keep the group
+    return twin
+
+
+def _new_gloo_group(ranks, timeout_s):
+    try:
+        return dist.new_group(ranks, backend="gloo", timeout=None if timeout_s is None else _timedelta(timeout_s))
+    except Exception as error:  # gloo cannot connect (an interface it cannot reach, say)
+        raise MemoryReduceError(
+            f"creating a gloo group of ranks {ranks or 'all'} for the memory gather failed ({error}). "
+            f"Set memory_reduce_backend='group' to gather over the group itself (on NCCL: on the GPU), "
+            f"or point gloo at a reachable interface (GLOO_SOCKET_IFNAME)."
+        ) from error
 
 
 def _timeout_error(group, iteration, timeout_s) -> MemoryReduceError:

@@ -21,8 +21,9 @@ variant rotating, so that drift and the shared machine's noise hit every variant
     ours_a2a, reduce_a2a   the same as ours and reduce with reduce.EXCHANGE = "all_to_all"
 
 ``reduce``, ``bridge`` and ``composer`` start from the same ready report; only ``ours`` reads
-memory. Without CUDA every allocator statistic would be missing, so the report is built from
-a fixed, GPU-like ``torch.cuda.memory_stats()`` (different per stage); host memory is real.
+memory. Without CUDA every allocator statistic would be missing, so ``report_memory`` reads
+the nested statistics an H100 gave (tests/data, 122 statistics; byte counts 10% lower per
+stage) through its real path-by-path code; host memory is real.
 Every worker runs with torch.set_num_threads(1) and OMP_NUM_THREADS=1. Besides wall time,
 each call's CPU time (the whole process, gloo's threads included) is recorded. A second,
 shorter interleaved loop times the pieces of ``ours`` one by one, each after a barrier as in
@@ -38,6 +39,10 @@ in each writer_mode: ``thread`` (the backends in threads of this process) and ``
 off (the work alone), and the backends called synchronously (for scale). It reports the
 hand-off (how long ``log`` holds the training thread) and the loss: hand-off plus work,
 minus the adjacent logging-off work, so GIL and CPU contention are included.
+Part 5 (bench_cuda.py): reading the allocator statistics (without CUDA: the H100's, fed
+through our code and through torch.cuda.memory_stats()'s own flattening); where CUDA is present
+(not with --smoke or --no-gpu), the GPU part: a logging step against Megatron-Bridge's, the
+floor, and a logging step behind queued GPU work.
 Part 4 (not with --smoke or --no-memory): tests/trainer.py three times, logging off and in
 each mode, with the same backends: the writer rank's host RSS after 20 logged steps.
 
@@ -68,7 +73,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from tests.collectives import count_collectives  # noqa: E402  the same pass-through spy the tests use
 
 VARIANTS = ("ours", "reduce", "bridge", "composer", "floor", "ours_a2a", "reduce_a2a")
@@ -84,7 +90,7 @@ GB = 1e9
 # The anchors, as their projects write them (the device aside: gloo needs CPU tensors).
 
 
-def bridge_reduce_max(memory_report: dict, pp_group) -> dict:
+def bridge_reduce_max(memory_report: dict, pp_group, device: str = "cpu") -> dict:
     """Megatron-Bridge PR 3645's reduce_max_memory_across_pp_group (device="cpu" for gloo)."""
     if not memory_report:
         return memory_report
@@ -93,8 +99,13 @@ def bridge_reduce_max(memory_report: dict, pp_group) -> dict:
     pp_size_attr = getattr(pp_group, "size", None)
     if not callable(pp_size_attr) or pp_size_attr() <= 1:
         return memory_report
+    return bridge_all_reduce_max(memory_report, pp_group, device)
+
+
+def bridge_all_reduce_max(memory_report: dict, pp_group, device: str) -> dict:
+    """The collective part of bridge_reduce_max (bench_cuda.py runs it at world size 1 too)."""
     keys = list(memory_report.keys())
-    values = torch.tensor([memory_report[k] for k in keys], dtype=torch.float64, device="cpu")
+    values = torch.tensor([memory_report[k] for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(values, op=dist.ReduceOp.MAX, group=pp_group)
     reduced = {}
     for key, max_val in zip(keys, values.tolist()):
@@ -148,15 +159,18 @@ def exchange(mode: str):
         reduce.EXCHANGE = previous
 
 
-def synthetic_cuda_stats(stage: int) -> dict:
-    """A GPU-like torch.cuda.memory_stats() for the default memory_keys (stage 0 holds the most)."""
-    base = int((60 - 4 * stage) * GB)
-    stats = {}
-    for kind, share in (("allocated", 0.8), ("reserved", 1.0), ("active", 0.82), ("inactive_split", 0.05)):
-        stats[f"{kind}_bytes.all.peak"] = int(base * share)
-        stats[f"{kind}_bytes.all.current"] = int(base * share * 0.7)
-    stats.update({"num_alloc_retries": stage, "num_ooms": 0, "allocation.all.allocated": 123456 + stage})
-    return stats
+def h100_cuda_stats(stage: int) -> dict:
+    """The nested allocator statistics an H100 gave (tests/data), byte counts scaled down 10%
+    per stage (stage 0 holds the most): what torch's allocator returns, 122 statistics."""
+    with open(os.path.join(ROOT, "tests", "data", "h100_memory_stats_nested.json")) as file:
+        stats = json.load(file)
+
+    def scaled(node, in_bytes):
+        if isinstance(node, dict):
+            return {key: scaled(value, in_bytes or "bytes" in key) for key, value in node.items()}
+        return int(node * (1 - 0.1 * stage)) if in_bytes else node
+
+    return scaled(stats, False)
 
 
 def summary(samples_ns: list[int]) -> dict:
@@ -231,8 +245,8 @@ def run_rank(rank: int, world: int, port: int, plan: dict) -> dict:
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
     group = parallel_state.get_pipeline_model_parallel_group()
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    stats = synthetic_cuda_stats(stage)
-    memory._cuda_stats = lambda: stats  # a GPU-like report on a CPU-only machine
+    stats = h100_cuda_stats(stage)
+    memory._allocator_stats = lambda: (None, stats)  # an H100's statistics, through the real code, on a CPU machine
 
     cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1)
     timeout_s = cfg.memory_reduce_timeout_s
@@ -645,6 +659,25 @@ def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, memory
     return "\n".join(lines)
 
 
+def cuda_part(smoke: bool, no_gpu: bool) -> dict:
+    """Part 5 (bench_cuda.py): reading the allocator statistics (an H100's, fed through the real
+    code, without CUDA); with a GPU (not with --smoke), the logging step against Megatron-Bridge's,
+    the floor and queued GPU work, in a spawned process of its own."""
+    import bench_cuda
+
+    part = {"statistics": bench_cuda.statistics_part(300 if smoke else 3000)}
+    if torch.cuda.is_available() and not (smoke or no_gpu):
+        part["gpu"] = bench_cuda.run_gpu_part()
+    return part
+
+
+def cuda_markdown(part: dict) -> list[str]:
+    import bench_cuda
+
+    lines = bench_cuda.statistics_markdown(part["statistics"])
+    return lines + ([""] + bench_cuda.gpu_markdown(part["gpu"]) if "gpu" in part else [])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="PP 2, few iterations, TensorBoard only")
@@ -656,6 +689,7 @@ def main(argv=None) -> int:
     parser.add_argument("--work-ms", type=float, default=30.0,
                         help="the writer part's training-thread work per step (default: 30)")
     parser.add_argument("--no-memory", action="store_true", help="skip the writer rank's host-memory runs")
+    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part (bench_cuda.py) where CUDA is present")
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
     smoke = args.smoke
@@ -691,12 +725,14 @@ def main(argv=None) -> int:
             memory = host_memory_part(backends, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    cuda = cuda_part(smoke, args.no_gpu)
     command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     print(markdown(rows, non_log, writer, memory, wake, command.strip()))
+    print("\n" + "\n".join(cuda_markdown(cuda)))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": rows, "non_logging": non_log, "writer": writer, "memory": memory, "wake": wake}, out,
-                      indent=1, default=str)
+            json.dump({"rows": rows, "non_logging": non_log, "writer": writer, "memory": memory, "wake": wake,
+                       "cuda": cuda}, out, indent=1, default=str)
     return 0
 
 

@@ -10,6 +10,9 @@ logging step) instead of the run's, so the peak_* lines can fall as well as rise
 Everything lands in ``<run.root>/<run.name>/``: TensorBoard events, an MLflow SQLite store, a
 W&B offline run and a Comet offline archive. No accounts, no servers, no GPU needed.
 
+Devices: with a GPU per process on the node (4 processes: 4 GPUs) every stage runs on its
+own GPU over NCCL; with fewer GPUs the stages run on CPU over gloo, with a one-line note.
+
 Every iteration every rank calls ``nemo_memlog.training_log``; at the end the last rank prints
 each stage's peak host RSS next to the logged pipeline-wide peak, and how to open each dashboard.
 The model and the 1F1B schedule live in demo_model.py.
@@ -167,18 +170,32 @@ def train(cfg: DemoConfig) -> None:
     from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    device = stage_device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     ps.initialize_model_parallel(pipeline_model_parallel_size=cfg.parallel.pp)
     dist.barrier()  # every rank joins the default group before the first pairwise send (NCCL)
-    pipe = _pipeline(ps)
+    pipe = _pipeline(ps, device)
     last_logged = _train_loop(cfg, pipe, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
                               ps.get_data_parallel_group())
     if dist.get_rank() == dist.get_world_size() - 1:  # nemo_memlog's writer rank
         nemo_memlog.close_writers()  # every backend flushed before the paths below are printed
         print(summary(cfg, last_logged), flush=True)
     dist.destroy_process_group()
+
+
+def stage_device() -> torch.device:
+    """This process's GPU when the node has one per process; else the CPU, with a one-line note
+    (rank 0). NCCL refuses two ranks on one GPU, so fewer GPUs than processes means CPU."""
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0  # creates no CUDA context
+    if gpus >= processes:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if gpus and os.environ.get("RANK", "0") == "0":
+        print(f"demo.py: {processes} processes on this node but {gpus} GPU(s): the stages run on CPU (gloo).",
+              file=sys.stderr, flush=True)
+    return torch.device("cpu")
 
 
 def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_group):
@@ -215,7 +232,7 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
     return last_logged
 
 
-def _pipeline(ps) -> Pipeline:
+def _pipeline(ps, device: torch.device) -> Pipeline:
     stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
     # megatron-core's next/prev ranks wrap around the ring; a pipeline has two ends.
     return Pipeline(
@@ -223,7 +240,7 @@ def _pipeline(ps) -> Pipeline:
         stages=stages,
         prev_rank=None if stage == 0 else ps.get_pipeline_model_parallel_prev_rank(),
         next_rank=None if stage == stages - 1 else ps.get_pipeline_model_parallel_next_rank(),
-        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"),
+        device=device,
     )
 
 

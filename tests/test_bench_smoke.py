@@ -6,6 +6,8 @@ import sys
 import time
 from pathlib import Path
 
+from tests.collectives import GATHER
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,10 +22,12 @@ def test_bench_smoke_runs_and_reports_every_part():
     assert elapsed < 40
     out = done.stdout
     assert "| 2 | all_gather |" in out and "| 2 | all_to_all |" in out  # a, reduce, b, c, d and ratios
-    assert "PP 2: collectives per logging call: all_gather_single (all_to_all: all_to_all_single)" in out
+    assert f"PP 2: collectives per logging call: {GATHER} (all_to_all: all_to_all_single)" in out
     assert "all_to_all result identical: yes" in out
     assert "| 2 | cold |" in out and "| 2 | hot |" in out
     assert re.search(r"non_logging_ns_per_call=\d+", out)
     assert "non_logging_collectives=0," in out
     assert "| thread | " in out and "| process | " in out  # the writer part, both writer modes
     assert "Steps dropped: 0." in out
+    assert "Allocator statistics, an H100's statistics fed through" in out or "Allocator statistics, this GPU" in out
+    assert "| report_memory |" in out and "| bridge_report_memory |" in out

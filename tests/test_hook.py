@@ -156,10 +156,10 @@ def test_disabled_logging_returns_none_without_work():
     assert training_log(10, cfg, metrics={"loss": 1.0}) is None
 
 
-def skip_or_log(skipping_rank, timeout_s):
+def skip_or_log(skipping_rank, timeout_s, **config):
     import torch.distributed as dist
 
-    cfg = LoggerConfig(log_memory_to_tensorboard=True, memory_reduce_timeout_s=timeout_s)
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, memory_reduce_timeout_s=timeout_s, **config)
     if dist.get_rank() == skipping_rank:
         return "skipped"
     with warnings.catch_warnings():

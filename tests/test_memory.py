@@ -1,5 +1,6 @@
 """report_memory: real numbers from this process, stable keys, missing values marked."""
 
+import json
 import math
 import warnings
 from pathlib import Path
@@ -49,7 +50,8 @@ def test_without_cuda_in_use_nothing_touches_cuda(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("CUDA was touched although this process never initialised it")
 
-    for name in ("reset_peak_memory_stats", "mem_get_info", "memory_stats", "init", "current_device"):
+    for name in ("reset_peak_memory_stats", "mem_get_info", "memory_stats", "memory_stats_as_nested_dict", "cudart",
+                 "init", "current_device"):
         monkeypatch.setattr(torch.cuda, name, forbidden)
     reset_peaks()
     report = report_memory()
@@ -57,14 +59,27 @@ def test_without_cuda_in_use_nothing_touches_cuda(monkeypatch):
     assert not torch.cuda.is_initialized()
 
 
+def nested(flat: dict) -> dict:
+    """torch's nested statistics for flat names (as memory_stats_as_nested_dict returns them)."""
+    out: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
 def test_device_keys_and_reset_with_cuda_in_use_simulated(monkeypatch):
     """The arithmetic and the calls of the CUDA path, with torch.cuda stubbed (no GPU here)."""
     calls = []
     monkeypatch.setattr(memory, "_cuda_in_use", lambda: True)
-    monkeypatch.setattr(memory, "_has_context", lambda stats: True)
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"reserved_bytes.all.current": 30 * 10**9,
-                                                             "reserved_bytes.all.peak": 50 * 10**9})
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (45 * 10**9, 80 * 10**9))  # (free, total)
+    monkeypatch.setattr(memory, "_has_context", lambda device, stats: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(memory, "_read_allocator", lambda device: nested({"reserved_bytes.all.current": 30 * 10**9,
+                                                                          "reserved_bytes.all.peak": 50 * 10**9}))
+    monkeypatch.setattr(memory, "_mem_get_info", lambda device: (45 * 10**9, 80 * 10**9))  # (free, total)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
     report = report_memory()
     assert report["device_used_gb"] == 35.0 and report["device_other_gb"] == 5.0
@@ -76,11 +91,31 @@ def test_device_keys_and_reset_with_cuda_in_use_simulated(monkeypatch):
 def test_cuda_initialised_without_a_context_on_this_device_gets_no_device_keys(monkeypatch):
     """torch.cuda.current_device() initialises CUDA without a context: mem_get_info would create one."""
     monkeypatch.setattr(memory, "_cuda_in_use", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.delattr(torch._C, "_cuda_hasPrimaryContext", raising=False)  # as on CPU builds: the fallback
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"reserved_bytes.all.current": 0})
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: pytest.fail("would create a CUDA context"))
+    monkeypatch.setattr(memory, "_read_allocator", lambda device: nested({"reserved_bytes.all.current": 0}))
+    monkeypatch.setattr(memory, "_mem_get_info", lambda device: pytest.fail("would create a CUDA context"))
     report = report_memory()
     assert all(math.isnan(report[k]) for k in DEVICE_KEYS)
+
+
+def h100_statistics(name):
+    return json.loads((Path(__file__).parent / "data" / f"h100_memory_stats_{name}.json").read_text())
+
+
+def test_h100_statistics_by_path_equal_torch_flattened_ones(monkeypatch):
+    """Real statistics of an H100 (tests/data): every one of the 122 names torch.cuda.memory_stats()
+    gave there, read by path from the nested dict, is the same value; absent names stay missing."""
+    flat, tree = h100_statistics("flat"), h100_statistics("nested")
+    monkeypatch.setattr(memory, "_allocator_stats", lambda: (None, tree))
+    every_name = {name: name.replace(".", "/") for name in flat}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one name no torch produces, below, warns
+        report = report_memory({**every_name, "no_such.stat": "absent", "allocated_bytes.all": "a_subtree"})
+    for name, logged in every_name.items():
+        expected = flat[name] / 1e9 if "bytes" in name else flat[name]
+        assert report[logged] == expected and type(report[logged]) is type(expected), name
+    assert math.isnan(report["absent"]) and math.isnan(report["a_subtree"])
 
 
 def test_a_host_peak_that_cannot_be_reset_warns_once(monkeypatch):
