@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import inspect
 import json
 import os
@@ -45,6 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
 import nemo_memlog
+from nemo_memlog.config import did_you_mean
 from demo_model import Pipeline, build_stage, learning_rate, one_f_one_b, synthetic_microbatch
 
 DEFAULT_PROCESSES = 4
@@ -142,18 +142,13 @@ def _check_key(item: str) -> None:
     """A ``section.key=value`` override names a known section and key; else ConfigError listing them."""
     section, _, key = item.split("=", 1)[0].partition(".")
     if section not in SECTIONS:
-        raise ConfigError(f"bad override {item!r}: no section {section!r}{_did_you_mean(section, [*SECTIONS, 'logger'])}; "
+        raise ConfigError(f"bad override {item!r}: no section {section!r}{did_you_mean(section, [*SECTIONS, 'logger'])}; "
                           f"sections: {', '.join(SECTIONS)}, logger (--help lists every key)")
     schema = SECTIONS[section]
     names = [f.name for f in dataclasses.fields(schema)]
     if key.split(".")[0] not in names:
         raise ConfigError(f"bad override {item!r}: Key {key!r} not in {schema.__name__!r}"
-                          f"{_did_you_mean(key, names)}; {section} keys: {', '.join(names)}")
-
-
-def _did_you_mean(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+                          f"{did_you_mean(key, names)}; {section} keys: {', '.join(names)}")
 
 
 def logger_defaults(run: RunConfig):
