@@ -210,7 +210,7 @@ def from_overrides(overrides: list[str], base: Optional[LoggerConfig] = None) ->
         name = key.split(".", 1)[0]
         if name not in _OURS:
             raise ValueError(f"from_overrides: {item!r}: LoggerConfig has no field {name!r}"
-                             f"{did_you_mean(name, _OURS)}.\nKnown logger fields: {', '.join(_OURS)}")
+                             f"{did_you_mean(name, _OURS)}; {EXPECTED_FORM}.\nKnown logger fields: {', '.join(_OURS)}")
         ours.append(item.removeprefix("logger."))
     schema = OmegaConf.structured(base or LoggerConfig())
     try:
