@@ -19,8 +19,9 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     report = commands.add_parser("report", help="per-stage memory table and PNG from a run's TensorBoard events")
     report.add_argument("run_dir", metavar="RUN_DIR", type=Path,
-                        help="run directory (or its tensorboard dir); event files are found recursively")
-    report.add_argument("--png", type=Path, default=None, help=f"where to write the plot (default: RUN_DIR/{PNG_NAME})")
+                        help="run directory (or its tensorboard dir; event files are found recursively), "
+                             "or one event file; several runs in it: the newest is reported, the others listed")
+    report.add_argument("--png", type=Path, default=None, help=f"where to write the plot (default: RUN_DIR/{PNG_NAME}, beside an event file)")
     report.add_argument("--metric", default=None,
                         help="per-stage metric to plot (default: peak_reserved_gb if logged, else peak_host_rss_gb)")
     return parser
@@ -48,7 +49,8 @@ def _report(args) -> int:
     run = load_run(args.run_dir)
     print(format_report(run))
     metric = choose_metric(run, args.metric)
-    png = write_png(run, metric, args.png or args.run_dir / PNG_NAME)
+    folder = args.run_dir.parent if args.run_dir.is_file() else args.run_dir
+    png = write_png(run, metric, args.png or folder / PNG_NAME)
     print(f"\nplot of {metric} per stage: {png}")
     return 0
 

@@ -6,6 +6,8 @@ Megatron-Bridge lacks.
 """
 
 import dataclasses
+import difflib
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -98,14 +100,50 @@ class LoggerConfig:
 _OURS = {f.name: f for f in dataclasses.fields(LoggerConfig)}
 
 
+def did_you_mean(name: str, known) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``known`` to a misspelt ``name``, else ''."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _refuse_unknown_fields(init):
+    """Wrap the dataclass __init__: an unknown keyword raises a TypeError that names the
+    closest field, instead of Python's bare "unexpected keyword argument"."""
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        unknown = [name for name in kwargs if name not in _OURS]
+        if unknown:
+            name = unknown[0]
+            raise TypeError(f"LoggerConfig has no field {name!r}{did_you_mean(name, _OURS)}; "
+                            f"fields: {', '.join(_OURS)}")
+        init(self, *args, **kwargs)
+    return checked_init
+
+
+LoggerConfig.__init__ = _refuse_unknown_fields(LoggerConfig.__init__)
+
+
 def default_of(name: str):
     spec = _OURS[name]
     return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
 
 
 def logger_section(config):
-    """The logger part of a config: ``config.logger`` for a ConfigContainer, else ``config``."""
-    return config if hasattr(config, "log_memory_to_tensorboard") else getattr(config, "logger", config)
+    """The logger part of a config: ``config.logger`` for a ConfigContainer, else ``config``.
+
+    Raises TypeError for anything that has ``log_memory_to_tensorboard`` neither itself nor
+    on ``.logger`` (None, a plain dict, a misplaced argument): read with every default, such
+    a config would log nothing, without a word."""
+    if hasattr(config, "log_memory_to_tensorboard"):
+        return config
+    if hasattr(getattr(config, "logger", None), "log_memory_to_tensorboard"):
+        return config.logger
+    hint = (" A plain dict is not read: pass nemo_memlog.LoggerConfig(**your_dict)."
+            if isinstance(config, dict) else "")
+    raise TypeError(
+        f"expected a config with log_memory_to_tensorboard: a nemo_memlog.LoggerConfig (e.g. "
+        f"from_overrides(...)), Megatron-Bridge's LoggerConfig, or a container whose .logger is one "
+        f"(Megatron-Bridge's ConfigContainer); got {type(config).__name__}.{hint}")
 
 
 def setting(logger, name: str):
@@ -160,15 +198,35 @@ def check_logger_fields(logger) -> None:
         raise ValueError(f"logger.memory_per_stage_keys must be a list of name patterns; got {patterns!r}")
 
 
+EXPECTED_FORM = "expected logger.key=value, e.g. logger.log_memory_to_tensorboard=true"
+
+
 def from_overrides(overrides: list[str], base: Optional[LoggerConfig] = None) -> LoggerConfig:
     """Build a LoggerConfig from dotted overrides, as recipes take them on the command line:
     ``["logger.log_memory_to_tensorboard=true", "logger.tensorboard_log_interval=10"]``.
-    The ``logger.`` prefix is optional; overrides for other sections are ignored.
+    The ``logger.`` prefix is optional; overrides for other sections (``train.iters=5``)
+    are ignored. Raises ValueError for anything else (a flag, a path, ``key=value`` with an
+    unknown key), showing the expected form, and for an unknown logger field, naming the
+    closest one: a script's own arguments are not overrides, pass only those that are.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    ours = [o.removeprefix("logger.") for o in overrides if o.startswith("logger.") or "." not in o.split("=")[0]]
+    ours = []
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if "=" not in item or not key or key.startswith("-"):
+            raise ValueError(f"from_overrides: {item!r} is not an override: {EXPECTED_FORM} "
+                             f"(pass only the overrides, not the script's own arguments)")
+        if key.startswith("logger."):
+            key = key.removeprefix("logger.")
+        elif "." in key:
+            continue  # another section's override
+        name = key.split(".", 1)[0]
+        if name not in _OURS:
+            raise ValueError(f"from_overrides: {item!r}: LoggerConfig has no field {name!r}"
+                             f"{did_you_mean(name, _OURS)}; {EXPECTED_FORM}.\nKnown logger fields: {', '.join(_OURS)}")
+        ours.append(item.removeprefix("logger."))
     schema = OmegaConf.structured(base or LoggerConfig())
     try:
         merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(ours))

@@ -19,6 +19,7 @@ Every other tag (loss, lr, ...) is ignored.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
@@ -62,17 +63,50 @@ class Series:
         return dict(zip(self.steps, self.values)).get(step)
 
 
+@dataclass(frozen=True)
+class EventFile:
+    """One event file's memory points (tag -> step -> (wall_time, value)) and recorded configs."""
+
+    path: Path
+    points: dict[str, dict[int, tuple[float, float]]]
+    configs: list[tuple[float, str]]
+
+    @property
+    def first_step(self) -> int:
+        return min(step for by_step in self.points.values() for step in by_step)
+
+    @property
+    def last_step(self) -> int:
+        return max(step for by_step in self.points.values() for step in by_step)
+
+    @property
+    def started(self) -> float:
+        """Wall time of its first memory point."""
+        return min(wall for by_step in self.points.values() for wall, _ in by_step.values())
+
+    def describe(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.started))
+        return f"steps {self.first_step}..{self.last_step}, started {started}: {self.path}"
+
+
 @dataclass
 class MemoryRun:
-    """The ``memory/`` series of one run directory, keyed by the tag without its prefix."""
+    """The ``memory/`` series of one run, keyed by the tag without its prefix."""
 
     run_dir: Path
     series: dict[str, Series]
     skipped: list[str] = field(default_factory=list)  # "file: reason" for unreadable event files
     peak_window: str | None = None  # memory_peak_window from the recorded config; None: not recorded
+    files: list[EventFile] = field(default_factory=list)  # this run's event files, oldest first
+    other_runs: list[list[EventFile]] = field(default_factory=list)  # other runs found, not reported
 
     def get(self, tag: str) -> Series | None:
         return self.series.get(tag)
+
+    @property
+    def resumed_at(self) -> list[int]:
+        """The first step of each event file that continued this run (a resume), in order."""
+        return [part.first_step for part in self.files[1:]]
 
     def per_stage(self, name: str) -> dict[int, Series]:
         """Stage index -> that stage's own series of ``name`` (empty if not logged per stage)."""
@@ -101,47 +135,74 @@ class MemoryRun:
 
 
 def load_run(run_dir) -> MemoryRun:
-    """Every ``memory/`` scalar in the event files anywhere under ``run_dir``.
+    """The newest run's ``memory/`` scalars in the event files under ``run_dir`` (a folder,
+    searched recursively, or one event file).
 
     Each event file is read on its own, so files from several writers or restarts never
-    purge each other's points; where two files hold the same tag and step, the point
-    written last (wall time) wins. Raises ReportError for a missing directory, one without
-    event files, or events without memory metrics.
+    purge each other's points. Files are split into runs by ``split_runs``; the newest run
+    is reported, the others are listed in ``other_runs``, never stitched in. Within a run,
+    where two files hold the same tag and step (a resume from a checkpoint before the last
+    logged step), the point written last (wall time) wins. Raises ReportError for a missing
+    path, one without event files, or events without memory metrics.
     """
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
+    if run_dir.is_file():
+        files = [run_dir]
+    elif run_dir.is_dir():
+        files = sorted(path for path in run_dir.rglob(EVENT_GLOB) if path.is_file())
+    else:
         raise ReportError(f"{run_dir}: no such directory; {_EXPECTED}")
-    files = sorted(path for path in run_dir.rglob(EVENT_GLOB) if path.is_file())
     if not files:
         raise ReportError(f"{run_dir}: no TensorBoard event files found under it; {_EXPECTED}")
-    points: dict[str, dict[int, tuple[float, float]]] = {}
-    skipped = []
-    configs = []
+    read, skipped = [], []
     for path in files:
         try:
-            read, config = _read_event_file(path)
+            points, configs = _read_event_file(path)
         except Exception as error:  # one corrupt file must not hide the others
             skipped.append(f"{path}: {type(error).__name__}: {error}")
             continue
-        configs += config
-        for tag, triples in read.items():
-            by_step = points.setdefault(tag, {})
-            for wall_time, step, value in triples:
-                if step not in by_step or wall_time >= by_step[step][0]:
-                    by_step[step] = (wall_time, value)
-    if not points:
+        if points:  # a file without memory points (a run stopped before its first logging step) adds nothing
+            read.append(EventFile(path, points, configs))
+    if not read:
         raise ReportError(f"{run_dir}: {len(files)} event file(s) but no {PREFIX}* metrics in them; {_EXPECTED}")
+    *others, newest = split_runs(read)
+    merged: dict[str, dict[int, tuple[float, float]]] = {}
+    for part in newest:
+        for tag, by_step in part.points.items():
+            into = merged.setdefault(tag, {})
+            for step, (wall_time, value) in by_step.items():
+                if step not in into or wall_time >= into[step][0]:
+                    into[step] = (wall_time, value)
     series = {}
-    for tag, by_step in points.items():
+    for tag, by_step in merged.items():
         steps = tuple(sorted(by_step))
         series[tag.removeprefix(PREFIX)] = Series(steps, tuple(by_step[s][1] for s in steps))
-    return MemoryRun(run_dir, series, skipped, _peak_window(configs))
+    configs = [config for part in newest for config in part.configs]
+    return MemoryRun(run_dir, series, skipped, _peak_window(configs), newest, others)
+
+
+def split_runs(files: list[EventFile]) -> list[list[EventFile]]:
+    """Event files grouped into runs, oldest run first, each run's files oldest first.
+
+    Taken in the order they started, a file continues the run before it (a resume from a
+    checkpoint) when its first logged step comes after that run's first step, and starts a
+    new run when it starts over, at or before that step: a second job written into the same
+    folder, however its steps overlap the first's. (A new job whose first logged step is later
+    than the old one's, as with a larger logging interval, cannot be told from a resume by
+    the steps; give each run its own folder.)"""
+    runs: list[list[EventFile]] = []
+    for part in sorted(files, key=lambda part: part.started):
+        if runs and part.first_step > runs[-1][0].first_step:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
 
 
 def _peak_window(configs: list[tuple[float, str]]) -> str | None:
-    """memory_peak_window from the recorded run configs, oldest first; "a -> b" when a resumed
-    run changed it; None when no config was recorded. A config without the field was written
-    before the option existed, when every peak was the run's."""
+    """memory_peak_window from one run's recorded configs, oldest first; "a -> b" when a
+    resume changed it; None when no config was recorded. A config without the field was
+    written before the option existed, when every peak was the run's."""
     from .writers.tensorboard import params_from_text
 
     windows = []
@@ -158,9 +219,10 @@ def _peak_window(configs: list[tuple[float, str]]) -> str | None:
     return " -> ".join(windows) or None
 
 
-def _read_event_file(path: Path) -> tuple[dict[str, list[tuple[float, int, float]]], list[tuple[float, str]]]:
-    """One event file: (wall_time, step, value) per memory tag, old- and new-style scalars;
-    and (wall_time, text) of each run config recorded in it."""
+def _read_event_file(path: Path) -> tuple[dict[str, dict[int, tuple[float, float]]], list[tuple[float, str]]]:
+    """One event file: step -> (wall_time, value) per memory tag, old- and new-style scalars
+    (the last point written wins within the file); and (wall_time, text) of each run config
+    recorded in it."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
@@ -181,7 +243,13 @@ def _read_event_file(path: Path) -> tuple[dict[str, list[tuple[float, int, float
         if tag.startswith(PREFIX) and tag not in out:
             values = [(e.wall_time, e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in accumulator.Tensors(tag)]
             out[tag] = [(w, s, float(v)) for w, s, v in values if v.size == 1]
-    return out, configs
+    points = {}
+    for tag, triples in out.items():
+        by_step = points.setdefault(tag, {})
+        for wall_time, step, value in triples:
+            if step not in by_step or wall_time >= by_step[step][0]:
+                by_step[step] = (wall_time, value)
+    return points, configs
 
 
 def choose_metric(run: MemoryRun, metric: str | None = None) -> str:
@@ -242,6 +310,7 @@ def format_report(run: MemoryRun) -> str:
              f"steps {steps[0]}..{last} ({len(steps)} logged); pipeline stages: {len(run.stages)}; "
              f"now = step {last}, peak = max over steps; GB unless the name says otherwise"]
     lines.append(peak_window_line(run))
+    lines += runs_lines(run)
     capacity = [f"{label} {format_value(tag, run.get(tag).latest)} GB"
                 for label, tag in (("device", "device_total_gb"), ("host", "host_total_gb")) if run.get(tag)]
     if capacity:
@@ -267,6 +336,19 @@ def peak_window_line(run: MemoryRun) -> str:
         return "peak window: not recorded (no run config in the events; nemo_memlog's default is run)"
     meaning = _WINDOW_MEANING.get(run.peak_window, "changed when the run was resumed")
     return f"peak window: {run.peak_window} ({meaning})"
+
+
+def runs_lines(run: MemoryRun) -> list[str]:
+    """Where the run resumed, and the other runs found under RUN_DIR that were left out."""
+    lines = [f"resumed at step {step} (event file {part.path.name} continues the run)"
+             for step, part in zip(run.resumed_at, run.files[1:])]
+    if run.other_runs:
+        lines.append(f"NOTE: {run.run_dir} holds {len(run.other_runs) + 1} runs (event files whose steps "
+                     f"start over); this report shows only the newest, "
+                     f"{run.files[0].describe().split(': ')[0]}. Not included:")
+        lines += [f"  {part.describe()}" for other in run.other_runs for part in other]
+        lines.append("  to report one of them, pass its event file (or a folder holding only its run) as RUN_DIR")
+    return lines
 
 
 def _columns(run: MemoryRun, names: list[str]) -> list[Column]:

@@ -4,30 +4,41 @@
     torchrun --nproc-per-node 4 scripts/demo.py ...     # the same, launched by you (or SLURM, several nodes)
 
 Overrides, e.g. ``train.iters=40 model.hidden=256 parallel.pp=2 logger.tensorboard_log_interval=5``:
-``train``, ``model``, ``parallel``, ``run`` are below; ``logger`` is nemo_memlog's LoggerConfig.
+every key and its default is listed below; ``logger`` is nemo_memlog's LoggerConfig.
 ``logger.memory_peak_window=interval`` logs each interval's peaks (peak since the previous
 logging step) instead of the run's, so the peak_* lines can fall as well as rise.
-Everything lands in ``<run.root>/<run.name>/``: TensorBoard events, an MLflow SQLite store, a
-W&B offline run and a Comet offline archive. No accounts, no servers, no GPU needed.
+Each run lands in a folder of its own, ``<run.root>/<run.name>/`` (by default a new
+``runs/demo-<date>-<time>``; an existing run.name is refused unless run.overwrite=true):
+TensorBoard events, an MLflow SQLite store, a W&B offline run and a Comet offline archive.
+No accounts, no servers, no GPU needed to run it (only uploading the W&B and Comet copies
+needs an account).
 
 Devices: with a GPU per process on the node (4 processes: 4 GPUs) every stage runs on its
 own GPU over NCCL; with fewer GPUs the stages run on CPU over gloo, with a one-line note.
 
 Every iteration every rank calls ``nemo_memlog.training_log``; at the end the last rank prints
-each stage's peak host RSS next to the logged pipeline-wide peak, and how to open each dashboard.
+each stage's peak host RSS next to the logged pipeline-wide peak, the ``nemo-memlog report``
+command for the run, and how to open each dashboard.
 The model and the 1F1B schedule live in demo_model.py.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
+import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +47,7 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
 import nemo_memlog
+from nemo_memlog.config import did_you_mean
 from demo_model import Pipeline, build_stage, learning_rate, one_f_one_b, synthetic_microbatch
 
 DEFAULT_PROCESSES = 4
@@ -44,7 +56,7 @@ DEFAULT_PROCESSES = 4
 @dataclass
 class TrainConfig:
     iters: int = 8
-    """The default job takes about 50 s on 2 idle CPU cores, most of it starting 4 processes."""
+    """Training iterations. The default job takes about 50 s on 2 idle CPU cores, most of it starting 4 processes."""
     micro_batches: int = 4
     """Microbatches per iteration; >= parallel.pp keeps the first stage's 1F1B warm-up full."""
     micro_batch_size: int = 128
@@ -53,16 +65,23 @@ class TrainConfig:
     logger.writer_mode=thread the last stage, the writer rank, also holds the ~0.2 GB of
     logging backends; in the default writer process it does not.)"""
     seq_len: int = 128
+    """Tokens per sample."""
     lr: float = 1e-2
+    """Peak learning rate (warm-up, then cosine decay)."""
     seed: int = 1234
+    """Seed of the weights and the synthetic data."""
 
 
 @dataclass
 class ModelConfig:
     hidden: int = 64
+    """Model width."""
     layers_per_stage: int = 2
+    """Transformer layers on each pipeline stage."""
     vocab: int = 128
+    """Vocabulary size (the loss starts near ln(vocab))."""
     heads: int = 4
+    """Attention heads; must divide model.hidden."""
 
 
 @dataclass
@@ -73,8 +92,12 @@ class ParallelConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "demo"
+    name: Optional[str] = None
+    """The run's folder under root; default: a new demo-<date>-<time> for every run."""
     root: str = "runs"
+    """The folder holding every run's folder."""
+    overwrite: bool = False
+    """Delete an existing run.name folder and start again (refused otherwise: runs never mix)."""
 
 
 @dataclass
@@ -91,13 +114,20 @@ class ConfigError(ValueError):
     pass
 
 
+#: Our sections (dotted-override prefix -> dataclass); "logger" is nemo_memlog's LoggerConfig.
+SECTIONS = {"train": TrainConfig, "model": ModelConfig, "parallel": ParallelConfig, "run": RunConfig}
+
+
 def load_config(overrides: list[str]) -> DemoConfig:
-    """Defaults plus dotted ``section.key=value`` overrides. Raises ConfigError naming the bad one."""
+    """Defaults plus dotted ``section.key=value`` overrides. Raises ConfigError naming the bad
+    one and the valid keys. ``run.name`` stays None unless given (see claim_run_dir)."""
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"bad argument {item!r}: expected section.key=value, sections: "
-                              f"train, model, parallel, run, logger")
+                              f"{', '.join(SECTIONS)}, logger (--help lists every key)")
     ours = [item for item in overrides if not item.startswith("logger.")]
+    for item in ours:
+        _check_key(item)
     try:
         merged = OmegaConf.merge(OmegaConf.structured(DemoConfig), OmegaConf.from_dotlist(ours))
         cfg = OmegaConf.to_object(merged)
@@ -111,22 +141,36 @@ def load_config(overrides: list[str]) -> DemoConfig:
     return cfg
 
 
+def _check_key(item: str) -> None:
+    """A ``section.key=value`` override names a known section and key; else ConfigError listing them."""
+    section, _, key = item.split("=", 1)[0].partition(".")
+    if section not in SECTIONS:
+        raise ConfigError(f"bad override {item!r}: no section {section!r}{did_you_mean(section, [*SECTIONS, 'logger'])}; "
+                          f"sections: {', '.join(SECTIONS)}, logger (--help lists every key)")
+    schema = SECTIONS[section]
+    names = [f.name for f in dataclasses.fields(schema)]
+    if key.split(".")[0] not in names:
+        raise ConfigError(f"bad override {item!r}: Key {key!r} not in {schema.__name__!r}"
+                          f"{did_you_mean(key, names)}; {section} keys: {', '.join(names)}")
+
+
 def logger_defaults(run: RunConfig):
     """Every backend on, all writing under the run directory: nothing to sign up for or serve."""
-    run_dir = Path(run.root) / run.name
+    name = run.name or PENDING_NAME
+    run_dir = Path(run.root) / name
     project = "nemo_memlog-demo"
     return nemo_memlog.LoggerConfig(
         log_memory_to_tensorboard=True,
         tensorboard_log_interval=1,
         tensorboard_dir=str(run_dir / "tensorboard"),
         wandb_project=project,
-        wandb_exp_name=run.name,
+        wandb_exp_name=name,
         wandb_save_dir=str(run_dir),
         mlflow_experiment=project,
-        mlflow_run_name=run.name,
+        mlflow_run_name=name,
         mlflow_tracking_uri=f"sqlite:///{(run_dir / 'mlflow.db').resolve()}",
         comet_project=project,
-        comet_experiment_name=run.name,
+        comet_experiment_name=name,
         comet_offline_directory=str(run_dir / "comet"),
     )
 
@@ -143,7 +187,47 @@ def _check(cfg: DemoConfig) -> None:
         raise ConfigError(f"model.hidden ({cfg.model.hidden}) must be a multiple of model.heads ({cfg.model.heads})")
     world = int(os.environ.get("WORLD_SIZE", DEFAULT_PROCESSES))
     if world % cfg.parallel.pp:
-        raise ConfigError(f"parallel.pp ({cfg.parallel.pp}) must divide the number of processes ({world})")
+        fitting = [str(pp) for pp in range(1, world + 1) if world % pp == 0]
+        raise ConfigError(
+            f"parallel.pp ({cfg.parallel.pp}) must divide the number of processes ({world}): choose "
+            f"parallel.pp among {', '.join(fitting)}, or start the demo on N processes yourself, N a multiple "
+            f"of {cfg.parallel.pp}: {_tool('torchrun')} --nproc-per-node N scripts/demo.py "
+            f"parallel.pp={cfg.parallel.pp} ...")
+
+
+# ---- the run folder: one per run, never shared -------------------------------------------
+
+#: Stands for the run's folder name until claim_run_dir has chosen it.
+PENDING_NAME = "demo-<date>-<time>"
+
+
+def claim_run_dir(run: RunConfig) -> str:
+    """Choose and create this run's folder; its name. Called once per job, before any rank writes.
+
+    No run.name: a new ``demo-<date>-<time>`` (``-2``, ``-3``... when one exists). A given
+    run.name whose folder holds anything is refused with ConfigError, unless run.overwrite,
+    which deletes it first: two runs in one folder would show as one series in TensorBoard
+    and in ``nemo-memlog report``. An existing empty folder is taken (the launcher claims it
+    for the ranks it starts)."""
+    root = Path(run.root)
+    if run.name is None:
+        stamp = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+        for suffix in ["", *(f"-{i}" for i in range(2, 1000))]:
+            try:
+                (root / (stamp + suffix)).mkdir(parents=True)  # atomic: two launches never share one
+                return stamp + suffix
+            except FileExistsError:
+                continue
+        raise ConfigError(f"no free run folder {root / stamp}-N: give run.name")
+    folder = root / run.name
+    if folder.is_dir() and any(folder.iterdir()):
+        if not run.overwrite:
+            raise ConfigError(f"run.name={run.name}: {folder} already holds a run, and runs never share a folder. "
+                              f"Leave run.name out for a new demo-<date>-<time> folder, choose another run.name, "
+                              f"or add run.overwrite=true to delete {folder} and start again")
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return run.name
 
 
 def relaunch(overrides: list[str]) -> int:
@@ -163,8 +247,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def train(cfg: DemoConfig) -> None:
-    """One torchrun process: join the pipeline, train, log every iteration, report at the end."""
+def train(cfg: DemoConfig, argv: list[str]) -> int:
+    """One torchrun process: join the pipeline, train, log every iteration, report at the end.
+    Its exit code: 2 when rank 0 could not claim the run folder."""
     # Imported here, not at the top: the launching process has no use for its ~7 s import.
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
     from megatron.core import parallel_state as ps
@@ -174,6 +259,10 @@ def train(cfg: DemoConfig) -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    cfg = _with_claimed_run_dir(cfg, argv)
+    if cfg is None:
+        dist.destroy_process_group()
+        return 2
     ps.initialize_model_parallel(pipeline_model_parallel_size=cfg.parallel.pp)
     dist.barrier()  # every rank joins the default group before the first pairwise send (NCCL)
     pipe = _pipeline(ps, device)
@@ -183,6 +272,24 @@ def train(cfg: DemoConfig) -> None:
         nemo_memlog.close_writers()  # every backend flushed before the paths below are printed
         print(summary(cfg, last_logged), flush=True)
     dist.destroy_process_group()
+    return 0
+
+
+def _with_claimed_run_dir(cfg: DemoConfig, argv: list[str]) -> DemoConfig | None:
+    """Rank 0 claims the run folder and every rank takes its name (under a torchrun the user
+    started, each rank would otherwise stamp its own); None on every rank if it was refused."""
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [("name", claim_run_dir(cfg.run))]
+        except ConfigError as error:
+            print(f"demo.py: {error}", file=sys.stderr, flush=True)
+            outcome = [("refused", str(error))]
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "refused":
+        return None
+    return load_config([*argv, f"run.name={value}"])
 
 
 def stage_device() -> torch.device:
@@ -268,7 +375,17 @@ def summary(cfg: DemoConfig, last_logged) -> str:
         for name, label in TABLES:
             if f"memory/{name}" in logged:
                 lines += _stage_table(cfg, iteration, logged, name, label)
-    lines += ["", "Open the dashboards:"] + [f"  {command}" for command in dashboard_commands(cfg.logger)]
+    run_dir = Path(cfg.run.root) / cfg.run.name
+    lines += ["", f"This run's folder: {run_dir} (a new one for every run; run.name=... chooses it)",
+              "Per-stage table and PNG of this run:", f"  {_tool('nemo-memlog')} report {run_dir}"]
+    local, account = dashboard_commands(cfg.logger)
+    if local:
+        lines += ["Open the dashboards (no account needed):"] + [f"  {command}" for command in local]
+    if account:
+        lines += ["W&B and Comet wrote offline copies; uploading them needs an account "
+                  "(`wandb login` first; COMET_API_KEY set):"] + [f"  {command}" for command in account]
+        lines.append("  without an account, the same series are in the TensorBoard and MLflow dashboards above"
+                     if local else "  without an account, nemo-memlog report above shows the memory series")
     return "\n".join(lines)
 
 
@@ -301,20 +418,31 @@ def _stage_table(cfg: DemoConfig, iteration: int, logged: dict, name: str, label
     return lines
 
 
-def dashboard_commands(logger) -> list[str]:
-    """How to open what each enabled backend wrote (call after the writers are closed)."""
-    commands = []
+def dashboard_commands(logger) -> tuple[list[str], list[str]]:
+    """How to open what each enabled backend wrote (call after the writers are closed): the
+    commands that work offline, and the uploads that need an account."""
+    local, account = [], []
     if logger.tensorboard_dir:
-        commands.append(f"tensorboard --logdir {logger.tensorboard_dir}")
+        local.append(f"{_tool('tensorboard')} --logdir {logger.tensorboard_dir}")
     if logger.mlflow_experiment:
-        commands.append(f"mlflow ui --backend-store-uri {logger.mlflow_tracking_uri}")
+        local.append(f"{_tool('mlflow')} ui --backend-store-uri {logger.mlflow_tracking_uri}")
     if logger.wandb_project and os.environ.get("WANDB_MODE") == "offline":
         found = _newest(Path(logger.wandb_save_dir or ".") / "wandb", "offline-run-*")
-        commands.append(f"wandb sync {found or Path(logger.wandb_save_dir or '.') / 'wandb' / 'offline-run-*'}")
+        account.append(f"{_tool('wandb')} sync {found or Path(logger.wandb_save_dir or '.') / 'wandb' / 'offline-run-*'}")
     if logger.comet_project and logger.comet_offline_directory:
         found = _newest(Path(logger.comet_offline_directory), "*.zip")
-        commands.append(f"comet upload {found or Path(logger.comet_offline_directory) / '*.zip'}")
-    return commands
+        account.append(f"{_tool('comet')} upload {found or Path(logger.comet_offline_directory) / '*.zip'}")
+    return local, account
+
+
+def _tool(name: str) -> str:
+    """A console script of this Python's environment as a path that works as printed (the
+    venv's bin is usually not on PATH): relative to the working directory when inside it."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        return name
+    relative = os.path.relpath(path)
+    return relative if not relative.startswith("..") else str(path)
 
 
 def _newest(folder: Path, pattern: str) -> Path | None:
@@ -322,21 +450,62 @@ def _newest(folder: Path, pattern: str) -> Path | None:
     return matches[-1] if matches else None
 
 
+def help_text() -> str:
+    """The module docstring, then every key of every section with its default (and its doc)."""
+    lines = [__doc__.rstrip(), "", "Keys (section.key=default):"]
+    for section, schema in SECTIONS.items():
+        lines += _key_lines(section, schema(), _field_docs(schema))
+    lines += ["", "logger (nemo_memlog.LoggerConfig; the demo's defaults, every backend writing into the run folder):"]
+    lines += _key_lines("logger", logger_defaults(RunConfig()), _field_docs(nemo_memlog.LoggerConfig))
+    return "\n".join(lines)
+
+
+def _key_lines(section: str, defaults, docs: dict[str, str]) -> list[str]:
+    lines = []
+    for spec in dataclasses.fields(defaults):
+        value = getattr(defaults, spec.name)
+        shown = json.dumps(value) if isinstance(value, (bool, type(None), list, dict)) else value
+        if section == "run" and spec.name == "name":
+            shown = PENDING_NAME
+        doc = docs.get(spec.name, "")
+        lines.append(f"  {f'{section}.{spec.name}={shown}':<40}  {doc}".rstrip())
+    return lines
+
+
+def _field_docs(schema) -> dict[str, str]:
+    """Field name -> first sentence of the docstring under it in the class's source."""
+    try:
+        body = ast.parse(inspect.getsource(schema)).body[0].body
+    except (OSError, TypeError):
+        return {}
+    docs = {}
+    for field_node, doc_node in zip(body, body[1:]):
+        if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
+                and isinstance(doc_node, ast.Expr) and isinstance(doc_node.value, ast.Constant)
+                and isinstance(doc_node.value.value, str)):
+            text = " ".join(doc_node.value.value.split())
+            docs[field_node.target.id] = re.split(r"(?<!e\.g)\. ", text)[0].rstrip(".")
+    return docs
+
+
 def main(argv: list[str]) -> int:
     if {"-h", "--help"} & set(argv):
-        print(__doc__)
+        print(help_text())
         return 0
     os.environ.setdefault("WANDB_MODE", "offline")  # no account: an offline run to `wandb sync` later
     os.environ.setdefault("WANDB_SILENT", "true")  # its run summary would bury the table below
+    # The backends' INFO lines (MLflow creating its tables, Comet archiving) would break into
+    # the progress bar; the closing lines say where everything is. Warnings still show.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("COMET_LOGGING_CONSOLE", "WARNING")
     try:
         cfg = load_config(argv)
+        if "RANK" not in os.environ:  # claimed here, so that a refusal comes before any process starts
+            return relaunch([*argv, f"run.name={claim_run_dir(cfg.run)}"])
     except ConfigError as error:
         print(f"demo.py: {error}", file=sys.stderr)
         return 2
-    if "RANK" not in os.environ:
-        return relaunch(argv)
-    train(cfg)
-    return 0
+    return train(cfg, argv)
 
 
 if __name__ == "__main__":

@@ -51,3 +51,22 @@ def test_the_peak_window_is_recorded_also_for_a_config_without_the_field():
     assert recorded_params(Container(), Container.logger)["logger.memory_peak_window"] == "interval"
     cfg = LoggerConfig(memory_peak_window="interval")
     assert recorded_params(cfg, cfg) == flat_params(cfg)  # already there: nothing added
+
+
+def test_an_unknown_field_names_the_closest_one():
+    with pytest.raises(TypeError, match=r"no field 'tensorboard_log_intervall' \(did you mean 'tensorboard_log_interval'\?\)"):
+        LoggerConfig(tensorboard_log_intervall=1)
+    with pytest.raises(ValueError, match=r"no field 'memory_peak_windw' \(did you mean 'memory_peak_window'\?\)"):
+        from_overrides(["logger.memory_peak_windw=interval"])
+
+
+@pytest.mark.parametrize("argument", ["/tmp/out", "--lr=0.1", "-v", "out_dir", "epochs=3"])
+def test_a_script_argument_that_is_no_override_shows_the_expected_form(argument):
+    # from_overrides(sys.argv[1:]) in a script with arguments of its own.
+    with pytest.raises(ValueError, match=f"{argument!r}.*expected logger.key=value"):
+        from_overrides(["logger.log_memory_to_tensorboard=true", argument])
+
+
+def test_other_sections_and_the_bare_field_form_are_still_taken():
+    cfg = from_overrides(["train.iters=5", "model.hidden=3", "tensorboard_log_interval=4", "logger.mlflow_tags.team=llm"])
+    assert cfg.tensorboard_log_interval == 4 and cfg.mlflow_tags == {"team": "llm"}

@@ -1,5 +1,6 @@
 """End to end: ``python scripts/demo.py ...`` run exactly as a user would (it re-launches
-itself under torchrun, 4 gloo processes, PP 4), then its TensorBoard events read back.
+itself under torchrun, 4 gloo processes, PP 4), then its TensorBoard events read back; then
+a second run in a row, its closing lines' commands run as printed and ``nemo-memlog report``.
 
 Smaller than the default job so it takes seconds, not a minute, with interval peaks
 (``logger.memory_peak_window=interval``; the default, "run", is the demo of test_sigterm.py),
@@ -10,6 +11,8 @@ would need bigger activations to stay below the first stage's. Each backend's ow
 
 import math
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -33,19 +36,28 @@ def run_demo(*overrides, timeout=240):
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
+    """(result, run folder, scalars) of the demo with no run.name: the first of two_runs below."""
     root = tmp_path_factory.mktemp("runs")
     result = run_demo(
-        f"run.root={root}", "run.name=test", f"train.iters={ITERS}", f"logger.tensorboard_log_interval={INTERVAL}",
+        f"run.root={root}", f"train.iters={ITERS}", f"logger.tensorboard_log_interval={INTERVAL}",
         "train.micro_batch_size=32", f"model.vocab={VOCAB}", "logger.memory_peak_window=interval",
         "logger.wandb_project=null", "logger.mlflow_experiment=null", "logger.comet_project=null",
         f"logger.comet_api_key={SECRET}",  # recorded with the run config: must come out redacted
     )
     assert result.returncode == 0, f"demo failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    accumulator = EventAccumulator(str(root / "test" / "tensorboard"))
+    run = printed_run_folder(result.stdout)
+    assert run.parent == root
+    accumulator = EventAccumulator(str(run / "tensorboard"))
     accumulator.Reload()
     scalars = {tag: {event.step: event.value for event in accumulator.Scalars(tag)}
                for tag in accumulator.Tags()["scalars"]}
-    return result, root / "test", scalars
+    return result, run, scalars
+
+
+def printed_run_folder(stdout: str) -> Path:
+    """The folder the closing lines name as this run's."""
+    (match,) = re.findall(r"^This run's folder: (\S+)", stdout, re.MULTILINE)
+    return Path(match)
 
 
 def test_memory_and_caller_metrics_logged_at_exactly_the_logging_steps(demo):
@@ -114,3 +126,160 @@ def test_a_secret_on_the_command_line_is_written_nowhere(demo):
     for path in written:
         assert SECRET.encode() not in path.read_bytes(), path
     assert SECRET not in result.stdout + result.stderr
+
+
+# ---- the demo twice in a row, as a newcomer runs it ----------------------------------------
+# The second run follows the first (the `demo` fixture, no run.name either) into the same
+# run.root, with all four backends, the default peak window and fewer iterations, starting
+# over at step 1: the case that used to be stitched onto the first run's steps and called
+# "resumed" ("interval -> run").
+
+
+@pytest.fixture(scope="module")
+def two_runs(demo):
+    """(the runs' root, first run's stdout, second run's result)."""
+    first, first_run, _ = demo
+    second = run_demo(f"run.root={first_run.parent}", "train.iters=2", "train.micro_batch_size=16",
+                      "train.seq_len=32", f"model.vocab={VOCAB}")
+    assert second.returncode == 0, f"demo failed:\n{second.stdout[-3000:]}\n{second.stderr[-3000:]}"
+    return first_run.parent, first.stdout, second
+
+
+def command_after(stdout: str, heading: str) -> list[str]:
+    """The indented command lines printed under ``heading``."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    commands = []
+    for line in lines[start + 1:]:
+        if not line.startswith("  "):
+            break
+        commands.append(line.strip())
+    return commands
+
+
+def test_each_run_writes_into_a_folder_of_its_own(two_runs):
+    root, first_stdout, second = two_runs
+    folders = sorted(path for path in root.iterdir() if path.is_dir())
+    assert len(folders) == 2 and all(re.fullmatch(r"demo-\d{8}-\d{6}(-\d+)?", path.name) for path in folders)
+    assert {printed_run_folder(first_stdout), printed_run_folder(second.stdout)} == set(folders)
+    for folder in folders:
+        assert len(list(folder.rglob("events.out.tfevents.*"))) == 1, folder
+
+
+def test_the_printed_report_command_works_as_printed_and_shows_one_run(two_runs):
+    _, _, second = two_runs
+    (command,) = command_after(second.stdout, "Per-stage table and PNG of this run:")
+    assert command.split()[0].endswith("nemo-memlog") and Path(command.split()[0]).exists()
+    report = subprocess.run(shlex.split(command), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "steps 1..2 (2 logged)" in report.stdout
+    assert "peak window: run (each peak_* point is the peak since its process started)" in report.stdout
+    assert "resumed" not in report.stdout and "NOTE" not in report.stdout
+
+
+def test_report_on_the_folder_of_both_runs_shows_the_newest_and_names_the_other(two_runs, capsys):
+    from nemo_memlog.cli import main
+
+    root, first_stdout, _ = two_runs
+    assert main(["report", str(root), "--png", str(root / "both.png")]) == 0
+    out = capsys.readouterr().out
+    assert f"NOTE: {root} holds 2 runs" in out
+    assert "steps 1..2 (2 logged)" in out and "peak window: run (" in out  # the newest run only
+    (first_events,) = printed_run_folder(first_stdout).rglob("events.out.tfevents.*")
+    assert re.search(rf"steps 2\.\.4, started .*: {re.escape(str(first_events))}", out)
+    assert "resumed" not in out
+    # The ignored run, reported on its own by passing its event file:
+    assert main(["report", str(first_events)]) == 0
+    out = capsys.readouterr().out
+    assert "steps 2..4 (2 logged)" in out and "peak window: interval (" in out and "NOTE" not in out
+
+
+def test_the_dashboard_commands_are_printed_with_working_paths_and_the_account_note(two_runs):
+    _, _, second = two_runs
+    run = printed_run_folder(second.stdout)
+    local = command_after(second.stdout, "Open the dashboards (no account needed):")
+    uploads = command_after(second.stdout, "W&B and Comet wrote offline copies; uploading them needs an account")
+    assert [Path(command.split()[0]).name for command in local] == ["tensorboard", "mlflow"]
+    assert [Path(command.split()[0]).name for command in uploads[:2]] == ["wandb", "comet"]
+    for command in local + uploads[:2]:
+        assert Path(command.split()[0]).is_file(), command  # the venv's own, not a bare name off PATH
+    assert uploads[2] == "without an account, the same series are in the TensorBoard and MLflow dashboards above"
+    tensorboard = shlex.split(local[0]) + ["--inspect"]  # as printed; --inspect reads the events and exits
+    inspected = subprocess.run(tensorboard, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert inspected.returncode == 0 and "memory/peak_host_rss_gb" in inspected.stdout, inspected.stderr[-2000:]
+    assert Path(local[1].split("sqlite:///")[1]).is_file()
+    assert Path(uploads[0].split()[-1]).is_dir() and Path(uploads[1].split()[-1]).is_file()
+    assert all(str(run) in command for command in local + uploads[:2])
+
+
+def test_no_backend_info_lines_in_the_output(two_runs):
+    _, _, second = two_runs
+    output = second.stdout + second.stderr
+    assert "COMET INFO" not in output and not re.search(r"\bINFO mlflow", output), output[-3000:]
+
+
+@pytest.fixture
+def demo_script(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    import demo
+
+    return demo
+
+
+def test_an_existing_run_name_is_refused_before_any_process_starts(two_runs, demo_script, monkeypatch, capsys):
+    root, first_stdout, _ = two_runs
+    name = printed_run_folder(first_stdout).name
+    monkeypatch.setenv("WANDB_MODE", "offline")  # main() sets these defaults: keep them out of this process
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("MLFLOW_LOGGING_LEVEL", "WARNING")
+    monkeypatch.setenv("COMET_LOGGING_CONSOLE", "WARNING")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(demo_script, "relaunch", lambda overrides: pytest.fail("launched into a used folder"))
+    assert demo_script.main([f"run.root={root}", f"run.name={name}"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "run.overwrite=true" in err
+
+
+def test_run_folders_are_claimed_once_and_overwrite_starts_again(demo_script, tmp_path):
+    RunConfig, claim = demo_script.RunConfig, demo_script.claim_run_dir
+    first = claim(RunConfig(root=str(tmp_path)))
+    second = claim(RunConfig(root=str(tmp_path)))  # same second: a suffix, never the same folder
+    assert first != second and second.startswith(first)
+    (tmp_path / first / "events").write_text("old run")
+    with pytest.raises(demo_script.ConfigError, match="already holds a run"):
+        claim(RunConfig(root=str(tmp_path), name=first))
+    assert claim(RunConfig(root=str(tmp_path), name=second)) == second  # claimed but empty: the launcher's
+    assert claim(RunConfig(root=str(tmp_path), name=first, overwrite=True)) == first
+    assert list((tmp_path / first).iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train.foo=1"], "Key 'foo' not in 'TrainConfig'; train keys: iters, micro_batches, micro_batch_size"),
+    (["model.hiden=8"], "(did you mean 'hidden'?); model keys: hidden, layers_per_stage, vocab, heads"),
+    (["parallel.p=2"], "parallel keys: pp"),
+    (["run.nam=x"], "(did you mean 'name'?); run keys: name, root, overwrite"),
+    (["trian.iters=1"], "no section 'trian' (did you mean 'train'?)"),
+    (["logger.tensorboard_log_intervall=2"], "(did you mean 'tensorboard_log_interval'?)"),
+    (["parallel.pp=3"], "choose parallel.pp among 1, 2, 4, or start the demo on N processes yourself"),
+])
+def test_bad_overrides_name_the_valid_keys(demo_script, argv, message):
+    with pytest.raises(demo_script.ConfigError) as error:
+        demo_script.load_config(argv)
+    assert message in str(error.value)
+    if argv == ["parallel.pp=3"]:
+        assert "torchrun --nproc-per-node N scripts/demo.py parallel.pp=3" in str(error.value)
+
+
+def test_help_lists_every_key_with_its_default(demo_script):
+    import dataclasses
+
+    import nemo_memlog
+
+    text = demo_script.help_text()
+    for section, schema in demo_script.SECTIONS.items():
+        for spec in dataclasses.fields(schema):
+            assert re.search(rf"^  {section}\.{spec.name}=\S", text, re.MULTILINE), (section, spec.name)
+    for spec in dataclasses.fields(nemo_memlog.LoggerConfig):
+        assert re.search(rf"^  logger\.{spec.name}=\S", text, re.MULTILINE), spec.name
+    assert "  train.iters=8 " in text and "  parallel.pp=4 " in text and "  run.root=runs " in text
+    assert "  logger.log_memory_to_tensorboard=true " in text and "  logger.memory_peak_window=run " in text

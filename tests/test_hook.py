@@ -206,3 +206,28 @@ def test_low_headroom_warning_names_the_stage_on_the_writer_rank_only(pp4):
             assert f"pipeline stage {stage}'s node" in warned[0]
         else:
             assert warned == []
+
+
+@pytest.mark.parametrize("config, hint", [
+    (None, "got NoneType"),
+    ({"log_memory_to_tensorboard": True}, "A plain dict is not read: pass nemo_memlog.LoggerConfig(**your_dict)"),
+    ("logger.log_memory_to_tensorboard=true", "got str"),
+])
+def test_a_config_it_cannot_read_raises_instead_of_logging_nothing(config, hint):
+    # Read with every default, these logged nothing, silently (flag off).
+    with pytest.raises(TypeError, match="expected a config with log_memory_to_tensorboard") as error:
+        training_log(1, config)
+    assert hint in str(error.value)
+
+
+def test_the_flag_off_stays_a_silent_no_op():
+    class BridgeLogger:  # any object with the flag, as Megatron-Bridge's LoggerConfig
+        log_memory_to_tensorboard = False
+
+    class Container:
+        logger = BridgeLogger()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for config in (LoggerConfig(), BridgeLogger(), Container()):
+            assert all(training_log(iteration, config) is None for iteration in range(1, 4))

@@ -5,6 +5,7 @@ import io
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -184,3 +185,24 @@ def test_table_and_png_name_the_peak_window(tmp_path, capsys, recorded, label):
     assert main(["report", str(tmp_path), "--png", str(png)]) == 0
     assert label in capsys.readouterr().out
     assert f"peak_reserved_gb per pipeline stage, {label.split(' (')[0]}".encode() in png.read_bytes()
+
+
+def test_a_resume_is_named_with_the_step_it_continues_at(report):
+    _, stdout = report  # the fixture's second event file starts at step 40, after the run's first
+    assert "resumed at step 40 (event file events.out.tfevents." in stdout and "NOTE" not in stdout
+
+
+def test_a_second_run_that_starts_over_in_the_same_folder_is_not_stitched(tmp_path, capsys):
+    # A job re-run into the same folder with fewer steps: its steps start over at 0. The old
+    # run's later steps must not be appended to it, nor the two called a resume.
+    folder = tmp_path / "tensorboard"
+    write_events(folder, STEPS)  # the first run: steps 0..70
+    time.sleep(0.05)  # distinct wall times: the second run started later
+    write_events(folder, STEPS[:3])  # the second run: steps 0..20
+    old, new = sorted(folder.glob("events.out.tfevents.*"), key=lambda path: path.stat().st_mtime)
+    assert main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "steps 0..20 (3 logged)" in out and "resumed" not in out
+    assert f"NOTE: {tmp_path} holds 2 runs" in out and f"steps 0..70, started " in out and str(old) in out
+    assert main(["report", str(old)]) == 0  # the other one, by its event file
+    assert "steps 0..70 (8 logged)" in capsys.readouterr().out

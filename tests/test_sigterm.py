@@ -51,11 +51,11 @@ def preempted(tmp_path_factory):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    return tmp_path / "preempted", finished
+    return tmp_path / "preempted", finished, lines
 
 
 def test_sigterm_mid_run_keeps_every_returned_step_in_every_backend(preempted):
-    run, finished = preempted
+    run, finished, _ = preempted
     for backend, steps in stored_steps(run).items():
         # Every iteration tqdm showed as finished had returned from training_log (interval 1).
         missing = set(range(1, finished + 1)) - steps
@@ -64,7 +64,7 @@ def test_sigterm_mid_run_keeps_every_returned_step_in_every_backend(preempted):
 
 
 def test_a_secret_on_the_command_line_reaches_no_backend_file(preempted):
-    run, _ = preempted
+    run, _, _ = preempted
     scanned = 0
     for path in run.rglob("*"):
         if path.is_file():
@@ -83,7 +83,7 @@ def test_report_on_the_real_run_directory(preempted, capsys):
     from nemo_memlog.cli import main
     from tests.test_report import png_size
 
-    run, _ = preempted
+    run, _, _ = preempted
     (events,) = (run / "tensorboard").rglob("events.out.tfevents.*")
     accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
     accumulator.Reload()
@@ -103,3 +103,11 @@ def _read_into(stream, lines):
     # tqdm redraws with carriage returns: split on them to see every update.
     for line in iter(stream.readline, ""):
         lines.extend(re.split(r"[\r\n]", line))
+
+
+def test_the_backends_info_lines_stay_out_of_the_progress_bar(preempted):
+    # MLflow announced creating its tables and Comet its archiving on the console, between
+    # tqdm's redraws; the demo turns both down to warnings (all four backends run here).
+    _, _, lines = preempted
+    chatter = [line for line in lines if "COMET INFO" in line or re.search(r"\bINFO mlflow", line)]
+    assert not chatter, chatter
