@@ -51,14 +51,39 @@ class PostmortemError(Exception):
 
 @dataclass
 class RankFile:
-    """One rank's file, decoded: header, liveness (None when never written or unreadable),
-    the readable records oldest first, and what could not be read, in words."""
+    """One rank's file: header, liveness (None when never written or unreadable), its checked
+    record slots oldest first, parsed only when asked (a post-mortem of thousands of ranks needs
+    the newest few of each), and what could not be read, in words."""
 
     path: Path
     header: dict
     liveness: dict | None
-    records: list[dict]
+    slots: list[list]  # [seq, kind or None, checked JSON bytes, parsed record or None], oldest first
     problems: list[str] = field(default_factory=list)
+
+    def newest(self, kind: str | None = None, want=None) -> dict | None:
+        """The newest record of ``kind`` (any kind: None) for which ``want(record)`` holds."""
+        for slot in reversed(self.slots):
+            if kind is not None and slot[1] is not None and slot[1] != kind:
+                continue
+            record = self._parsed(slot)
+            if record is not None and kind in (None, record.get("kind")) and (want is None or want(record)):
+                return record
+        return None
+
+    @property
+    def records(self) -> list[dict]:
+        """Every readable record, oldest first (parses them all)."""
+        return [record for record in map(self._parsed, self.slots) if record is not None]
+
+    def _parsed(self, slot: list) -> dict | None:
+        if slot[3] is None and slot[2] is not None:
+            try:
+                slot[3] = records.parse(slot[2])
+            except records.RecordError as error:
+                self.problems.append(f"record {slot[0]}: {error}")
+            slot[2] = None  # parsed, or known bad: never again
+        return slot[3]
 
 
 @dataclass
@@ -72,7 +97,7 @@ class RankState:
     last_iteration: int | None
     last_alive: float | None  # liveness time; else the last record's; else the start
     last_report: dict  # the newest record's report ({} without one)
-    peak_reserved_gb: float | None
+    peak_reserved_gb: float | None  # in that report
     host_oom_kill_evidence: list[str] = field(default_factory=list)
 
     @property
@@ -175,41 +200,62 @@ def find_record_files(run_dir) -> list[Path]:
 
 
 def read_rank_file(path) -> RankFile:
-    """Decode one rank's file from a single read. Raises RecordError when the header cannot be
-    used (empty, truncated, garbage, another format or version); a torn or corrupted liveness
-    or record slot, or a truncated ring, is listed in ``problems`` and the rest is kept."""
+    """Read one rank's file with a single read and check every slot (length, checksum). Raises
+    RecordError when the header cannot be used (empty, truncated, garbage, another format or
+    version); a torn or corrupted liveness or record slot, or a truncated ring, is listed in
+    ``problems`` and the rest is kept."""
     path = Path(path)
     with open(path, "rb") as handle:
         data = handle.read()
     if not data:
         raise records.RecordError("empty file (0 bytes)")
-    header = records.check_header(_decode(data, 0, records.HEADER_BYTES, "header", fatal=True))
+    try:
+        header = records.check_header(records.decode(data[: records.HEADER_BYTES]))
+    except records.RecordError as error:
+        raise records.RecordError(f"header: {error}") from None
     slots, slot_bytes = int(header["slots"]), int(header["slot_bytes"])
     problems = []
     expected = records.file_bytes(slots, slot_bytes)
     if len(data) < expected:
         problems.append(f"file truncated: {len(data)} of {expected} bytes")
-    liveness = _decode(data, records.HEADER_BYTES, records.LIVENESS_BYTES, "liveness slot", problems=problems)
+    try:
+        liveness = records.decode(data[records.HEADER_BYTES : records.RECORDS_AT])
+    except records.RecordError as error:
+        liveness = None
+        problems.append(f"liveness slot: {error}")
     found = []
     for slot in range(slots):
         start = records.record_offset(slot, slots, slot_bytes)
         if start >= len(data):
             break
-        record = _decode(data, start, slot_bytes, f"record slot {slot}", problems=problems)
-        if record is not None:
-            found.append(record)
-    found.sort(key=lambda record: record.get("seq", -1))
+        try:
+            body = records.payload(data[start : start + slot_bytes])
+        except records.RecordError as error:
+            problems.append(f"record slot {slot}: {error}")
+            continue
+        if body is not None:
+            found.append(_peeked(body, slot, problems))
+    found = [entry for entry in found if entry is not None]
+    found.sort(key=lambda entry: entry[0])
     return RankFile(path, header, liveness, found, problems)
 
 
-def _decode(data: bytes, start: int, size: int, what: str, fatal=False, problems=None) -> dict | None:
+#: recorder.py writes ``seq`` and ``kind`` first; where they are not, the slot is parsed instead.
+_PEEK = re.compile(rb'\{"seq":(\d+),"kind":"(\w+)"')
+
+
+def _peeked(body: bytes, slot: int, problems: list[str]) -> list | None:
+    """``[seq, kind, body, None]`` from the slot's first bytes, or parsed when they do not say."""
+    match = _PEEK.match(body)
+    if match:
+        return [int(match.group(1)), match.group(2).decode(), body, None]
     try:
-        return records.decode(data[start : start + size])
+        record = records.parse(body)
     except records.RecordError as error:
-        if fatal:
-            raise records.RecordError(f"{what}: {error}") from None
-        problems.append(f"{what}: {error}")
+        problems.append(f"record slot {slot}: {error}")
         return None
+    seq = record.get("seq")
+    return [seq if isinstance(seq, int) else -1, record.get("kind"), None, record]
 
 
 # ---- analysis -----------------------------------------------------------------------------
@@ -293,17 +339,17 @@ def _last_beat(file: RankFile) -> float:
 
 
 def _state(file: RankFile) -> RankState:
-    end = next((r for r in reversed(file.records) if r.get("kind") == "end"), None)
-    oom = next((r for r in reversed(file.records) if r.get("kind") == "oom"), None)
+    end, oom = file.newest("end"), file.newest("oom")
     status = "cuda_oom" if oom is not None else "closed" if end is not None else "unfinished"
-    iterations = [r["iteration"] for r in file.records if isinstance(r.get("iteration"), int)]
-    reports = [r["report"] for r in file.records if isinstance(r.get("report"), dict) and r["report"]]
-    peaks = [v for v in (_number(report.get("peak_reserved_gb")) for report in reports) if v is not None]
+    last = file.newest(want=lambda record: isinstance(record.get("iteration"), int))
+    with_report = file.newest(want=lambda record: isinstance(record.get("report"), dict) and record["report"])
+    report = with_report["report"] if with_report else {}
     alive = _number((file.liveness or {}).get("alive"))
     if alive is None:  # never beat, or its slot torn: the newest record, else the start
-        alive = max((_number(r.get("time")) or 0.0 for r in file.records), default=None) or _number(file.header.get("started"))
-    return RankState(file, status, end, oom, iterations[-1] if iterations else None, alive,
-                     reports[-1] if reports else {}, max(peaks) if peaks else None)
+        newest = file.newest()
+        alive = _number(newest and newest.get("time")) or _number(file.header.get("started"))
+    return RankState(file, status, end, oom, last["iteration"] if last else None, alive, report,
+                     _number(report.get("peak_reserved_gb")))
 
 
 def _host_evidence(states: list[RankState]) -> None:

@@ -67,8 +67,8 @@ def _oom_sentence(state: RankState) -> str:
 def _oom_iteration(state: RankState) -> str:
     """The recorder names the last iteration it saw: past the last step record, the OOM's own."""
     iteration = state.oom.get("iteration")
-    steps = [r["iteration"] for r in state.file.records if r.get("kind") == "step" and isinstance(r.get("iteration"), int)]
-    recorded = steps[-1] if steps else None
+    step = state.file.newest("step", want=lambda record: isinstance(record.get("iteration"), int))
+    recorded = step and step["iteration"]
     if isinstance(iteration, int) and (recorded is None or iteration > recorded):
         return f"at iteration {iteration}"
     return "at an unknown iteration" if recorded is None else f"after iteration {recorded} (the last recorded)"
@@ -105,8 +105,9 @@ def ambiguity_line(postmortem: Postmortem) -> str | None:
     other = ambiguity.others[0]
     gap = abs(other.failure_time - first.failure_time)
     where = f"on one host ({first.host})" if other.host == first.host else f"on different hosts ({first.host}, {other.host})"
-    parts = [f"rank {s.rank}'s last beat may be up to a liveness period ({s.period:g} s) before it died"
-             for s in (first, other) if not s.failure_time_exact]
+    beats = [s for s in (first, other) if not s.failure_time_exact]
+    parts = [f"{' and '.join(f'rank {s.rank}' for s in beats)}: a last beat may be up to a liveness period "
+             f"({max(s.period for s in beats):g} s) before the death"] if beats else []
     if other.host != first.host:
         parts.append(f"the hosts' clocks may differ by {postmortem.clock_skew_s:g} s (--clock-skew-s)")
     line = (f"cannot tell which of rank {first.rank} and rank {other.rank} failed first: they stopped {gap:.2f} s apart "
