@@ -205,8 +205,11 @@ def read_rank_file(path) -> RankFile:
     version); a torn or corrupted liveness or record slot, or a truncated ring, is listed in
     ``problems`` and the rest is kept."""
     path = Path(path)
-    with open(path, "rb") as handle:
-        data = handle.read()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:  # one read system call per file (a buffered read() makes two, and more for a large file)
+        data = os.read(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
     if not data:
         raise records.RecordError("empty file (0 bytes)")
     try:

@@ -16,9 +16,9 @@ _STATUS_COLOR = {"closed": "tab:green", "cuda_oom": "tab:red", "unfinished": "ta
 def write_png(postmortem: Postmortem, path) -> Path:
     """Two panels into the PNG at ``path``; returns the path.
 
-    Top: per pipeline stage, the max over its ranks of the memory metric (peak_reserved_gb,
-    else host RSS) at each iteration still in the rings; the first failure's own series in
-    red, its last point (the OOM, or its last record) marked. Bottom: each rank's failure or
+    Top: per pipeline stage, the records still in the ring of the rank holding the stage's
+    highest memory metric (peak_reserved_gb, else host RSS) in its last record; the first
+    failure's own records in red, its last point (the OOM, or its last record) marked. Bottom: each rank's failure or
     last-alive time relative to the first failure, coloured by status, the first failure starred.
     """
     import matplotlib
@@ -42,8 +42,9 @@ def write_png(postmortem: Postmortem, path) -> Path:
 
 
 def _metric(ranks: list[RankState]) -> str:
+    """The first of METRICS in the ranks' last reports."""
     for metric in METRICS:
-        if any(_number((r.get("report") or {}).get(metric)) is not None for s in ranks for r in s.file.records):
+        if any(state.value(metric) is not None for state in ranks):
             return metric
     return METRICS[0]
 
@@ -58,15 +59,19 @@ def _series(state: RankState, metric: str) -> list[tuple[int, float]]:
 
 
 def _stage_lines(axes, ranks: list[RankState], metric: str, first: RankState | None) -> None:
-    stages: dict = {}
+    """Per stage, the records of the rank with the stage's highest ``metric`` in its last report:
+    its ring is parsed, the other ranks' are not (4,096 ranks would cost seconds)."""
+    holders: dict = {}
     for state in ranks:
-        by_iteration = stages.setdefault(state.header.get("pp_rank"), {})
-        for iteration, value in _series(state, metric):
-            by_iteration[iteration] = max(value, by_iteration.get(iteration, value))
-    for stage in sorted(stages, key=str):
-        points = sorted(stages[stage].items())
+        value = state.value(metric)
+        stage = state.header.get("pp_rank")
+        if value is not None and (stage not in holders or value > holders[stage].value(metric)):
+            holders[stage] = state
+    for stage in sorted(holders, key=str):
+        points = _series(holders[stage], metric)
         if points:
-            axes.plot(*zip(*points), marker="o", markersize=3, linewidth=1.2, label=f"stage {stage} (max over its ranks)")
+            axes.plot(*zip(*points), marker="o", markersize=3, linewidth=1.2,
+                      label=f"stage {stage} (rank {holders[stage].rank}, its highest)")
     if first is not None:
         points = _series(first, metric)
         if points:

@@ -360,3 +360,23 @@ def test_the_command_imports_no_torch(tmp_path):
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["first_failure"]["rank"] == 0
+
+
+def test_ranks_that_all_stopped_together_are_called_a_stop_from_outside(tmp_path):
+    ranks = layout(pp=2, tp=2, dp=2, gpus_per_node=4)  # 8 ranks, 2 hosts, all SIGKILLed at once
+    for offset, rank in zip([0.3, 0.1, 0.5, 0.2, 0.6, 0.0, 0.4, 0.7], ranks):
+        rank.stopped, rank.end = T0 + offset, None
+    write_run(tmp_path, ranks)
+    code, text, _ = run_cli(tmp_path, "--no-png")
+    assert code == 1 and "FIRST FAILURE: rank 5 " in text
+    assert "cannot tell which of rank 5 and rank 1 failed first: they stopped 0.10 s apart on different hosts" in text
+    assert "; 6 more failed rank(s) stopped within the same allowance. Most ranks stopped together: the job was " \
+           "probably stopped from outside (scheduler, node loss)" in text
+
+
+def test_the_benchmark_still_runs():
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_postmortem.py"), "--smoke"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "wrote 64 record files for 64 ranks" in done.stdout
+    assert "| 64 | " in done.stdout and "slowest run: " in done.stdout
