@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -58,17 +59,25 @@ def scenario(world: int, seed: int = 0):
     return ranks, victim.rank
 
 
-def time_command(run_dir: Path, extra: list[str], png: Path) -> tuple[float, str]:
+def time_command(run_dir: Path, extra: list[str], png: Path) -> tuple[float, float, str]:
+    """Wall seconds, CPU seconds (user + system: what load on the machine does not inflate), stdout."""
     argv = [sys.executable, "-m", "nemo_memlog.cli", "postmortem", str(run_dir), *extra]
     if not extra:
         argv += ["--png", str(png)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cpu_before = _children_cpu()
     started = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     elapsed = time.perf_counter() - started
+    cpu = _children_cpu() - cpu_before
     if done.returncode != 1:
         raise SystemExit(f"postmortem exited {done.returncode} (expected 1: a failure):\n{done.stderr[-2000:]}")
-    return elapsed, done.stdout
+    return elapsed, cpu, done.stdout
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> int:
@@ -93,27 +102,33 @@ def main() -> int:
                   f"({sum(f.stat().st_size for f in files) / 1e6:.0f} MB) in {write_s[size]:.1f} s", flush=True)
         variants = [v for v in VARIANTS if not (args.smoke and v == "text + PNG")]  # the PNG is tested apart
         timings = {(size, variant): [] for size in sizes for variant in variants}
+        cpu = {cell: [] for cell in timings}
         cells = list(timings)
         for repetition in range(repetitions):
             shift = repetition * 5 % len(cells)
             for size, variant in cells[shift:] + cells[:shift]:
-                elapsed, out = time_command(runs[size], VARIANTS[variant], Path(tmp, f"pm-{size}.png"))
+                elapsed, cpu_s, out = time_command(runs[size], VARIANTS[variant], Path(tmp, f"pm-{size}.png"))
                 if variant == "--json":
                     first = json.loads(out)["first_failure"]
                     assert first["rank"] == victims[size] and first["status"] == "unfinished", first
                     assert first["probable_host_oom_kill"], first
                 timings[size, variant].append(elapsed)
-                print(f"  rep {repetition}: {size} ranks, {variant}: {elapsed:.2f} s", flush=True)
+                cpu[size, variant].append(cpu_s)
+                print(f"  rep {repetition}: {size} ranks, {variant}: {elapsed:.2f} s wall, {cpu_s:.2f} s CPU", flush=True)
+    print("\nwall time:")
     _table(sizes, variants, timings, write_s)
+    print("\nCPU time of the command (user + system):")
+    _table(sizes, variants, cpu, write_s)
     if args.json:
-        args.json.write_text(json.dumps({f"{size}|{variant}": values for (size, variant), values in timings.items()}))
+        args.json.write_text(json.dumps({f"{size}|{variant}": {"wall_s": timings[size, variant], "cpu_s": cpu[size, variant]}
+                                         for size, variant in timings}))
     worst = max(max(values) for values in timings.values())
     print(f"\nslowest run: {worst:.2f} s (target: under {TARGET_S:.0f} s at 4,096 ranks)")
     return 0
 
 
 def _table(sizes, variants, timings, write_s) -> None:
-    print("\n| ranks | files written (s) | " + " | ".join(f"{v}: median (max), s" for v in variants)
+    print("| ranks | files written (s) | " + " | ".join(f"{v}: median (max), s" for v in variants)
           + " | " + " | ".join(f"{v} / {sizes[0]} ranks" for v in variants) + " |")
     print("|" + "---:|" * (2 + 2 * len(variants)))
     for size in sizes:
