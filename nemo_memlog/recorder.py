@@ -112,8 +112,6 @@ class FlightRecorder:
         if self._fd is not None:
             self._write({"kind": "step", "time": time.time(), "iteration": iteration, "report": report})
 
-    step = record
-
     # -- the failure path --------------------------------------------------------------------
 
     def record_oom(self, fields: dict, report: dict) -> None:
