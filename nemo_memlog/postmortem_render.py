@@ -143,7 +143,8 @@ def format_text(postmortem: Postmortem, all_rows: bool = False) -> str:
     if len(shown) < len(ranks):
         lines.append(f"showing {len(shown)} of {len(ranks)} ranks: the first {SHOWN_FAILURES} failures, the first "
                      "failure's pipeline and host, ranks with unreadable slots (--all: every rank)")
-    lines += [""] + _render_block(_rank_columns(postmortem, shown))
+    if shown:
+        lines += [""] + _render_block(_rank_columns(postmortem, shown))
     if len(shown) < len(ranks):
         lines += ["", "per pipeline stage:"] + _render_block(_stage_columns(ranks))
     lines += _problem_lines(postmortem)
