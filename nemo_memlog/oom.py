@@ -57,7 +57,10 @@ def attach_when_ready() -> bool:
 
     if not torch.cuda.is_initialized():
         return False
-    torch._C._cuda_attach_out_of_memory_observer(on_oom)
+    try:
+        torch._C._cuda_attach_out_of_memory_observer(on_oom)
+    except Exception as error:  # a torch without it, or another allocator backend: records go on without
+        _warn("observer", f"cannot attach the CUDA OOM observer ({error}); a CUDA OOM will leave no oom record")
     _attached = True
     return True
 
