@@ -128,9 +128,9 @@ class RankState:
     def failure_time(self) -> float | None:
         """When it failed: the OOM record's time, the exception's end record, else the last beat."""
         if self.oom is not None:
-            return self.oom.get("time")
+            return _number(self.oom.get("time"))
         if self.end is not None:
-            return self.end.get("time")
+            return _number(self.end.get("time"))
         return self.last_alive
 
     @property
@@ -342,14 +342,16 @@ def _last_beat(file: RankFile) -> float:
 
 
 def _state(file: RankFile) -> RankState:
-    end, oom = file.newest("end"), file.newest("oom")
+    newest = file.newest()
+    # An end counts when nothing came after it: after our SIGTERM handler a framework may train on.
+    end = newest if newest is not None and newest.get("kind") == "end" else None
+    oom = file.newest("oom")
     status = "cuda_oom" if oom is not None else "closed" if end is not None else "unfinished"
     last = file.newest(want=lambda record: isinstance(record.get("iteration"), int))
     with_report = file.newest(want=lambda record: isinstance(record.get("report"), dict) and record["report"])
     report = with_report["report"] if with_report else {}
     alive = _number((file.liveness or {}).get("alive"))
     if alive is None:  # never beat, or its slot torn: the newest record, else the start
-        newest = file.newest()
         alive = _number(newest and newest.get("time")) or _number(file.header.get("started"))
     return RankState(file, status, end, oom, last["iteration"] if last else None, alive, report,
                      _number(report.get("peak_reserved_gb")))

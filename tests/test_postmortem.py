@@ -380,3 +380,26 @@ def test_the_benchmark_still_runs():
     assert done.returncode == 0, done.stderr[-3000:]
     assert "wrote 64 record files for 64 ranks" in done.stdout
     assert "| 64 | " in done.stdout and "slowest run: " in done.stdout
+
+
+def test_an_end_followed_by_records_does_not_count(tmp_path):
+    """After our SIGTERM handler marked the end, a framework may train on; a SIGKILL then leaves
+    step records after the end marker: that rank did not end."""
+    ranks = closed_after(layout(pp=2, tp=1, dp=1), 10.0, reason="close")
+    path = write_rank(tmp_path, ranks[0])
+    ranks[1].end, ranks[1].stopped = None, T0
+    write_rank(tmp_path, ranks[1])
+    slots, slot = records.DEFAULT_SLOTS, records.DEFAULT_SLOT_BYTES
+    code, result = run_json(tmp_path)
+    assert by_rank(result)[0]["status"] == "closed" and result["first_failure"]["rank"] == 1
+    with open(path, "r+b") as handle:  # rank 0: sigterm end at seq 3, then a step record at seq 4
+        handle.seek(records.record_offset(3, slots, slot))
+        handle.write(records.encode({"seq": 3, "kind": "end", "time": T0 + 5, "iteration": 30, "report": {},
+                                     "reason": "sigterm", "detail": ""}, slot))
+        handle.seek(records.record_offset(4, slots, slot))
+        handle.write(records.encode({"seq": 4, "kind": "step", "time": T0 + 6, "iteration": 40,
+                                     "report": {"peak_reserved_gb": 50.0}}, slot))
+    code, result = run_json(tmp_path)
+    rank0 = by_rank(result)[0]
+    assert (rank0["status"], rank0["end_reason"], rank0["last_iteration"], rank0["peak_reserved_gb"]) == \
+        ("unfinished", None, 40, 50.0)
