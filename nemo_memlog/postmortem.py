@@ -49,7 +49,7 @@ class PostmortemError(Exception):
     """Nothing can be reported (no folder, no readable record); the message says what to change."""
 
 
-@dataclass
+@dataclass(eq=False)  # identity: one object per file
 class RankFile:
     """One rank's file: header, liveness (None when never written or unreadable), its checked
     record slots oldest first, parsed only when asked (a post-mortem of thousands of ranks needs
@@ -86,7 +86,7 @@ class RankFile:
         return slot[3]
 
 
-@dataclass
+@dataclass(eq=False)  # identity: one object per rank
 class RankState:
     """What the post-mortem says about one rank."""
 
