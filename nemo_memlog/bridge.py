@@ -20,6 +20,10 @@ loggers into a MemoryMonitor, and nothing in the core imports this module.
   ``on_train_start`` to ``on_train_end`` it holds ``cfg.logger.log_memory_to_tensorboard``
   False on every rank (Bridge reads the flag for nothing else) and writes every series
   itself, pipeline-wide.
+- Flight records: every rank records its memory for ``nemo-memlog postmortem``, by default in
+  ``memory_records`` beside the recipe's ``logger.tensorboard_dir`` (else its
+  ``wandb_save_dir``, else the working directory); ``memory_record_dir=`` picks another
+  folder, ``memory_record_dir="off"`` none. ``on_train_end`` marks the record ended.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import dataclasses
 
 from megatron.bridge.training.callbacks import Callback
 
-from .config import LoggerConfig
+from .config import LoggerConfig, memory_record_dir
 from .monitor import MemoryMonitor
 
 #: Our settings that Bridge's LoggerConfig lacks: the callback's keyword arguments.
@@ -55,11 +59,14 @@ class MemoryLogCallback(Callback):
         bridge_logger = context.state.cfg.logger
         if not bridge_logger.log_memory_to_tensorboard:
             return
+        # The flight records' default folder is beside the recipe's own logs (its tensorboard_dir).
+        settings = {**self.settings,
+                    "memory_record_dir": self.settings.get("memory_record_dir") or memory_record_dir(bridge_logger)}
         config = LoggerConfig(
             log_memory_to_tensorboard=True,
             tensorboard_log_interval=bridge_logger.tensorboard_log_interval,
             memory_keys=bridge_memory_keys(getattr(bridge_logger, "memory_keys", None)),
-            **self.settings,
+            **settings,
         )
         monitor = MemoryMonitor(config, pg_collection=_pg_collection(context.model))
         monitor.place()
@@ -79,7 +86,7 @@ class MemoryLogCallback(Callback):
         if self.monitor is None:
             return
         self._bridge_logger.log_memory_to_tensorboard = True
-        self.monitor.flush()
+        self.monitor.close()  # ends the flight record; Bridge's own loggers are flushed, not closed
         self.monitor = self._bridge_logger = None
 
 

@@ -8,6 +8,7 @@ Megatron-Bridge lacks.
 import dataclasses
 import difflib
 import functools
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -19,6 +20,8 @@ PEAK_WINDOWS = ("run", "interval")
 WRITER_MODES = ("process", "thread")
 #: memory_reduce_backend's values.
 REDUCE_BACKENDS = ("auto", "gloo", "group")
+#: memory_record_dir's value that turns the flight recorder off.
+RECORD_OFF = "off"
 
 
 @dataclass
@@ -92,6 +95,18 @@ class LoggerConfig:
     "thread": they run in threads of the training process (where no process can be
     started). Loggers another framework opened in this process (Megatron-Bridge's, through
     nemo_memlog.bridge) are written on its training thread, in neither mode."""
+    memory_record_dir: Optional[str] = None
+    """The memory flight recorder's folder: every rank keeps its last logging steps (and a
+    CUDA OOM, and how it ended) in ``rank-<rank>.memrec`` there, for ``nemo-memlog
+    postmortem`` after a failure. On whenever log_memory_to_tensorboard is on. None: beside
+    the run's logs, ``<parent of tensorboard_dir>/memory_records``, else
+    ``<wandb_save_dir>/memory_records``, else ``./memory_records``. A path: that folder.
+    ``"off"``: no recording (a folder named off: write ``./off``). Rank 0 prints the folder once."""
+    memory_record_history: bool = False
+    """Record the CUDA allocator's alloc/free history (torch.cuda.memory._record_memory_history)
+    so the snapshot a CUDA OOM writes shows which code allocated what. Costs time on every
+    allocation and host memory for the traces (README); off: the snapshot still shows every
+    segment and block, without stack traces."""
 
     def __post_init__(self):
         check_logger_fields(self)
@@ -187,6 +202,13 @@ def check_logger_fields(logger) -> None:
     mode = setting(logger, "writer_mode")
     if mode not in WRITER_MODES:
         raise ValueError(f"logger.writer_mode must be one of {', '.join(map(repr, WRITER_MODES))}; got {mode!r}")
+    record_dir = setting(logger, "memory_record_dir")
+    if record_dir is not None and (not isinstance(record_dir, (str, os.PathLike)) or not os.fspath(record_dir)):
+        raise ValueError(f"logger.memory_record_dir must be a folder path, {RECORD_OFF!r} (no recording) or None "
+                         f"(beside the run's logs); got {record_dir!r}")
+    history = setting(logger, "memory_record_history")
+    if not isinstance(history, bool):
+        raise ValueError(f"logger.memory_record_history must be true or false; got {history!r}")
     buffer = setting(logger, "writer_buffer_steps")
     if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
         raise ValueError(f"logger.writer_buffer_steps must be an int >= 1; got {buffer!r}")
@@ -199,6 +221,21 @@ def check_logger_fields(logger) -> None:
 
 
 EXPECTED_FORM = "expected logger.key=value, e.g. logger.log_memory_to_tensorboard=true"
+
+
+def memory_record_dir(logger) -> Optional[str]:
+    """The flight recorder's folder for these settings (absolute), or None when it is off:
+    memory logging off, or ``memory_record_dir="off"``. See LoggerConfig.memory_record_dir."""
+    chosen = setting(logger, "memory_record_dir")
+    if not setting(logger, "log_memory_to_tensorboard") or chosen == RECORD_OFF:
+        return None
+    if chosen is not None:
+        return os.path.abspath(os.fspath(chosen))
+    tensorboard_dir = setting(logger, "tensorboard_dir")
+    if tensorboard_dir:
+        return os.path.join(os.path.dirname(os.path.abspath(os.fspath(tensorboard_dir))), "memory_records")
+    wandb_dir = setting(logger, "wandb_save_dir")
+    return os.path.abspath(os.path.join(wandb_dir or ".", "memory_records"))
 
 
 def from_overrides(overrides: list[str], base: Optional[LoggerConfig] = None) -> LoggerConfig:

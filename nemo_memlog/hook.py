@@ -38,7 +38,8 @@ def training_log(iteration: int, config, *, pg_collection=None, pp_group=None, w
 
 
 def close_writers() -> None:
-    """Drain and close the writers training_log built (also done at exit and on SIGTERM)."""
+    """Drain and close the writers training_log built, and end each run's flight record with
+    "close" (at exit and on SIGTERM the writers are closed, and the records marked, anyway)."""
     for monitor in list(_monitors.values()):
         monitor.close()
     _monitors.clear()

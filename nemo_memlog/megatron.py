@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def pipeline_group(pp_group=None, pg_collection=None):
     """``pp_group``; else ``pg_collection.pp``; else megatron-core's parallel_state group
@@ -31,6 +33,10 @@ def coordinates(pp_group=None, pg_collection=None) -> dict[str, int]:
 
 
 def _parallel_state():
+    # Only a process that imported megatron-core can have initialised its groups: never pay
+    # its import (seconds) to learn that it did not (a plain torch.distributed job).
+    if "megatron.core" not in sys.modules:
+        return None
     try:
         from megatron.core import parallel_state
     except ImportError:  # megatron-core is optional: plain torch groups work too

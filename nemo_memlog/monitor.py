@@ -18,7 +18,7 @@ import warnings
 import torch.distributed as dist
 
 from . import attribution, megatron, memory
-from .config import check_logger_fields, logger_section, setting
+from .config import check_logger_fields, logger_section, memory_record_dir, setting
 from .payload import scalar
 from .reduce import gather_memory, reduction_group, single_rank, takes_part
 
@@ -40,6 +40,9 @@ class MemoryMonitor:
         self.timeout_s = setting(logger, "memory_reduce_timeout_s")
         self.reduce_backend = setting(logger, "memory_reduce_backend")
         self.interval_peaks = setting(logger, "memory_peak_window") == "interval"
+        self.record_dir = memory_record_dir(logger)  # None: no flight recorder
+        self.record_history = setting(logger, "memory_record_history")
+        self.recorder = None  # opened at placement, when the coordinates are known
         self.writers = writers
         self._owns_writers = writers is None
         self._groups = (pp_group, pg_collection)
@@ -57,10 +60,11 @@ class MemoryMonitor:
         """``log`` past its gate: callers that gate themselves (training_log) call it directly."""
         if not self._placed:
             self.place()
-        report = memory.report_memory(self.memory_keys)
+        report = self._report()
         if self.interval_peaks:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
-        report.update(memory.capacity_report())
+        if self.recorder is not None:  # before the collective: a rank that dies in it has this step
+            self.recorder.record(iteration, report)
         if self.world_scope:
             report.update(self._coordinates)
         if takes_part(report, self.group):
@@ -95,7 +99,18 @@ class MemoryMonitor:
         self.group = reduction_group(self.group, backend=self.reduce_backend, world_scope=self.world_scope,
                                      timeout_s=self.timeout_s)
         self.is_writer_rank = not distributed or dist.get_rank() == dist.get_world_size() - 1
+        if self.record_dir is not None and self.recorder is None:
+            from .recorder import open_recorder
+
+            self.recorder = open_recorder(self.record_dir, pp_group=pp_group, pg_collection=pg_collection,
+                                          report=self._report, record_history=self.record_history)
         self._placed = True
+
+    def _report(self) -> dict:
+        """This rank's report now, as a logging step has it (for the recorder's OOM record)."""
+        report = memory.report_memory(self.memory_keys)
+        report.update(memory.capacity_report())
+        return report
 
     def use_writers(self, writers) -> None:
         """Write to ``writers`` (opened by someone else: flushed at close, never closed)."""
@@ -148,7 +163,11 @@ class MemoryMonitor:
             self.writers.flush()
 
     def close(self) -> None:
-        """Drain and close the writers this monitor built; writers it was given are only flushed."""
+        """End the flight record ("close"); drain and close the writers this monitor built;
+        writers it was given are only flushed."""
+        recorder, self.recorder = self.recorder, None
+        if recorder is not None:
+            recorder.close()
         if self.writers is None:
             return
         if self._owns_writers:

@@ -91,7 +91,14 @@ def encode(obj: dict, size: int) -> bytes:
 def decode(slot: bytes) -> dict | None:
     """The object in a slot; None for a slot never written (all NUL). Raises RecordError for a
     torn or corrupted slot."""
-    if not slot.strip(b"\0"):
+    body = payload(slot)
+    return None if body is None else parse(body)
+
+
+def payload(slot: bytes) -> bytes | None:
+    """The checked JSON bytes of a slot, not parsed (a reader of many files parses only the
+    records it needs); None for a slot never written. Raises RecordError as ``decode`` does."""
+    if slot[:1] in (b"", b"\0") and not slot.strip(b"\0"):  # a written slot starts with its prefix
         return None
     try:
         length, crc = int(slot[0:8], 16), int(slot[9:17], 16)
@@ -102,6 +109,11 @@ def decode(slot: bytes) -> dict | None:
         raise RecordError("slot is truncated or its prefix is malformed")
     if zlib.crc32(body) != crc:
         raise RecordError("slot checksum mismatch (torn or corrupted write)")
+    return body
+
+
+def parse(body: bytes) -> dict:
+    """The object in a slot's checked bytes (``payload``). Raises RecordError if it is not one."""
     try:
         obj = json.loads(body)
     except ValueError as error:

@@ -10,8 +10,9 @@ the same sequence: per repetition each variant once, each after a barrier, the f
 variant rotating, so that drift and the shared machine's noise hit every variant alike.
 
     ours      (a) training_log(iteration, cfg) on a logging iteration: report_memory() +
-              capacity_report() (/proc reads), gather_memory (pack, ONE collective, unpack,
-              line up), attribution, and on the writer rank the hand-off to a thread-mode
+              capacity_report() (/proc reads), the flight record (on, as by default),
+              gather_memory (pack, ONE collective, unpack, line up), attribution, and on
+              the writer rank the hand-off to a thread-mode
               FanOut of four Sinks (real buffers and threads; backends that write nothing: the
               real backends, and the writer process, are part 3)
     reduce    gather_memory(report, group) alone: the reduction part of ``ours``
@@ -43,6 +44,13 @@ Part 5 (bench_cuda.py): reading the allocator statistics (without CUDA: the H100
 through our code and through torch.cuda.memory_stats()'s own flattening); where CUDA is present
 (not with --smoke or --no-gpu), the GPU part: a logging step against Megatron-Bridge's, the
 floor, and a logging step behind queued GPU work.
+Part 6 (this process; the recorder adds no collective, so one process shows its cost): the
+flight recorder on and off (``memory_record_dir`` a temp dir, or "off"), with the GPU-like
+report. Off the logging steps: training_log at off-interval iterations, each variant a tight
+loop of calls per round, rounds interleaved. On a logging step: MemoryMonitor.log_step
+without a group (report, record, attribution, hand-off to a writer that does nothing), each
+call timed alone, variants in a rotating order; and ``record`` alone. Also the liveness
+thread's beat (the /proc reads and one pwrite), which runs about once a second.
 Part 4 (not with --smoke or --no-memory): tests/trainer.py three times, logging off and in
 each mode, with the same backends: the writer rank's host RSS after 20 logged steps.
 
@@ -248,7 +256,8 @@ def run_rank(rank: int, world: int, port: int, plan: dict) -> dict:
     stats = h100_cuda_stats(stage)
     memory._allocator_stats = lambda: (None, stats)  # an H100's statistics, through the real code, on a CPU machine
 
-    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1)
+    # The flight recorder is on, as by default (its folder a temp dir rather than ./memory_records).
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1, memory_record_dir=plan["records"])
     timeout_s = cfg.memory_reduce_timeout_s
     fanout = null_fanout()
     report = memory.report_memory()
@@ -569,11 +578,95 @@ def _rounds_for(seconds: float) -> int:
 
 
 # --------------------------------------------------------------------------------------------
+# Part 5: the flight recorder.
+
+
+def recorder_part(repetitions: int, off_calls: int, rounds: int) -> dict:
+    """The recorder's cost off and on the logging steps, in this process (no group: it adds no
+    collective). Variants interleaved; medians in us, and the on/off ratios."""
+    from nemo_memlog import memory
+    from nemo_memlog.config import LoggerConfig
+    from nemo_memlog.hook import training_log
+    from nemo_memlog.monitor import MemoryMonitor
+    from nemo_memlog.recorder import HostEvidence
+
+    saved = memory._cuda_stats
+    stats = synthetic_cuda_stats(0)
+    memory._cuda_stats = lambda: stats  # a GPU-like report: the record's real size
+    root = tempfile.mkdtemp(prefix="nemo_memlog_bench_records_")
+    try:
+        settings = {"off": "off", "on": root}
+        monitors = {name: MemoryMonitor(LoggerConfig(log_memory_to_tensorboard=True, memory_record_dir=folder),
+                                        writers=NullBackend()) for name, folder in settings.items()}
+        for monitor in monitors.values():
+            monitor.place()
+        recorder = monitors["on"].recorder
+        report = monitors["on"]._report()
+        logging = {"log_step_off": monitors["off"].log_step, "log_step_on": monitors["on"].log_step,
+                   "record_alone": lambda it: recorder.record(it, report)}
+        samples = {name: [] for name in logging}
+        names = list(logging)
+        for rep in range(repetitions + 20):
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                start = time.perf_counter_ns()
+                logging[name](rep + 1)
+                if rep >= 20:
+                    samples[name].append(time.perf_counter_ns() - start)
+        configs = {name: LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=NON_LOGGING_INTERVAL,
+                                      memory_record_dir=folder) for name, folder in settings.items()}
+        for cfg in configs.values():
+            training_log(NON_LOGGING_INTERVAL, cfg, writers=NullBackend())  # placed: the recorder is open
+        iterations = [i for i in range(1, 2 * off_calls) if i % NON_LOGGING_INTERVAL][:off_calls]
+        per_round = {name: [] for name in configs}
+        for round_ in range(rounds):
+            for name in (list(configs) if round_ % 2 else list(configs)[::-1]):
+                cfg, start = configs[name], time.perf_counter_ns()
+                for iteration in iterations:
+                    training_log(iteration, cfg)
+                per_round[name].append((time.perf_counter_ns() - start) / len(iterations))
+        evidence = HostEvidence()
+        beat_ns = per_call_ns(lambda it: recorder.write_liveness({"alive": time.time(), "beats": it, **evidence.read()}),
+                              max(100, repetitions))
+        record = {"seq": 0, "kind": "step", "time": time.time(), "iteration": 1, "report": report}
+        return {"logging": summarise(samples), "off_ns": {name: statistics.median(v) for name, v in per_round.items()},
+                "off_calls": len(iterations), "rounds": rounds, "beat_us": beat_ns / 1e3,
+                "record_bytes": len(json.dumps(record, separators=(",", ":"))), "report_keys": len(report),
+                "slot_bytes": recorder.slot_bytes, "file_bytes": os.path.getsize(recorder.path)}
+    finally:
+        for monitor in monitors.values():
+            monitor.close()
+        memory._cuda_stats = saved
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def recorder_markdown(rec: dict) -> list[str]:
+    log, off = rec["logging"], rec["off_ns"]
+    added = log["log_step_on"]["median_us"] - log["log_step_off"]["median_us"]
+    return [
+        "", f"Flight recorder (this process, a GPU-like report of {rec['report_keys']} keys: "
+        f"{rec['record_bytes']} bytes per record, {rec['slot_bytes']}-byte slots, {rec['file_bytes']} bytes per rank). "
+        f"us per call:", "",
+        "| | recorder off | recorder on | on/off | added |", "|---|---:|---:|---:|---:|",
+        f"| off the logging steps: training_log, median of {rec['rounds']} rounds of {rec['off_calls']} calls "
+        f"| {off['off'] / 1e3:.3f} | {off['on'] / 1e3:.3f} | {off['on'] / off['off']:.2f} "
+        f"| {(off['on'] - off['off']) / 1e3:+.3f} |",
+        f"| a logging step: MemoryMonitor.log_step, no group, median (p90) of {log['log_step_on']['n']} "
+        f"| {log['log_step_off']['median_us']:.1f} ({log['log_step_off']['p90_us']:.1f}) "
+        f"| {log['log_step_on']['median_us']:.1f} ({log['log_step_on']['p90_us']:.1f}) "
+        f"| {log['log_step_on']['median_us'] / log['log_step_off']['median_us']:.2f} | {added:+.1f} |",
+        "", f"`record` alone (one json.dumps and one pwrite): {log['record_alone']['median_us']:.1f} us median "
+        f"({log['record_alone']['p90_us']:.1f} p90). The liveness thread's beat (its /proc reads and one pwrite, "
+        f"about once a second, off the training thread): {rec['beat_us']:.1f} us.",
+    ]
+
+
+# --------------------------------------------------------------------------------------------
 # Output.
 
 
 def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, memory: dict | None, wake: dict,
-             command: str) -> str:
+             command: str, rec: dict | None = None) -> str:
     lines = [
         f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, Python {sys.version.split()[0]}. "
         f"Command: `{command}`.",
@@ -656,6 +749,8 @@ def markdown(rows: list[dict], non_log: dict | None, writer: dict | None, memory
         lines += [f"| {mode} | {m['rss_mb']:.1f} | {m['peak_rss_mb']:.1f} | {m['rss_mb'] - off['rss_mb']:+.1f} "
                   f"| {'-' if m['writer_rss_mb'] is None else format(m['writer_rss_mb'], '.1f')} |"
                   for mode, m in memory.items()]
+    if rec:
+        lines += recorder_markdown(rec)
     return "\n".join(lines)
 
 
@@ -690,6 +785,7 @@ def main(argv=None) -> int:
                         help="the writer part's training-thread work per step (default: 30)")
     parser.add_argument("--no-memory", action="store_true", help="skip the writer rank's host-memory runs")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part (bench_cuda.py) where CUDA is present")
+    parser.add_argument("--recorder-reps", type=int, default=None, help="default: 2000; 0 skips the recorder part")
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
     smoke = args.smoke
@@ -706,10 +802,11 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     wake = wake_penalty(samples=5 if smoke else 15)
     rows, non_log, ranks = [], None, None
+    records_root = tempfile.mkdtemp(prefix="nemo_memlog_bench_records_")
     for world in sizes:
         plan = {"iters": args.iters or (20 if smoke else DEFAULT_ITERS.get(world, 200)),
                 "warmup": 5 if smoke else 20, "piece_iters": 10 if smoke else 60, "hot_calls": 100 if smoke else 2000,
-                "non_logging": non_logging_calls if world == sizes[0] else 0}
+                "non_logging": non_logging_calls if world == sizes[0] else 0, "records": records_root}
         ranks = run_cluster(world, plan, timeout_s=900)
         rows.append(cluster_row(world, ranks))
         non_log = non_log or ranks[-1].get("non_logging")
@@ -725,14 +822,17 @@ def main(argv=None) -> int:
             memory = host_memory_part(backends, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(records_root, ignore_errors=True)
+    recorder_reps = args.recorder_reps if args.recorder_reps is not None else (100 if smoke else 2000)
+    rec = recorder_part(recorder_reps, 2000 if smoke else 20000, 5 if smoke else 15) if recorder_reps else None
     cuda = cuda_part(smoke, args.no_gpu)
     command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    print(markdown(rows, non_log, writer, memory, wake, command.strip()))
+    print(markdown(rows, non_log, writer, memory, wake, command.strip(), rec))
     print("\n" + "\n".join(cuda_markdown(cuda)))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"rows": rows, "non_logging": non_log, "writer": writer, "memory": memory, "wake": wake,
-                       "cuda": cuda}, out, indent=1, default=str)
+                       "recorder": rec, "cuda": cuda}, out, indent=1, default=str)
     return 0
 
 

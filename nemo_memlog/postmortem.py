@@ -1,0 +1,447 @@
+"""`nemo-memlog postmortem`: which rank failed first, and what every rank held, from the flight records.
+
+Reads the per-rank ring files that recorder.py writes (their format: records.py) anywhere
+below a folder, on the cluster or on a copy of it: no torch, no process group, no training
+code. Each file is read with one ``read``; slots are decoded from that buffer.
+
+Every rank that left a readable header gets exactly one status:
+
+- ``closed``: an "end" record (a normal close, our SIGTERM handler, interpreter exit, or an
+  exit through an unhandled exception; ``end_reason`` says which);
+- ``cuda_oom``: an "oom" record (the allocator's OOM observer fired on this rank);
+- ``unfinished``: neither: SIGKILL (the kernel's OOM killer, the scheduler), a segfault, a
+  lost node, or a run still going.
+
+Finer findings (``end_reason``, ``probable_host_oom_kill`` and its evidence) are fields of their own.
+
+The first failure, among the failed ranks (``cuda_oom``, ``unfinished``, and ``closed`` with
+end reason ``exception``): the earliest CUDA OOM by its record's time if there is one;
+otherwise the rank that stopped first, where an unfinished rank stopped at its last liveness
+beat (``alive``) and an exception at its end record's time. When another failed rank stopped
+within the allowance of the first one's time, the post-mortem says it cannot tell which of
+them failed first and names both. The allowance: a liveness time is up to one liveness period
+(the header's ``liveness_period_s``, about 1 s) before the death, so it adds that period for
+each side known only by its beat; ranks on different hosts add ``clock_skew_s`` (NTP keeps
+nodes within milliseconds, not always) - on one host the clock is shared.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import records
+
+DEFAULT_CLOCK_SKEW_S = 2.0
+DEFAULT_LIVENESS_PERIOD_S = 1.0
+#: MemAvailable below this share of the host's RAM at a rank's last beat counts as evidence
+#: that the kernel's OOM killer took it.
+LOW_AVAILABLE_FRACTION = 0.05
+STATUSES = ("closed", "cuda_oom", "unfinished")
+_RANK_IN_NAME = re.compile(r"rank-(\d+)")
+
+
+class PostmortemError(Exception):
+    """Nothing can be reported (no folder, no readable record); the message says what to change."""
+
+
+@dataclass(eq=False)  # identity: one object per file
+class RankFile:
+    """One rank's file: header, liveness (None when never written or unreadable), its checked
+    record slots oldest first, parsed only when asked (a post-mortem of thousands of ranks needs
+    the newest few of each), and what could not be read, in words."""
+
+    path: Path
+    header: dict
+    liveness: dict | None
+    slots: list[list]  # [seq, kind or None, checked JSON bytes, parsed record or None], oldest first
+    problems: list[str] = field(default_factory=list)
+
+    def newest(self, kind: str | None = None, want=None) -> dict | None:
+        """The newest record of ``kind`` (any kind: None) for which ``want(record)`` holds."""
+        for slot in reversed(self.slots):
+            if kind is not None and slot[1] is not None and slot[1] != kind:
+                continue
+            record = self._parsed(slot)
+            if record is not None and kind in (None, record.get("kind")) and (want is None or want(record)):
+                return record
+        return None
+
+    @property
+    def records(self) -> list[dict]:
+        """Every readable record, oldest first (parses them all)."""
+        return [record for record in map(self._parsed, self.slots) if record is not None]
+
+    def _parsed(self, slot: list) -> dict | None:
+        if slot[3] is None and slot[2] is not None:
+            try:
+                slot[3] = records.parse(slot[2])
+            except records.RecordError as error:
+                self.problems.append(f"record {slot[0]}: {error}")
+            slot[2] = None  # parsed, or known bad: never again
+        return slot[3]
+
+
+@dataclass(eq=False)  # identity: one object per rank
+class RankState:
+    """What the post-mortem says about one rank."""
+
+    file: RankFile
+    status: str
+    end: dict | None  # the end record
+    oom: dict | None  # the oom record
+    last_iteration: int | None
+    last_alive: float | None  # liveness time; else the last record's; else the start
+    last_report: dict  # the newest record's report ({} without one)
+    peak_reserved_gb: float | None  # in that report
+    host_oom_kill_evidence: list[str] = field(default_factory=list)
+
+    @property
+    def header(self) -> dict:
+        return self.file.header
+
+    @property
+    def rank(self) -> int:
+        return self.header["rank"]
+
+    @property
+    def host(self) -> str:
+        return str(self.header.get("host", "?"))
+
+    @property
+    def period(self) -> float:
+        return float(self.header.get("liveness_period_s") or DEFAULT_LIVENESS_PERIOD_S)
+
+    @property
+    def end_reason(self) -> str | None:
+        return self.end and self.end.get("reason")
+
+    @property
+    def failed(self) -> bool:
+        return self.status != "closed" or self.end_reason == "exception"
+
+    @property
+    def failure_time(self) -> float | None:
+        """When it failed: the OOM record's time, the exception's end record, else the last beat."""
+        if self.oom is not None:
+            return _number(self.oom.get("time"))
+        if self.end is not None:
+            return _number(self.end.get("time"))
+        return self.last_alive
+
+    @property
+    def failure_time_exact(self) -> bool:
+        """A record's time is the event's; a last beat is up to one liveness period before it."""
+        return self.oom is not None or self.end is not None
+
+    @property
+    def probable_host_oom_kill(self) -> bool:
+        return bool(self.host_oom_kill_evidence)
+
+    def value(self, key: str) -> float | None:
+        """A number of the last report, None where missing (NaN, absent)."""
+        return _number(self.last_report.get(key))
+
+    def live(self, key: str) -> float | None:
+        """A liveness number (fresher, about once a second), else the last report's."""
+        value = _number((self.file.liveness or {}).get(key))
+        return self.value(key) if value is None else value
+
+    @property
+    def headroom_gb(self) -> float | None:
+        """Device headroom as the logged ``memory/headroom_gb``: total - other - peak reserved."""
+        total, peak = self.value("device_total_gb"), self.peak_reserved_gb
+        if total is None or peak is None:
+            return None
+        return total - (self.value("device_other_gb") or 0.0) - peak
+
+
+@dataclass
+class Ambiguity:
+    """Failed ranks that stopped too close to the first failure to order them."""
+
+    others: list[RankState]
+    allowance_s: float  # for the closest one
+
+
+@dataclass
+class Postmortem:
+    run_dir: Path
+    run_id: str
+    ranks: list[RankState]  # by rank
+    first_failure: RankState | None
+    ambiguity: Ambiguity | None
+    failures: list[RankState]  # every failed rank, in the order of the rule
+    unreadable: list[tuple[Path, int | None, str]]  # (file, rank from its name, why)
+    ignored_runs: list[dict]  # {"run_id", "started", "files", "dirs"}
+    missing_ranks: list[int]
+    duplicates: list[str]
+    clock_skew_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return max(int(r.header.get("world_size") or 0) for r in self.ranks) or len(self.ranks)
+
+
+# ---- reading ------------------------------------------------------------------------------
+
+
+def find_record_files(run_dir) -> list[Path]:
+    """Every ``*.memrec`` file at or below ``run_dir``, sorted."""
+    found = []
+    for folder, _, names in os.walk(run_dir):
+        found += [Path(folder, name) for name in names if name.endswith(records.SUFFIX)]
+    return sorted(found)
+
+
+def read_rank_file(path) -> RankFile:
+    """Read one rank's file with a single read and check every slot (length, checksum). Raises
+    RecordError when the header cannot be used (empty, truncated, garbage, another format or
+    version); a torn or corrupted liveness or record slot, or a truncated ring, is listed in
+    ``problems`` and the rest is kept."""
+    path = Path(path)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:  # one read system call per file (a buffered read() makes two, and more for a large file)
+        data = os.read(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+    if not data:
+        raise records.RecordError("empty file (0 bytes)")
+    try:
+        header = records.check_header(records.decode(data[: records.HEADER_BYTES]))
+    except records.RecordError as error:
+        raise records.RecordError(f"header: {error}") from None
+    slots, slot_bytes = int(header["slots"]), int(header["slot_bytes"])
+    problems = []
+    expected = records.file_bytes(slots, slot_bytes)
+    if len(data) < expected:
+        problems.append(f"file truncated: {len(data)} of {expected} bytes")
+    try:
+        liveness = records.decode(data[records.HEADER_BYTES : records.RECORDS_AT])
+    except records.RecordError as error:
+        liveness = None
+        problems.append(f"liveness slot: {error}")
+    found = []
+    for slot in range(slots):
+        start = records.record_offset(slot, slots, slot_bytes)
+        if start >= len(data):
+            break
+        try:
+            body = records.payload(data[start : start + slot_bytes])
+        except records.RecordError as error:
+            problems.append(f"record slot {slot}: {error}")
+            continue
+        if body is not None:
+            found.append(_peeked(body, slot, problems))
+    found = [entry for entry in found if entry is not None]
+    found.sort(key=lambda entry: entry[0])
+    return RankFile(path, header, liveness, found, problems)
+
+
+#: recorder.py writes ``seq`` and ``kind`` first; where they are not, the slot is parsed instead.
+_PEEK = re.compile(rb'\{"seq":(\d+),"kind":"(\w+)"')
+
+
+def _peeked(body: bytes, slot: int, problems: list[str]) -> list | None:
+    """``[seq, kind, body, None]`` from the slot's first bytes, or parsed when they do not say."""
+    match = _PEEK.match(body)
+    if match:
+        return [int(match.group(1)), match.group(2).decode(), body, None]
+    try:
+        record = records.parse(body)
+    except records.RecordError as error:
+        problems.append(f"record slot {slot}: {error}")
+        return None
+    seq = record.get("seq")
+    return [seq if isinstance(seq, int) else -1, record.get("kind"), None, record]
+
+
+# ---- analysis -----------------------------------------------------------------------------
+
+
+def analyse(run_dir, run_id: str | None = None, clock_skew_s: float = DEFAULT_CLOCK_SKEW_S) -> Postmortem:
+    """Read every record file below ``run_dir`` and say who failed first.
+
+    Files of several runs (run_id) in one folder: the run with the newest start is reported,
+    or ``run_id``; the others are listed in ``ignored_runs``. Unreadable files are listed with
+    the reason and the rank from their name; the other ranks are still reported. Raises
+    PostmortemError when there is no folder, no record file, or no readable one.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise PostmortemError(f"{run_dir}: no such directory; expected the run's memory_record_dir "
+                              f"or a folder above it, holding rank-NNNNN{records.SUFFIX} files")
+    paths = find_record_files(run_dir)
+    if not paths:
+        raise PostmortemError(f"{run_dir}: no flight records (rank-NNNNN{records.SUFFIX}) found below it; "
+                              "recording is on whenever memory logging is (logger.memory_record_dir): "
+                              "point at the run folder the job wrote")
+    readable, unreadable = [], []
+    for path in paths:
+        try:
+            readable.append(read_rank_file(path))
+        except (records.RecordError, OSError, ValueError, TypeError) as error:
+            match = _RANK_IN_NAME.search(path.name)
+            unreadable.append((path, int(match.group(1)) if match else None, str(error)))
+    if not readable:
+        reasons = "; ".join(f"{path}: {why}" for path, _, why in unreadable[:5])
+        raise PostmortemError(f"{run_dir}: {len(paths)} record file(s), none readable ({reasons})")
+    chosen, ignored = _choose_run(readable, run_id, run_dir)
+    files, duplicates = _one_per_rank(chosen)
+    states = [_state(file) for file in files]
+    _host_evidence(states)
+    failures = sorted((s for s in states if s.failed), key=_failure_order)
+    first = failures[0] if failures else None
+    world = max(int(s.header.get("world_size") or 0) for s in states)
+    seen = {s.rank for s in states}
+    missing = [rank for rank in range(world) if rank not in seen]
+    postmortem = Postmortem(run_dir, chosen[0].header["run_id"], states, first,
+                            _ambiguity(first, failures, clock_skew_s), failures, unreadable, ignored,
+                            missing, duplicates, clock_skew_s)
+    postmortem.notes = _notes(postmortem)
+    return postmortem
+
+
+def _choose_run(files: list[RankFile], run_id: str | None, run_dir: Path) -> tuple[list[RankFile], list[dict]]:
+    runs: dict[str, list[RankFile]] = {}
+    for file in files:
+        runs.setdefault(str(file.header["run_id"]), []).append(file)
+    started = {rid: min(_number(f.header.get("started")) or 0.0 for f in group) for rid, group in runs.items()}
+    if run_id is None:
+        run_id = max(runs, key=lambda rid: (started[rid], rid))
+    elif run_id not in runs:
+        choices = ", ".join(f"{rid} ({len(group)} files)" for rid, group in runs.items())
+        raise PostmortemError(f"{run_dir}: no records of run {run_id!r}; runs found: {choices}")
+    ignored = [{"run_id": rid, "started": started[rid], "files": len(group),
+                "dirs": sorted({str(f.path.parent) for f in group})}
+               for rid, group in sorted(runs.items(), key=lambda item: started[item[0]]) if rid != run_id]
+    return runs[run_id], ignored
+
+
+def _one_per_rank(files: list[RankFile]) -> tuple[list[RankFile], list[str]]:
+    """One file per rank: where a run's rank appears twice (a copy), the one alive last wins."""
+    by_rank: dict[int, RankFile] = {}
+    duplicates = []
+    for file in files:
+        rank = int(file.header["rank"])
+        kept = by_rank.get(rank)
+        if kept is None or _last_beat(file) > _last_beat(kept):
+            by_rank[rank] = file
+        if kept is not None:
+            duplicates.append(f"rank {rank}: {kept.path} and {file.path}; using {by_rank[rank].path}")
+    return [by_rank[rank] for rank in sorted(by_rank)], duplicates
+
+
+def _last_beat(file: RankFile) -> float:
+    return _number((file.liveness or {}).get("alive")) or 0.0
+
+
+def _state(file: RankFile) -> RankState:
+    newest = file.newest()
+    # An end counts when nothing came after it: after our SIGTERM handler a framework may train on.
+    end = newest if newest is not None and newest.get("kind") == "end" else None
+    oom = file.newest("oom")
+    status = "cuda_oom" if oom is not None else "closed" if end is not None else "unfinished"
+    last = file.newest(want=lambda record: isinstance(record.get("iteration"), int))
+    with_report = file.newest(want=lambda record: isinstance(record.get("report"), dict) and record["report"])
+    report = with_report["report"] if with_report else {}
+    alive = _number((file.liveness or {}).get("alive"))
+    if alive is None:  # never beat, or its slot torn: the newest record, else the start
+        alive = _number(newest and newest.get("time")) or _number(file.header.get("started"))
+    return RankState(file, status, end, oom, last["iteration"] if last else None, alive, report,
+                     _number(report.get("peak_reserved_gb")))
+
+
+def _host_evidence(states: list[RankState]) -> None:
+    """For each unfinished rank, the host's signs of the kernel's OOM killer: an oom_kill counter
+    (vmstat: the host's; cgroup: the job's) that a rank on the same host saw higher after this
+    rank's last beat, and MemAvailable under LOW_AVAILABLE_FRACTION of the RAM at its last beat."""
+    by_host: dict[str, list[RankState]] = {}
+    for state in states:
+        by_host.setdefault(state.host, []).append(state)
+    for state in states:
+        if state.status != "unfinished":
+            continue
+        own = state.file.liveness or {}
+        for key, label in (("vmstat_oom_kill", "vmstat oom_kill"), ("cgroup_oom_kill", "cgroup oom_kill")):
+            before = own.get(key)
+            later = [(s.file.liveness or {}).get(key) for s in by_host[state.host]
+                     if s is not state and (s.last_alive or 0) > (state.last_alive or 0)]
+            later = [v for v in later if isinstance(v, int)]
+            if isinstance(before, int) and later and max(later) > before:
+                state.host_oom_kill_evidence.append(f"{state.host}'s {label} counter went up after its last "
+                                                    f"beat ({before} -> {max(later)})")
+        available, total = state.live("host_available_gb"), state.value("host_total_gb")
+        if available is not None and total and available < LOW_AVAILABLE_FRACTION * total:
+            state.host_oom_kill_evidence.append(f"MemAvailable was {available:.1f} GB of {total:.1f} GB at its last beat")
+
+
+def _failure_order(state: RankState) -> tuple:
+    """The rule of the module docstring: CUDA OOMs first, each kind by time."""
+    return (state.status != "cuda_oom", state.failure_time is None, state.failure_time or 0.0, state.rank)
+
+
+def allowance_s(a: RankState, b: RankState, clock_skew_s: float) -> float:
+    """How far apart two failure times can be and still be in either order."""
+    beat = (0.0 if a.failure_time_exact else a.period) + (0.0 if b.failure_time_exact else b.period)
+    return beat + (0.0 if a.host == b.host else clock_skew_s)
+
+
+def _ambiguity(first: RankState | None, failures: list[RankState], clock_skew_s: float) -> Ambiguity | None:
+    if first is None or first.failure_time is None:
+        return None
+    close = []
+    for other in failures[1:]:
+        if other.failure_time is None:
+            continue
+        gap = abs(other.failure_time - first.failure_time)
+        if gap <= allowance_s(first, other, clock_skew_s):
+            close.append((gap, other))
+    if not close:
+        return None
+    close.sort(key=lambda item: (item[0], item[1].rank))
+    others = [other for _, other in close]
+    return Ambiguity(others, allowance_s(first, others[0], clock_skew_s))
+
+
+def _notes(postmortem: Postmortem) -> list[str]:
+    notes = []
+    first = postmortem.first_failure
+    if first is not None and first.status == "cuda_oom":
+        earlier = [s for s in postmortem.failures if s.status != "cuda_oom" and s.failure_time is not None
+                   and first.failure_time is not None
+                   and s.failure_time < first.failure_time - allowance_s(first, s, postmortem.clock_skew_s)]
+        if earlier:
+            stopped = min(earlier, key=lambda s: s.failure_time)
+            notes.append(f"rank {stopped.rank} ({stopped.status}) stopped {first.failure_time - stopped.failure_time:.1f} s "
+                         "before this CUDA OOM; a CUDA OOM is named first whenever there is one")
+    alive = [s.last_alive for s in postmortem.ranks if s.status == "unfinished" and s.last_alive is not None]
+    period = max(s.period for s in postmortem.ranks)
+    if alive and time.time() - max(alive) < 3 * period:
+        notes.append(f"a rank beat {time.time() - max(alive):.1f} s ago: the run may still be going, "
+                     "and its unfinished ranks be alive")
+    return notes
+
+
+def _number(value) -> float | None:
+    """A finite number, else None (JSON null, NaN for a statistic a rank lacks)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
+
+
+def record_hint(run_dir) -> str | None:
+    """One line for ``nemo-memlog report``: where flight records are, if any are below ``run_dir``."""
+    try:
+        found = next(iter(find_record_files(run_dir)), None)
+    except OSError:
+        return None
+    if found is None:
+        return None
+    return (f"flight records found under {found.parent}: `nemo-memlog postmortem {run_dir}` says which rank "
+            "failed first and what every rank held")

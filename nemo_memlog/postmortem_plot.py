@@ -1,0 +1,103 @@
+"""The post-mortem's PNG: the last records per pipeline stage, and when each rank stopped.
+
+matplotlib is imported here, lazily, with the Agg backend, as plot.py does for the report.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .postmortem import Postmortem, RankState, _number
+
+METRICS = ("peak_reserved_gb", "peak_host_rss_gb", "host_rss_gb")
+_STATUS_COLOR = {"closed": "tab:green", "cuda_oom": "tab:red", "unfinished": "tab:orange"}
+
+
+def write_png(postmortem: Postmortem, path) -> Path:
+    """Two panels into the PNG at ``path``; returns the path.
+
+    Top: per pipeline stage, the records still in the ring of the rank holding the stage's
+    highest memory metric (peak_reserved_gb, else host RSS) in its last record; the first
+    failure's own records in red, its last point (the OOM, or its last record) marked. Bottom: each rank's failure or
+    last-alive time relative to the first failure, coloured by status, the first failure starred.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 8), dpi=100, layout="constrained")
+    top, bottom = figure.subplots(2, 1)
+    first = postmortem.first_failure
+    metric = _metric(postmortem.ranks)
+    _stage_lines(top, postmortem.ranks, metric, first)
+    _stop_times(bottom, postmortem, first)
+    title = f"post-mortem of run {postmortem.run_id}: " + (f"first failure rank {first.rank} ({first.status})"
+                                                            if first else "no failure")
+    figure.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, metadata={"Title": title})
+    return path
+
+
+def _metric(ranks: list[RankState]) -> str:
+    """The first of METRICS in the ranks' last reports."""
+    for metric in METRICS:
+        if any(state.value(metric) is not None for state in ranks):
+            return metric
+    return METRICS[0]
+
+
+def _series(state: RankState, metric: str) -> list[tuple[int, float]]:
+    points = {}
+    for record in state.file.records:
+        value = _number((record.get("report") or {}).get(metric))
+        if isinstance(record.get("iteration"), int) and value is not None:
+            points[record["iteration"]] = value
+    return sorted(points.items())
+
+
+def _stage_lines(axes, ranks: list[RankState], metric: str, first: RankState | None) -> None:
+    """Per stage, the records of the rank with the stage's highest ``metric`` in its last report:
+    its ring is parsed, the other ranks' are not (4,096 ranks would cost seconds)."""
+    holders: dict = {}
+    for state in ranks:
+        value = state.value(metric)
+        stage = state.header.get("pp_rank")
+        if value is not None and (stage not in holders or value > holders[stage].value(metric)):
+            holders[stage] = state
+    for stage in sorted(holders, key=str):
+        points = _series(holders[stage], metric)
+        if points:
+            axes.plot(*zip(*points), marker="o", markersize=3, linewidth=1.2,
+                      label=f"stage {stage} (rank {holders[stage].rank}, its highest)")
+    if first is not None:
+        points = _series(first, metric)
+        if points:
+            axes.plot(*zip(*points), color="red", linewidth=2.5, label=f"rank {first.rank} (first failure)")
+            axes.plot(*points[-1], marker="X", markersize=14, color="red", linestyle="none")
+    axes.set_xlabel("iteration (records still in the rings)")
+    axes.set_ylabel(f"{metric} (GB)")
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+
+
+def _stop_times(axes, postmortem: Postmortem, first: RankState | None) -> None:
+    times = [s.failure_time for s in postmortem.ranks if s.failure_time is not None]
+    if not times:
+        return
+    zero = first.failure_time if first is not None and first.failure_time is not None else min(times)
+    for status, color in _STATUS_COLOR.items():
+        group = [s for s in postmortem.ranks if s.status == status and s.failure_time is not None]
+        if group:
+            axes.scatter([s.rank for s in group], [s.failure_time - zero for s in group], s=8, color=color,
+                         label=f"{status} ({len(group)})")
+    if first is not None and first.failure_time is not None:
+        axes.scatter([first.rank], [0.0], s=250, marker="*", color="red", edgecolor="black", zorder=3,
+                     label=f"first failure: rank {first.rank}")
+    axes.set_xlabel("rank")
+    axes.set_ylabel("stopped (s after the first failure)")
+    axes.grid(alpha=0.3)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")

@@ -1,0 +1,135 @@
+"""Flight records of a simulated cluster, written by the recorder's own code (recorder.FlightRecorder).
+
+Used by tests/test_postmortem.py and scripts/bench_postmortem.py. One process writes the files
+of many ranks: each FlightRecorder gets the coordinates of the rank it plays (its ``_identity``
+is the one thing replaced) and no liveness thread (the beat it would write is written with the
+recorder's own ``write_liveness``, at the time the scenario chooses). Records, OOM records and
+end markers go through ``record``, ``record_oom`` and ``end`` as in training; a rank that
+"dies" is shut without an end marker, as a SIGKILL leaves it.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from unittest import mock
+
+from nemo_memlog import recorder as recorder_module
+
+GPUS_PER_NODE = 8
+
+
+@dataclass
+class Rank:
+    """One simulated rank and what happens to it."""
+
+    rank: int
+    pp: int
+    tp: int
+    dp: int
+    host: str
+    world: int
+    iterations: list[int] = field(default_factory=lambda: [10, 20, 30])
+    peak_reserved_gb: float = 40.0
+    stopped: float = 0.0  # unix time of its last beat, its OOM record and its end marker
+    beats: bool = True  # False: no liveness beat written
+    host_rss_gb: float = 20.0
+    host_available_gb: float = 400.0
+    vmstat_oom_kill: int | None = 0
+    cgroup_oom_kill: int | None = None
+    oom: dict | None = None  # fields of an OOM record (bytes_requested, ...)
+    end: str | None = None  # end reason; None: killed without a trace
+
+    def identity(self, run_id: str) -> dict:
+        return {"run_id": run_id, "rank": self.rank, "world_size": self.world, "pp_rank": self.pp,
+                "tp_rank": self.tp, "dp_rank": self.dp, "host": self.host}
+
+    def report(self, iteration: int) -> dict:
+        """A GPU-like report_memory() + capacity_report(), growing a little with the iteration."""
+        peak = self.peak_reserved_gb * (0.95 + 0.05 * iteration / max(self.iterations[-1], 1))
+        return {"peak_allocated_gb": peak - 1.5, "peak_reserved_gb": peak, "peak_active_gb": peak - 1.5,
+                "peak_inactive_gb": 1.2, "current_allocated_gb": peak - 6.0, "current_reserved_gb": peak - 0.5,
+                "current_active_gb": peak - 6.0, "current_inactive_gb": 0.8, "alloc_retries": 0, "num_ooms": 0,
+                "allocation_count": 123456 + iteration, "host_rss_gb": self.host_rss_gb,
+                "peak_host_rss_gb": self.host_rss_gb + 0.5, "device_used_gb": peak + 1.1, "device_other_gb": 1.1,
+                "device_total_gb": 80.0, "host_total_gb": 512.0, "host_available_gb": self.host_available_gb}
+
+
+def layout(pp: int, tp: int, dp: int, gpus_per_node: int = GPUS_PER_NODE) -> list[Rank]:
+    """Megatron-Core's default order (tp fastest, then dp, then pp), ``gpus_per_node`` ranks a host."""
+    world = pp * tp * dp
+    hosts = -(-world // gpus_per_node)
+    width = max(3, len(str(hosts - 1)))
+    ranks = []
+    for rank in range(world):
+        ranks.append(Rank(rank, pp=rank // (tp * dp), tp=rank % tp, dp=rank // tp % dp,
+                          host=f"node-{rank // gpus_per_node:0{width}d}", world=world))
+    return ranks
+
+
+class _NoBeat:
+    """Stands in for the liveness thread: the scenario writes the beat itself."""
+
+    def __init__(self, recorder):
+        pass
+
+    def start(self):
+        pass
+
+    def join(self, timeout=None):
+        pass
+
+    def is_alive(self):
+        return False
+
+
+class _Clock:
+    """The recorder's ``time`` module, with ``time()`` on the scenario's timeline."""
+
+    def __init__(self):
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+
+@contextmanager
+def _playing(rank: Rank, run_id: str, clock: _Clock):
+    with mock.patch.object(recorder_module, "_identity", return_value=rank.identity(run_id)), \
+            mock.patch.object(recorder_module, "_Liveness", _NoBeat), mock.patch.object(recorder_module, "time", clock):
+        yield
+
+
+def write_run(directory, ranks: list[Rank], run_id: str = "sim-run", slots: int | None = None) -> None:
+    """Every rank's file under ``directory``, through FlightRecorder."""
+    for rank in ranks:
+        write_rank(directory, rank, run_id, slots)
+
+
+def write_rank(directory, rank: Rank, run_id: str = "sim-run", slots: int | None = None) -> str:
+    """One rank's file: its step records 10 s apart up to ``stopped``, its last beat, then its
+    OOM record and end marker at ``stopped``."""
+    kwargs = {} if slots is None else {"slots": slots}
+    clock = _Clock()
+    clock.now = rank.stopped - 10.0 * (len(rank.iterations) + 1)
+    with _playing(rank, run_id, clock):
+        flight = recorder_module.FlightRecorder(directory, **kwargs)
+        assert flight._fd is not None, f"the recorder could not open {flight.path}"
+        for iteration in rank.iterations:
+            clock.now += 10.0
+            flight.record(iteration, rank.report(iteration))
+        clock.now = rank.stopped
+        if rank.beats:
+            flight.write_liveness({"alive": rank.stopped, "beats": 100, "host_available_gb": rank.host_available_gb,
+                                   "host_rss_gb": rank.host_rss_gb, "vmstat_oom_kill": rank.vmstat_oom_kill,
+                                   "cgroup_oom_kill": rank.cgroup_oom_kill})
+        if rank.oom is not None:
+            flight.record_oom(rank.oom, rank.report(rank.iterations[-1]))
+        if rank.end is not None:
+            flight.end(rank.end, "simulated")
+        flight._shut()  # no end marker of its own: as a SIGKILL leaves the file
+    return flight.path

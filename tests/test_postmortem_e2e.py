@@ -1,0 +1,184 @@
+"""End to end: real ranks under torchrun (PP 4 over gloo; megatron-core's parallel_state
+builds the groups in the SIGKILL run, plain torch.distributed in the others) record their memory with training_log; ``nemo-memlog postmortem --json``
+then reads the folder they left.
+
+- ``sigkill``: rank VICTIM stalls for HANG_S at the start of iteration KILL_AT (a rank
+  swapping before the OOM killer strikes) and then SIGKILLs itself (the OOM killer's death:
+  no end marker). The others record KILL_AT and block in its collective meanwhile; when the
+  victim dies, gloo fails their collective (or torchrun stops them).
+- ``clean``: every rank runs STEPS iterations; ranks 0-2 close, rank 3 just exits.
+- ``sigterm``: the whole process group is SIGTERM'd mid-run (a preemption).
+
+This file is also the rank script: ``torchrun tests/test_postmortem_e2e.py SCENARIO ROOT``.
+One torchrun launch per scenario.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 4
+VICTIM = 2
+KILL_AT = 6
+HANG_S = 2.5
+STEPS = 5
+REDUCE_TIMEOUT_S = 4.0
+LAUNCH_TIMEOUT_S = 180  # a loaded 2-core machine: four ranks import torch and megatron-core
+
+
+# ---- the rank script ------------------------------------------------------------------------
+
+
+def rank_main(scenario: str, root: str) -> int:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+    import torch.distributed as dist
+
+    from nemo_memlog import LoggerConfig, close_writers, training_log
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    pp_group = dist.group.WORLD  # clean, sigterm: a plain torch.distributed job, PP group = world
+    if scenario == "sigkill":  # megatron-core builds the groups, and the recorder reads them there
+        from megatron.core import parallel_state
+
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=WORLD)
+        pp_group = None
+    rank = dist.get_rank()
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, memory_record_dir=f"{root}/memory_records",
+                       memory_reduce_timeout_s=REDUCE_TIMEOUT_S, writer_mode="thread")
+    iteration = 0
+    while scenario == "sigterm" or iteration < (KILL_AT + 100 if scenario == "sigkill" else STEPS):
+        iteration += 1
+        if scenario == "sigkill" and rank == VICTIM and iteration == KILL_AT:
+            time.sleep(HANG_S)  # mid-iteration: the step before was recorded, this one never will be
+            os.kill(os.getpid(), signal.SIGKILL)
+        training_log(iteration, cfg, pp_group=pp_group)
+        time.sleep(0.05)
+    if rank != WORLD - 1:
+        close_writers()  # the last rank exits without: atexit marks its record
+    dist.destroy_process_group()
+    return 0
+
+
+# ---- the tests ------------------------------------------------------------------------------
+
+
+def launch(root: Path, scenario: str, *, until=None):
+    """torchrun with WORLD ranks of this script; ``until(root)`` true: SIGTERM the process group."""
+    from tests.cluster import free_port
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
+               "--master-port", str(free_port()), "--monitor-interval", "2", __file__, scenario, str(root)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        if until is not None:
+            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+            while not until(root) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert proc.poll() is None, "the ranks ended before the signal"
+            os.killpg(proc.pid, signal.SIGTERM)  # like SLURM: torchrun and every rank at once
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, output
+
+
+def postmortem(run_dir: Path) -> tuple[int, dict]:
+    done = subprocess.run([sys.executable, "-m", "nemo_memlog.cli", "postmortem", "--json", str(run_dir)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, json.loads(done.stdout)
+
+
+def every_rank_recorded(root: Path, steps: int = 3) -> bool:
+    """Every rank's file holds at least ``steps`` step records (read with records.py)."""
+    from nemo_memlog import records
+    from tests.test_recorder import read_back
+
+    files = sorted((root / "memory_records").glob("rank-*.memrec"))
+    try:
+        found = [read_back(path)[2] for path in files]
+    except (records.RecordError, TypeError, KeyError):
+        return False  # a file being created right now
+    return len(files) == WORLD and all(sum(r["kind"] == "step" for r in rank) >= steps for rank in found)
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigkill")
+    returncode, output = launch(root, "sigkill")
+    return root, returncode, output
+
+
+def test_sigkill_names_the_killed_rank_first(killed):
+    root, returncode, output = killed
+    assert returncode != 0, output
+    status, found = postmortem(root)  # the run folder above memory_records: the command searches below
+    assert status == 1, found
+    first = found["first_failure"]
+    assert first is not None, found
+    assert (first["rank"], first["status"], first["last_iteration"]) == (VICTIM, "unfinished", KILL_AT - 1), found
+    assert first["pp_rank"] == VICTIM and first["end_reason"] is None
+    ranks = {entry["rank"]: entry for entry in found["ranks"]}
+    assert sorted(ranks) == list(range(WORLD))
+    assert [ranks[r]["pp_rank"] for r in range(WORLD)] == list(range(WORLD))  # megatron's PP 4: pp rank = rank
+    for rank in set(ranks) - {VICTIM}:
+        survivor = ranks[rank]
+        # Each survivor recorded the iteration the victim never reached, then blocked in its
+        # collective until the reduction raised or torchrun's SIGTERM stopped it: an end of its own.
+        assert survivor["last_iteration"] == KILL_AT, survivor
+        assert survivor["end_reason"] in ("exception", "sigterm"), survivor
+        assert survivor["status"] == "closed", survivor
+    assert found["failed_ranks"][0] == VICTIM and found["world_size"] == WORLD
+
+
+def test_sigkill_survivors_kept_beating_while_blocked(killed):
+    """The liveness thread beats while the training thread waits in gloo: the survivors, blocked
+    in the collective while the victim stalled, were seen alive long after their last step record."""
+    from tests.test_recorder import read_back
+
+    root, _, _ = killed
+    waited = []
+    for path in sorted((root / "memory_records").glob("rank-*.memrec")):
+        header, liveness, found = read_back(path)
+        if header["rank"] != VICTIM:
+            waited.append(liveness["alive"] - max(r["time"] for r in found if r["kind"] == "step"))
+    assert len(waited) == WORLD - 1 and min(waited) >= HANG_S / 2, waited
+
+
+def test_clean_exit_every_rank_closed(tmp_path):
+    returncode, output = launch(tmp_path, "clean")
+    assert returncode == 0, output
+    status, found = postmortem(tmp_path / "memory_records")
+    assert status == 0 and found["first_failure"] is None, found
+    assert [(r["rank"], r["status"], r["last_iteration"]) for r in found["ranks"]] == [
+        (rank, "closed", STEPS) for rank in range(WORLD)]
+    assert [r["end_reason"] for r in found["ranks"]] == ["close"] * (WORLD - 1) + ["exit"]
+
+
+def test_sigterm_every_rank_closed(tmp_path):
+    returncode, output = launch(tmp_path, "sigterm", until=every_rank_recorded)
+    assert returncode != 0, output
+    status, found = postmortem(tmp_path)
+    assert status == 0 and found["first_failure"] is None, found
+    assert [(r["rank"], r["status"], r["end_reason"]) for r in found["ranks"]] == [
+        (rank, "closed", "sigterm") for rank in range(WORLD)], found
+    assert min(r["last_iteration"] for r in found["ranks"]) >= 3
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main(*sys.argv[1:]))
