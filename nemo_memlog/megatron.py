@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 def pipeline_group(pp_group=None, pg_collection=None):
     """``pp_group``; else ``pg_collection.pp``; else megatron-core's parallel_state group
@@ -31,8 +33,7 @@ def coordinates(pp_group=None, pg_collection=None) -> dict[str, int]:
 
 
 def _parallel_state():
-    try:
-        from megatron.core import parallel_state
-    except ImportError:  # megatron-core is optional: plain torch groups work too
-        return None
-    return parallel_state
+    # Initialised groups mean an imported module: looking it up in sys.modules never imports
+    # megatron-core (seconds, and warnings) into a job that does not use it. Optional: plain
+    # torch groups work too.
+    return sys.modules.get("megatron.core.parallel_state")
