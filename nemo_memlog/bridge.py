@@ -32,7 +32,7 @@ import dataclasses
 
 from megatron.bridge.training.callbacks import Callback
 
-from .config import LoggerConfig, memory_record_dir
+from .config import LoggerConfig, checked_settings, memory_record_dir
 from .monitor import MemoryMonitor
 
 #: Our settings that Bridge's LoggerConfig lacks: the callback's keyword arguments.
@@ -45,13 +45,9 @@ class MemoryLogCallback(Callback):
     """Pipeline-wide memory in the recipe's own dashboards. Register it on every rank."""
 
     def __init__(self, **settings):
-        unknown = sorted(set(settings) - set(OWN_SETTINGS))
-        if unknown:
-            raise ValueError(f"MemoryLogCallback: unknown setting(s) {unknown}; it takes {list(OWN_SETTINGS)} "
-                             f"(log_memory_to_tensorboard, tensorboard_log_interval and memory_keys come "
-                             f"from the recipe's cfg.logger)")
-        LoggerConfig(**settings)  # a bad value raises here, naming the field
-        self.settings = settings
+        self.settings = checked_settings(
+            "MemoryLogCallback", settings, OWN_SETTINGS,
+            " (log_memory_to_tensorboard, tensorboard_log_interval and memory_keys come from the recipe's cfg.logger)")
         self.monitor: MemoryMonitor | None = None
         self._bridge_logger = None
 

@@ -238,6 +238,17 @@ def memory_record_dir(logger) -> Optional[str]:
     return os.path.abspath(os.path.join(wandb_dir or ".", "memory_records"))
 
 
+def checked_settings(owner: str, settings: dict, valid, hint: str = "") -> dict:
+    """``settings`` (keyword arguments named as LoggerConfig's fields), unchanged, when every
+    name is in ``valid`` and LoggerConfig accepts the values. Else ValueError: the unknown
+    names with the valid ones listed (and ``hint``), or the bad field and what to change."""
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise ValueError(f"{owner}: unknown setting(s) {unknown}; it takes {list(valid)}{hint}")
+    LoggerConfig(**settings)
+    return settings
+
+
 def from_overrides(overrides: list[str], base: Optional[LoggerConfig] = None) -> LoggerConfig:
     """Build a LoggerConfig from dotted overrides, as recipes take them on the command line:
     ``["logger.log_memory_to_tensorboard=true", "logger.tensorboard_log_interval=10"]``.

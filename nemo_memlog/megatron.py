@@ -33,12 +33,7 @@ def coordinates(pp_group=None, pg_collection=None) -> dict[str, int]:
 
 
 def _parallel_state():
-    # Only a process that imported megatron-core can have initialised its groups: never pay
-    # its import (seconds) to learn that it did not (a plain torch.distributed job).
-    if "megatron.core" not in sys.modules:
-        return None
-    try:
-        from megatron.core import parallel_state
-    except ImportError:  # megatron-core is optional: plain torch groups work too
-        return None
-    return parallel_state
+    # Initialised groups mean an imported module: looking it up in sys.modules never imports
+    # megatron-core (seconds, and warnings) into a job that does not use it. Optional: plain
+    # torch groups work too.
+    return sys.modules.get("megatron.core.parallel_state")

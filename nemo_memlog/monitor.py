@@ -25,9 +25,11 @@ from .reduce import gather_memory, reduction_group, single_rank, takes_part
 
 class MemoryMonitor:
     """Per-run memory logging. ``writers`` (anything with ``log(metrics, step)``) default to
-    the fan-out built from ``config`` on the writer rank, at the first logging step."""
+    the fan-out built from ``config`` on the writer rank, at the first logging step.
+    ``writer_rank``: the global rank that writes (None: the last, where Megatron logs;
+    a framework whose loggers live elsewhere, such as Lightning's on rank 0, names its own)."""
 
-    def __init__(self, config, *, pg_collection=None, pp_group=None, writers=None):
+    def __init__(self, config, *, pg_collection=None, pp_group=None, writers=None, writer_rank: int | None = None):
         logger = logger_section(config)
         check_logger_fields(logger)  # raises, naming the field and what to change
         self.config = config  # kept: recorded as the run config, and its id is never reused while cached
@@ -46,6 +48,7 @@ class MemoryMonitor:
         self.writers = writers
         self._owns_writers = writers is None
         self._groups = (pp_group, pg_collection)
+        self.writer_rank = writer_rank
         self._placed = False  # group, coordinates and writer rank resolved (first logging step)
         self._warned: set = set()
 
@@ -98,7 +101,7 @@ class MemoryMonitor:
         # On NCCL jobs, by default, a gloo group of the same ranks: memory logging off the GPU stream.
         self.group = reduction_group(self.group, backend=self.reduce_backend, world_scope=self.world_scope,
                                      timeout_s=self.timeout_s)
-        self.is_writer_rank = not distributed or dist.get_rank() == dist.get_world_size() - 1
+        self.is_writer_rank = not distributed or dist.get_rank() == self._writer_rank(dist.get_world_size())
         if self.record_dir is not None and self.recorder is None:
             from .recorder import open_recorder
 
@@ -111,6 +114,13 @@ class MemoryMonitor:
         report = memory.report_memory(self.memory_keys)
         report.update(memory.capacity_report())
         return report
+
+    def _writer_rank(self, world_size: int) -> int:
+        if self.writer_rank is None:
+            return world_size - 1
+        if not 0 <= self.writer_rank < world_size:  # every rank raises alike: no collective has run yet
+            raise ValueError(f"writer_rank={self.writer_rank} is not a rank of this job (world size {world_size})")
+        return self.writer_rank
 
     def use_writers(self, writers) -> None:
         """Write to ``writers`` (opened by someone else: flushed at close, never closed)."""

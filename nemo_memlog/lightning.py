@@ -1,0 +1,121 @@
+"""Lightning integration: ``MemoryLogCallback``, for ``lightning.pytorch`` (NeMo 2) and ``pytorch_lightning``.
+
+    from nemo_memlog.lightning import MemoryLogCallback
+    trainer = Trainer(..., callbacks=[MemoryLogCallback()])
+    recipe.trainer.callbacks.append(MemoryLogCallback())        # a NeMo 2 recipe
+
+Thin by design: it translates Lightning's events, step numbers, groups and loggers into a
+MemoryMonitor, and nothing in the core imports this module.
+
+- Group: megatron-core's pipeline group when its ``parallel_state`` is initialised (NeMo 2's
+  ``MegatronStrategy``), else the whole world, with the exact global rank of each max
+  (``memory_reduce_scope="world"``). One gather per logging step, none otherwise.
+- Steps: ``on_train_batch_end`` on every rank. Lightning logs its own metrics of that batch
+  right after it, at ``fit_loop.epoch_loop._batches_that_stepped`` (``global_step - 1``
+  there), when ``(that + 1) % log_every_n_steps == 0``. Memory is gated by the same rule
+  and logged at the same step, so memory and loss share an x-axis; on the batch that
+  steps the optimizer only (with gradient accumulation, the last of the window). Unlike
+  Lightning's own rule it never logs off-interval because ``trainer.should_stop`` is set:
+  one rank could see that alone, and the others would wait in the gather.
+- Loggers: every logger the trainer has (``trainer.loggers``), written through its own
+  ``log_metrics`` on global rank 0, where Lightning's loggers write (their ``log_metrics``
+  is rank-zero-only). It opens no run or writer of its own, and never reads
+  ``trainer.log_dir`` (a broadcast: a collective that only some ranks entered would hang).
+  Lightning's own metrics are not touched: memory goes in a ``log_metrics`` call of its own.
+- Settings: keyword arguments, named and validated as LoggerConfig's fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+
+from . import megatron
+from .config import LoggerConfig, checked_settings
+from .monitor import MemoryMonitor
+from .writers import adopt_writers
+
+#: The keyword arguments: LoggerConfig's fields that concern what is measured and when.
+#: Not the writer fields (tensorboard_dir, wandb_project, ...): the trainer's loggers are the writers.
+SETTINGS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memory_keys") + tuple(
+    f.name for f in dataclasses.fields(LoggerConfig) if f.name.startswith("memory_"))
+#: Lightning's loggers write on global rank 0 only.
+WRITER_RANK = 0
+
+
+def _callback_bases() -> tuple:
+    """Lightning's ``Callback`` from each package that is installed: the callback is an
+    instance of both, so either package's Trainer accepts it wherever it checks."""
+    bases = []
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            bases.append(importlib.import_module(package).Callback)
+        except ImportError:
+            continue
+    if not bases:
+        raise ImportError("nemo_memlog.lightning needs Lightning: pip install 'nemo_memlog[lightning]' "
+                          "(the lightning package), or pytorch_lightning")
+    return tuple(bases)
+
+
+class MemoryLogCallback(*_callback_bases()):
+    """Job-wide memory peak, and where it lives, in the trainer's own loggers. Register it
+    on every rank (as ``Trainer(callbacks=[...])`` does).
+
+    Keyword arguments are LoggerConfig's fields of the same names (``SETTINGS``), with two
+    defaults of its own: ``log_memory_to_tensorboard=True`` (False: no collective, nothing
+    logged), and ``tensorboard_log_interval=None``, meaning Lightning's ``log_every_n_steps``
+    (an int counts optimizer steps the same way). ``memory_reduce_scope`` unset: "pp" when
+    megatron-core's parallel_state is initialised at ``on_train_start``, else "world".
+    """
+
+    def __init__(self, **settings):
+        # None means "the default" for our settings; an unknown name raises whatever its value.
+        given = {name: value for name, value in settings.items() if value is not None or name not in SETTINGS}
+        self.settings = checked_settings(
+            "MemoryLogCallback", {"log_memory_to_tensorboard": True, **given}, SETTINGS,
+            ". It writes into the Trainer's own loggers: add one there (Trainer(logger=...)), not a writer setting")
+        self.monitor: MemoryMonitor | None = None
+        self.interval: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        settings = dict(self.settings)
+        interval = settings.pop("tensorboard_log_interval", trainer.log_every_n_steps)
+        if not settings["log_memory_to_tensorboard"] or not interval:
+            return  # off, or log_every_n_steps=0 (Lightning logs nothing while training): no collective
+        if not trainer.loggers:  # the same on every rank, so all skip the gather alike
+            warnings.warn("nemo_memlog: MemoryLogCallback has no logger to write to (Trainer(logger=False)); "
+                          "memory is not logged", RuntimeWarning, stacklevel=2)
+            return
+        scope = settings.pop("memory_reduce_scope", None) or _scope()
+        if scope == "pp" and megatron.pipeline_group() is None:
+            warnings.warn("nemo_memlog: memory_reduce_scope='pp' but megatron-core's parallel_state is not "
+                          "initialised, so there is no pipeline group: rank 0 logs its own memory only. Leave "
+                          "memory_reduce_scope unset for every rank's", RuntimeWarning, stacklevel=2)
+        config = LoggerConfig(tensorboard_log_interval=interval, memory_reduce_scope=scope, **settings)
+        monitor = MemoryMonitor(config, writer_rank=WRITER_RANK)
+        monitor.place()
+        if monitor.is_writer_rank:
+            monitor.use_writers(adopt_writers(trainer.loggers))
+        self.monitor, self.interval = monitor, interval
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        monitor = self.monitor
+        if monitor is None:
+            return
+        epoch_loop = trainer.fit_loop.epoch_loop
+        step = epoch_loop._batches_that_stepped  # the step Lightning logs this batch's metrics at
+        if (step + 1) % self.interval or epoch_loop._should_accumulate():
+            return
+        monitor.log_step(step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.monitor is not None:
+            self.monitor.flush()  # the loggers' save(); the Trainer finalizes them
+            self.monitor = None
+
+
+def _scope() -> str:
+    """The pipeline group when megatron-core has one (NeMo 2), else every rank of the job."""
+    return "pp" if megatron.pipeline_group() is not None else "world"
