@@ -78,7 +78,7 @@ def run_fit(spec: dict, fit: dict, rank: int):
     pl.seed_everything(0)
     trainer = pl.Trainer(
         accelerator=spec.get("accelerator", "cpu"), strategy=spec.get("strategy", "ddp"), devices=spec["world"],
-        max_steps=fit.get("max_steps", 8),
+        max_steps=fit.get("max_steps", 8), accumulate_grad_batches=fit.get("accumulate", 1),
         log_every_n_steps=fit.get("log_every_n_steps", 2), logger=make_loggers(pl, fit["loggers"], out),
         callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, deterministic=True,
@@ -237,8 +237,9 @@ class Fit:
         return [e for e in self.ranks[rank] if e["hook"] == "on_train_batch_end"]
 
     def at(self, rank: int, step: int) -> dict:
-        """The batch end logged at ``step`` (the optimizer-stepping batch: one per step here)."""
-        (event,) = [e for e in self.batch_ends(rank) if e["step"] == step]
+        """The batch end of ``step`` that stepped the optimizer (with gradient accumulation,
+        the last of its window): after it, ``global_step`` is ``step + 1``."""
+        (event,) = [e for e in self.batch_ends(rank) if e["step"] == step and e["global_step"] == step + 1]
         return event
 
     def within_peak(self, rank: int, step: int, value: float) -> bool:

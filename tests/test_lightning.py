@@ -10,7 +10,7 @@ default). 8 optimizer steps, log_every_n_steps=2: Lightning logs train_loss at s
 - world 2: "main" (TensorBoard, CSV, MLflow on SQLite, W&B offline, Comet offline),
   "off" (TensorBoard and CSV, log_memory_to_tensorboard=False: zero collectives, and the
   baseline for Lightning's own series), "pl" (the pytorch_lightning package's Trainer,
-  its own interval of 3).
+  its own interval of 3), "accumulate" (accumulate_grad_batches=2).
 - world 4: "main" with TensorBoard and CSV (the three client libraries' start-up, times 4
   processes on 2 cores, would cost more than the whole world-2 job), then "pp":
   megatron-core's parallel_state with PP 2 built in the same processes (standing in for
@@ -33,7 +33,8 @@ CHEAP = ["tensorboard", "csv"]  # Lightning's own: no client library, no service
 FITS = {
     2: [{"name": "main", "loggers": list(BACKENDS)},
         {"name": "off", "loggers": CHEAP, "callback": {"log_memory_to_tensorboard": False}},
-        {"name": "pl", "package": "pytorch_lightning", "loggers": ["csv"], "callback": {"tensorboard_log_interval": 3}}],
+        {"name": "pl", "package": "pytorch_lightning", "loggers": ["csv"], "callback": {"tensorboard_log_interval": 3}},
+        {"name": "accumulate", "loggers": ["csv"], "accumulate": 2}],
     4: [{"name": "main", "loggers": CHEAP},
         {"name": "pp", "loggers": CHEAP, "pp": 2}],
 }
@@ -157,6 +158,22 @@ def test_pytorch_lightning_trainer_with_its_own_interval(job):
     for rank in range(2):
         gathers = [e["step"] for e in fit.batch_ends(rank) if e["collectives"]]
         assert gathers == own_steps, rank
+
+
+def test_gradient_accumulation_logs_once_per_step_on_the_optimizer_stepping_batch(job):
+    if "accumulate" not in job:
+        pytest.skip("the accumulation fit runs in the world-2 job")
+    fit = job["accumulate"]
+    stored = series("csv", fit.root)
+    for name in memory_names(stored):
+        assert [s for s, _ in stored[name]] == LOGGING_STEPS, name
+    for rank in range(2):
+        ends = fit.batch_ends(rank)
+        assert len(ends) == 16, "2 batches per optimizer step"
+        gathered = [(e["step"], e["global_step"]) for e in ends if e["collectives"]]
+        assert gathered == [(s, s + 1) for s in LOGGING_STEPS], "after the optimizer step of the window"
+    for step, value in stored["memory/peak_host_rss_gb"]:
+        assert fit.within_peak(PEAK_RANK[2], step, value)
 
 
 def test_pipeline_group_when_megatron_parallel_state_is_initialised(job):
