@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 	@echo "installing Megatron-Bridge (--no-deps: it pins CUDA-only packages; pip's complaints about them are expected and hidden) and what its training modules import ..."
 	@$(PY) -m pip install -q --no-deps -c constraints.txt megatron-bridge 2>&1 | $(PIP_QUIET) || true
 	@$(PY) -m pip install -q -c constraints.txt transformers huggingface-hub datasets einops triton 2>&1 | $(PIP_QUIET) || true
-	@$(PY) -c "import nemo_memlog, torch, megatron.core, tensorboard, wandb, mlflow, comet_ml, omegaconf, transformers, triton; from importlib.metadata import version; assert version('megatron-bridge') == '0.3.1'" 2>/dev/null \
+	@$(PY) -c "import nemo_memlog, torch, megatron.core, tensorboard, wandb, mlflow, comet_ml, omegaconf, transformers, triton, lightning.pytorch, pytorch_lightning; from importlib.metadata import version; assert version('megatron-bridge') == '0.3.1'" 2>/dev/null \
 		|| { echo "set-up failed: see pip's output above"; exit 1; }
 	@touch $(STAMP)
 

@@ -6,12 +6,15 @@ running this same command again. Every process runs the spec's fits one after an
 in the same process group (a fit after the first finds the processes already launched).
 
 Each rank first holds a ballast of host memory of a known, rank-dependent size (touched:
-resident). Around MemoryLogCallback, two probe callbacks record, per hook and rank: the
-collectives issued in between (tests/collectives.py's pass-through counter), the rank's
-own host peak just before and just after (its VmHWM, read as the callback reads it), the
+resident; with ``cuda_ballast_mb``, device memory too). Around MemoryLogCallback, two
+probe callbacks record, per hook and rank: the collectives issued in between
+(tests/collectives.py's pass-through counter), the rank's own peaks just before and just
+after (host VmHWM, and the CUDA allocator's when in use, read as the callback reads them), the
 step Lightning logs that batch at, and the batch's loss. Each rank writes them to
-``<out>/records/<fit>/rank<r>.json``. A fit may set up megatron-core's parallel_state
+``<out>/<fit>/records/rank<r>.json``. A fit may set up megatron-core's parallel_state
 (``pp``), standing in for NeMo 2's MegatronStrategy, which needs CUDA.
+
+The test side, ``run_job(spec, out)``, starts it and returns each fit's records (``Fit``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,17 +38,28 @@ MB = 2**20
 HOOKS = ("on_train_start", "on_train_batch_end", "on_train_end")
 
 
-def host_peak_gb() -> float:
-    return memory.report_memory()["peak_host_rss_gb"]
+def peaks_gb(when: str) -> dict:
+    """This rank's peaks as MemoryLogCallback reads them, named ``peak_<when>`` (the host's)
+    and ``cuda_peak_<when>`` (the CUDA allocator's peak_allocated_gb, when CUDA is in use)."""
+    report = memory.report_memory()
+    peaks = {f"peak_{when}": report["peak_host_rss_gb"]}
+    if "peak_allocated_gb" in report:
+        peaks[f"cuda_peak_{when}"] = report["peak_allocated_gb"]
+    return peaks
 
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ.get("LOCAL_RANK", 0))  # one node: the launcher sets it on the ranks it starts
     ballast = np.ones(spec["ballast_mb"][rank] * MB // 8)  # touched: resident, not just reserved
+    if spec.get("cuda_ballast_mb"):  # device memory this rank holds through every fit
+        device_ballast = torch.ones(spec["cuda_ballast_mb"] * MB // 4, device="cuda")  # noqa: F841
     children = []  # the ranks the first fit's launcher started (on rank 0)
     for fit in spec["fits"]:
+        start = time.monotonic()
         children += getattr(run_fit(spec, fit, rank), "procs", [])
+        if rank == 0:
+            print(f"lightning_job: fit {fit['name']!r} took {time.monotonic() - start:.1f} s", file=sys.stderr)
     del ballast
     for child in children:  # exit after them, so whoever started this job waits for every rank
         child.wait()
@@ -61,7 +77,8 @@ def run_fit(spec: dict, fit: dict, rank: int):
         callbacks.insert(0, MegatronGroups(pl, fit["pp"]))
     pl.seed_everything(0)
     trainer = pl.Trainer(
-        accelerator="cpu", strategy="ddp", devices=spec["world"], max_steps=fit.get("max_steps", 8),
+        accelerator=spec.get("accelerator", "cpu"), strategy=spec.get("strategy", "ddp"), devices=spec["world"],
+        max_steps=fit.get("max_steps", 8), accumulate_grad_batches=fit.get("accumulate", 1),
         log_every_n_steps=fit.get("log_every_n_steps", 2), logger=make_loggers(pl, fit["loggers"], out),
         callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, deterministic=True,
@@ -155,12 +172,12 @@ class Probe:
             self._counting = count_collectives()
             self._calls = self._counting.__enter__()
             self._event = {"hook": name, "step": trainer.fit_loop.epoch_loop._batches_that_stepped,
-                           "global_step": trainer.global_step, "peak_before": host_peak_gb()}
+                           "global_step": trainer.global_step, **peaks_gb("before")}
             if outputs is not None:
                 self._event["loss"] = float(outputs["loss"])
             return
         self._counting.__exit__(None, None, None)
-        self._event.update(peak_after=host_peak_gb(), collectives=list(self._calls))
+        self._event.update(peaks_gb("after"), collectives=list(self._calls))
         self.events.append(self._event)
 
 
@@ -201,6 +218,54 @@ def MegatronGroups(pl, pp: int):
             parallel_state.destroy_model_parallel()
 
     return Groups()
+
+
+# --- the test side: start the job as a user starts a training script, read its records -----------
+
+JOB_TIMEOUT_S = 900  # a loaded 2-core machine: 4 processes importing torch, Lightning and 3 backends' clients
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Fit:
+    """One fit's output directory and every rank's probe events."""
+
+    def __init__(self, root: Path, world: int, loggers=()):
+        self.root, self.world, self.loggers = root, world, list(loggers)
+        self.ranks = [json.loads((root / "records" / f"rank{r}.json").read_text())["events"] for r in range(world)]
+
+    def batch_ends(self, rank: int) -> list[dict]:
+        return [e for e in self.ranks[rank] if e["hook"] == "on_train_batch_end"]
+
+    def at(self, rank: int, step: int) -> dict:
+        """The batch end of ``step`` that stepped the optimizer (with gradient accumulation,
+        the last of its window): after it, ``global_step`` is ``step + 1``."""
+        (event,) = [e for e in self.batch_ends(rank) if e["step"] == step and e["global_step"] == step + 1]
+        return event
+
+    def within_peak(self, rank: int, step: int, value: float) -> bool:
+        """``value`` is the host peak ``rank`` had while MemoryLogCallback ran at ``step``."""
+        event = self.at(rank, step)
+        return event["peak_before"] <= value <= event["peak_after"]
+
+
+def run_job(spec: dict, out: Path) -> dict[str, Fit]:
+    """Run tests/lightning_job.py on ``spec`` (its ``out`` set to ``out``); each fit's Fit by name."""
+    world = spec["world"]
+    spec = {**spec, "out": str(out)}
+    spec_path = out / "spec.json"
+    out.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "WANDB_MODE": "offline", "COMET_START_ONLINE": "false", "OMP_NUM_THREADS": "1",
+           "WANDB_DIR": str(out), "WANDB_CACHE_DIR": str(out / "wandb_cache"),
+           "WANDB_CONFIG_DIR": str(out / "wandb_config")}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "tests.lightning_job", str(spec_path)], cwd=out, env=env,
+                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
+    assert done.returncode == 0, f"world {world} job failed:\n{done.stdout[-5000:]}\n{done.stderr[-10000:]}"
+    fits = [line for line in done.stderr.splitlines() if line.startswith("lightning_job:")]
+    print(f"\nLightning job, world {world}: {time.monotonic() - start:.1f} s in all; {fits}")
+    return {fit["name"]: Fit(out / fit["name"], world, fit["loggers"]) for fit in spec["fits"]}
 
 
 if __name__ == "__main__":

@@ -8,84 +8,43 @@ default). 8 optimizer steps, log_every_n_steps=2: Lightning logs train_loss at s
 5, 7 (``_batches_that_stepped``), and memory must land at exactly those steps.
 
 - world 2: "main" (TensorBoard, CSV, MLflow on SQLite, W&B offline, Comet offline),
-  "off" (the same loggers, log_memory_to_tensorboard=False: the baseline for Lightning's
-  own series, and zero collectives), "pl" (the pytorch_lightning package's Trainer, its
-  own interval of 3).
-- world 4: "main" as above, then "pp": megatron-core's parallel_state with PP 2 built in
-  the same processes (standing in for NeMo 2's MegatronStrategy), groups {0,2} and {1,3}.
+  "off" (TensorBoard and CSV, log_memory_to_tensorboard=False: zero collectives, and the
+  baseline for Lightning's own series), "pl" (the pytorch_lightning package's Trainer,
+  its own interval of 3), "accumulate" (accumulate_grad_batches=2).
+- world 4: "main" with TensorBoard and CSV (the three client libraries' start-up, times 4
+  processes on 2 cores, would cost more than the whole world-2 job), then "pp":
+  megatron-core's parallel_state with PP 2 built in the same processes (standing in for
+  NeMo 2's MegatronStrategy), groups {0,2} and {1,3}.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.collectives import GATHER
+from tests.lightning_job import run_job
 from tests.lightning_readback import BACKENDS, runs, series
 
 LOGGING_STEPS = [1, 3, 5, 7]
 PEAK_RANK = {2: 1, 4: 2}
 BALLAST_MB = {2: [40, 700], 4: [40, 80, 700, 120]}
-ALL_LOGGERS = list(BACKENDS)
+CHEAP = ["tensorboard", "csv"]  # Lightning's own: no client library, no service, no archive
 FITS = {
-    2: [{"name": "main", "loggers": ALL_LOGGERS},
-        {"name": "off", "loggers": ALL_LOGGERS, "callback": {"log_memory_to_tensorboard": False}},
-        {"name": "pl", "package": "pytorch_lightning", "loggers": ["csv"], "callback": {"tensorboard_log_interval": 3}}],
-    4: [{"name": "main", "loggers": ALL_LOGGERS},
-        {"name": "pp", "loggers": ["tensorboard", "csv"], "pp": 2}],
+    2: [{"name": "main", "loggers": list(BACKENDS)},
+        {"name": "off", "loggers": CHEAP, "callback": {"log_memory_to_tensorboard": False}},
+        {"name": "pl", "package": "pytorch_lightning", "loggers": ["csv"], "callback": {"tensorboard_log_interval": 3}},
+        {"name": "accumulate", "loggers": ["csv"], "accumulate": 2}],
+    4: [{"name": "main", "loggers": CHEAP},
+        {"name": "pp", "loggers": CHEAP, "pp": 2}],
 }
-JOB_TIMEOUT_S = 900  # a loaded 2-core machine: 4 processes importing torch, Lightning and 3 backends' clients
-REPO = Path(__file__).resolve().parent.parent
-
-
-class Fit:
-    """One fit's output directory and every rank's probe events."""
-
-    def __init__(self, root: Path, world: int):
-        self.root, self.world = root, world
-        self.ranks = [json.loads((root / "records" / f"rank{r}.json").read_text())["events"] for r in range(world)]
-
-    def batch_ends(self, rank: int) -> list[dict]:
-        return [e for e in self.ranks[rank] if e["hook"] == "on_train_batch_end"]
-
-    def at(self, rank: int, step: int) -> dict:
-        """The batch end logged at ``step`` (the optimizer-stepping batch: one per step here)."""
-        (event,) = [e for e in self.batch_ends(rank) if e["step"] == step]
-        return event
-
-    def within_peak(self, rank: int, step: int, value: float, slack: float = 0.0) -> bool:
-        """``value`` is the host peak ``rank`` had while MemoryLogCallback ran at ``step``."""
-        event = self.at(rank, step)
-        return event["peak_before"] - slack <= value <= event["peak_after"] + slack
-
-
-def _run_job(world: int, out: Path) -> dict[str, Fit]:
-    spec = {"world": world, "out": str(out), "ballast_mb": BALLAST_MB[world], "fits": FITS[world]}
-    spec_path = out / "spec.json"
-    out.mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "WANDB_MODE": "offline", "COMET_START_ONLINE": "false", "OMP_NUM_THREADS": "1",
-           "WANDB_DIR": str(out), "WANDB_CACHE_DIR": str(out / "wandb_cache"),
-           "WANDB_CONFIG_DIR": str(out / "wandb_config"), "MLFLOW_TRACKING_URI": f"sqlite:///{out}/unused.db"}
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "tests.lightning_job", str(spec_path)], cwd=out, env=env,
-                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    assert done.returncode == 0, f"world {world} job failed:\n{done.stdout[-5000:]}\n{done.stderr[-10000:]}"
-    print(f"\nLightning ddp job, world {world}, {len(FITS[world])} fits: {time.monotonic() - start:.1f} s")
-    return {fit["name"]: Fit(out / fit["name"], world) for fit in FITS[world]}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def job(request, tmp_path_factory):
-    return _run_job(request.param, tmp_path_factory.mktemp(f"lightning_world{request.param}"))
+    world = request.param
+    return run_job({"world": world, "ballast_mb": BALLAST_MB[world], "fits": FITS[world]},
+                   tmp_path_factory.mktemp(f"lightning_world{world}"))
 
 
 def memory_names(stored) -> list[str]:
@@ -107,6 +66,8 @@ def as_stored(backend: str, value: float) -> float:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_memory_at_lightnings_own_steps_in_one_run(job, backend):
     fit = job["main"]
+    if backend not in fit.loggers:
+        pytest.skip(f"{backend} is in the world-2 job")
     stored = series(backend, fit.root)
     assert runs(backend, fit.root) == 1, f"{backend}: one run, the Trainer's; the callback opens none"
     names = memory_names(stored)
@@ -119,6 +80,8 @@ def test_memory_at_lightnings_own_steps_in_one_run(job, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_max_is_the_ballast_ranks_own_peak_and_its_rank_is_logged_beside_it(job, backend):
     fit = job["main"]
+    if backend not in fit.loggers:
+        pytest.skip(f"{backend} is in the world-2 job")
     peak_rank = PEAK_RANK[fit.world]
     stored = series(backend, fit.root)
     for step, value in stored["memory/peak_host_rss_gb"]:
@@ -135,15 +98,18 @@ def test_the_max_is_the_ballast_ranks_own_peak_and_its_rank_is_logged_beside_it(
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lightnings_own_series_unchanged(job, backend):
     fit = job["main"]
+    if backend not in fit.loggers:
+        pytest.skip(f"{backend} is in the world-2 job")
     stored = own_series(series(backend, fit.root))
+    stored.pop("process duration", None)  # Comet's: the run's wall-clock time, logged at its end
     losses = [as_stored(backend, fit.at(0, step)["loss"]) for step in LOGGING_STEPS]
+    assert sorted(stored) == ["epoch", "train_loss"], "no series of ours outside memory/"
+    assert stored["epoch"] == [(step, 0) for step in LOGGING_STEPS]
     assert [s for s, _ in stored["train_loss"]] == LOGGING_STEPS
-    assert [v for _, v in stored["train_loss"]] == pytest.approx(losses, rel=1e-12), "rank 0's loss"
-    if "off" in job:  # the same job with memory logging off: every series of Lightning's, equal
-        baseline = own_series(series(backend, job["off"].root))
-        if backend == "comet":  # a run's wall-clock duration, logged by Comet at the end
-            stored.pop("process duration", None), baseline.pop("process duration", None)
-        assert stored == baseline
+    assert [v for _, v in stored["train_loss"]] == pytest.approx(losses, rel=1e-12), "rank 0's loss, unchanged"
+    off = job.get("off")  # the same job with memory logging off: every series of Lightning's, equal
+    if off is not None and backend in off.loggers:
+        assert stored == own_series(series(backend, off.root))
 
 
 # --- the contract with the loop: collectives ------------------------------------------------------
@@ -171,7 +137,7 @@ def test_flag_off_zero_collectives_and_no_memory_anywhere(job):
     for rank in range(fit.world):
         assert len(fit.ranks[rank]) == 10, "every hook the callback handles fired (and was counted)"
         assert all(e["collectives"] == [] for e in fit.ranks[rank]), (rank, fit.ranks[rank])
-    for backend in BACKENDS:
+    for backend in fit.loggers:
         assert memory_names(series(backend, fit.root)) == [], backend
 
 
@@ -192,6 +158,22 @@ def test_pytorch_lightning_trainer_with_its_own_interval(job):
     for rank in range(2):
         gathers = [e["step"] for e in fit.batch_ends(rank) if e["collectives"]]
         assert gathers == own_steps, rank
+
+
+def test_gradient_accumulation_logs_once_per_step_on_the_optimizer_stepping_batch(job):
+    if "accumulate" not in job:
+        pytest.skip("the accumulation fit runs in the world-2 job")
+    fit = job["accumulate"]
+    stored = series("csv", fit.root)
+    for name in memory_names(stored):
+        assert [s for s, _ in stored[name]] == LOGGING_STEPS, name
+    for rank in range(2):
+        ends = fit.batch_ends(rank)
+        assert len(ends) == 16, "2 batches per optimizer step"
+        gathered = [(e["step"], e["global_step"]) for e in ends if e["collectives"]]
+        assert gathered == [(s, s + 1) for s in LOGGING_STEPS], "after the optimizer step of the window"
+    for step, value in stored["memory/peak_host_rss_gb"]:
+        assert fit.within_peak(PEAK_RANK[2], step, value)
 
 
 def test_pipeline_group_when_megatron_parallel_state_is_initialised(job):
@@ -217,3 +199,71 @@ def test_pipeline_group_when_megatron_parallel_state_is_initialised(job):
     for rank in range(4):  # every rank gathers over its own pipeline, at the same steps
         gathers = [e["step"] for e in fit.batch_ends(rank) if e["collectives"]]
         assert gathers == LOGGING_STEPS, rank
+
+
+# --- in this process: settings, the writer over Lightning's loggers, the writer rank --------------
+
+
+def test_settings_are_logger_config_names_unknown_ones_raise_listing_the_valid_ones():
+    from nemo_memlog.lightning import SETTINGS, MemoryLogCallback
+
+    with pytest.raises(ValueError) as raised:
+        MemoryLogCallback(tensorboard_dir="runs/tb", memory_reduce_scope="world")
+    message = str(raised.value)
+    assert "['tensorboard_dir']" in message and "Trainer's own loggers" in message
+    assert all(repr(name) in message for name in SETTINGS), "every valid name is listed"
+    with pytest.raises(ValueError, match="memory_reduce_scope must be 'pp' or 'world'"):
+        MemoryLogCallback(memory_reduce_scope="everywhere")
+    with pytest.raises(ValueError, match="tensorboard_log_interval must be an int >= 1"):
+        MemoryLogCallback(tensorboard_log_interval=0)
+    callback = MemoryLogCallback(tensorboard_log_interval=None, memory_peak_window="interval")
+    assert callback.settings == {"log_memory_to_tensorboard": True, "memory_peak_window": "interval"}, \
+        "None: Lightning's log_every_n_steps"
+
+
+def test_the_callback_is_a_callback_of_both_lightning_packages():
+    import lightning.pytorch
+    import pytorch_lightning
+
+    from nemo_memlog.lightning import MemoryLogCallback
+
+    callback = MemoryLogCallback()
+    assert isinstance(callback, lightning.pytorch.Callback) and isinstance(callback, pytorch_lightning.Callback)
+
+
+def test_a_lightning_logger_is_adopted_and_written_through_its_own_log_metrics(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    from nemo_memlog.writers import adopt_writers
+
+    class OwnLogger(CSVLogger):  # a user's logger: recognised by its Lightning base class
+        pass
+
+    writers = adopt_writers([object(), CSVLogger(str(tmp_path), name="csv"), OwnLogger(str(tmp_path), name="own")])
+    assert writers.sinks == ["lightning", "lightning"], "both Lightning loggers, nothing else"
+    metrics = {"memory/peak_host_rss_gb": 1.5, "memory/peak_rank/peak_host_rss_gb": 3}
+    writers.log(metrics, 7)  # no flush or close: log_metrics is followed by save(), as Lightning does
+    assert metrics == {"memory/peak_host_rss_gb": 1.5, "memory/peak_rank/peak_host_rss_gb": 3}, "not mutated"
+    expected = {"memory/peak_host_rss_gb": [(7, 1.5)], "memory/peak_rank/peak_host_rss_gb": [(7, 3.0)]}
+    assert series("csv", tmp_path) == expected
+    (own_csv,) = (tmp_path / "own").glob("version_*/metrics.csv")
+    assert own_csv.read_text().splitlines()[1:] == ["1.5,3,7"], "saved at once, as Lightning saves its own"
+
+
+def _writer_flags(writer_rank):
+    from nemo_memlog.config import LoggerConfig
+    from nemo_memlog.monitor import MemoryMonitor
+
+    monitor = MemoryMonitor(LoggerConfig(log_memory_to_tensorboard=True), writer_rank=writer_rank, writers=[])
+    try:
+        monitor.place()
+    except ValueError as error:
+        return str(error)
+    return monitor.is_writer_rank
+
+
+def test_the_monitor_writes_on_the_writer_rank_it_is_given(pp2dp2):
+    assert pp2dp2.run_ok(_writer_flags, None) == [False, False, False, True], "default: the last rank"
+    assert pp2dp2.run_ok(_writer_flags, 0) == [True, False, False, False], "Lightning's: global rank 0"
+    errors = pp2dp2.run_ok(_writer_flags, 4)
+    assert all("writer_rank=4 is not a rank of this job (world size 4)" in e for e in errors), errors
