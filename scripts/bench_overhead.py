@@ -590,9 +590,9 @@ def recorder_part(repetitions: int, off_calls: int, rounds: int) -> dict:
     from nemo_memlog.monitor import MemoryMonitor
     from nemo_memlog.recorder import HostEvidence
 
-    saved = memory._cuda_stats
-    stats = synthetic_cuda_stats(0)
-    memory._cuda_stats = lambda: stats  # a GPU-like report: the record's real size
+    saved = memory._allocator_stats
+    stats = h100_cuda_stats(0)
+    memory._allocator_stats = lambda: (None, stats)  # a GPU-like report: the record's real size
     root = tempfile.mkdtemp(prefix="nemo_memlog_bench_records_")
     try:
         settings = {"off": "off", "on": root}
@@ -636,7 +636,7 @@ def recorder_part(repetitions: int, off_calls: int, rounds: int) -> dict:
     finally:
         for monitor in monitors.values():
             monitor.close()
-        memory._cuda_stats = saved
+        memory._allocator_stats = saved
         shutil.rmtree(root, ignore_errors=True)
 
 
