@@ -6,7 +6,10 @@ Three things, all for Megatron-Bridge's assumptions, never for nemo_memlog's cod
 0. ``load()`` sets ``typing.override = typing_extensions.override`` on Python 3.11: the
    one 3.12-only feature on Bridge 0.6's import path (``from typing import override`` in
    megatron-core 0.19's ``megatron/training/models``). Anyone installing Bridge 0.6 on
-   Python 3.11 needs the same two lines before importing it (README).
+   Python 3.11 needs the same two lines before importing it (README). It also imports
+   comet_ml without its import hooks first: on Bridge 0.6's import path transformers
+   imports comet_ml, whose hooks would mirror Bridge's MLflow run into a Comet offline
+   experiment in the working directory (``.cometml-runs``).
 
 1. ``load()`` puts stand-ins for ``megatron.bridge.peft.lora_layers`` and
    ``megatron.bridge.peft.lora`` into ``sys.modules`` before importing
@@ -57,7 +60,10 @@ def _stand_in(name: str) -> None:
 
 def load() -> None:
     """Import Megatron-Bridge's training modules (idempotent)."""
+    from nemo_memlog.writers.comet import import_comet_ml
+
     _typing_override()
+    import_comet_ml()
     for name in STAND_IN_MODULES:
         if name not in sys.modules:
             _stand_in(name)
