@@ -20,19 +20,18 @@ loggers into a MemoryMonitor, and nothing in the core imports this module.
   ``on_train_start`` to the end of training it holds ``cfg.logger.log_memory_to_tensorboard``
   False on every rank (Bridge reads the flag for nothing else) and writes every series
   itself, pipeline-wide.
-- The end of training: ``on_train_end``, or, on Bridge's ``should_exit`` path (a signal,
+- The end of training: ``on_train_end``; on Bridge's ``should_exit`` path (a signal,
   ``exit_duration_in_mins``, ``exit_interval``: ``train()`` calls ``sys.exit`` before
-  ``on_train_end``), interpreter exit or the next ``on_train_start`` in this process
-  (a caught ``SystemExit``, an in-process restart), whichever comes first.
+  ``on_train_end``), the next ``on_train_start`` over the same ``cfg.logger`` in this
+  process (a caught ``SystemExit``, a driver that trains again). A process that exits
+  leaves no one to read the flag.
 - MLflow names: as the installed Bridge spells its report dicts there (``bridge_mlflow_spelling``).
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import re
-import weakref
 
 from megatron.bridge.training.callbacks import Callback
 
@@ -43,8 +42,9 @@ from .monitor import MemoryMonitor
 BRIDGE_FIELDS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memory_keys")
 OWN_SETTINGS = tuple(f.name for f in dataclasses.fields(LoggerConfig)
                      if f.name.startswith("memory_") and f.name not in BRIDGE_FIELDS)
-#: Callbacks holding a recipe's flag, whose run has not ended (see _end_training).
-_holding: "weakref.WeakSet[MemoryLogCallback]" = weakref.WeakSet()
+#: Callbacks holding a recipe's flag whose run has not ended (see _end_training). Strong
+#: references: after a caught SystemExit nothing else may keep the callback alive.
+_holding: "set[MemoryLogCallback]" = set()
 
 
 class MemoryLogCallback(Callback):
@@ -82,7 +82,6 @@ class MemoryLogCallback(Callback):
         bridge_logger.log_memory_to_tensorboard = False
         self.monitor, self._bridge_logger = monitor, bridge_logger
         _holding.add(self)
-        atexit.register(self._end_training, flush=False)
 
     def on_train_step_end(self, context) -> None:
         monitor = self.monitor
@@ -99,7 +98,6 @@ class MemoryLogCallback(Callback):
         Bridge flushes and ends them itself before ``sys.exit``. Never raises."""
         if self.monitor is None:
             return
-        atexit.unregister(self._end_training)
         _holding.discard(self)
         monitor, self.monitor = self.monitor, None
         self._bridge_logger.log_memory_to_tensorboard = True
