@@ -1,31 +1,61 @@
-# One bootstrap for every entry point: a .venv built from pyproject + constraints.txt.
+# One bootstrap for every entry point, and two environments, both built from pyproject and
+# the constraints files by `make test` (or `make setup`), each once (a stamp file):
+#   .venv          the main one: the whole suite, the demo and the benchmark, with
+#                  Megatron-Bridge 0.6.2 on megatron-core 0.19.2 (constraints-bridge-0.6.txt);
+#   .venv-bridge03 the Bridge tests again, against Megatron-Bridge 0.3.1 on megatron-core
+#                  0.16.1 (constraints-bridge-0.3.txt).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VENV03 := .venv-bridge03
+STAMP03 := $(VENV03)/.installed
+#: The tests whose expectations depend on Megatron-Bridge's version: run in both environments.
+BRIDGE_TESTS := tests/test_bridge.py tests/writers/test_adopt.py
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# pip's output less the expected noise: constraints for packages not installed, and the
-# resolver's list of megatron-bridge's requirements, missing by design (--no-deps, below).
-PIP_QUIET := grep -v -e "is ignored: it is neither" -e "^ERROR: pip's dependency resolver does not currently" \
-	-e "^megatron-bridge [^ ]* requires "
+
+# pip's expected noise, hidden: this machine's local mirror lacks folders for most names,
+# and Bridge is installed --no-deps, so pip lists its own pins (transformer-engine, CUDA
+# packages, wandb==0.29...) as unmet; it needs none of them for what nemo_memlog uses.
+PIP_NOISE := is ignored: it is neither|dependency resolver does not currently take into account|^megatron-(bridge|core) [^ ]+ requires
+PIP_INSTALL = python -m pip install -q -c constraints.txt
+
+# $(call build_env,VENV,BRIDGE_CONSTRAINTS,EXTRA_PACKAGES): megatron-core and Megatron-Bridge
+# first, --no-deps (Bridge pins transformer-engine and CUDA-only packages) and
+# --ignore-requires-python (megatron-core 0.17+ and Bridge 0.4+ declare Python 3.12 and run
+# on 3.11, see constraints-bridge-0.6.txt); then nemo_memlog[test] and what Bridge's training
+# modules import, resolved by pip around the megatron-core already there.
+define build_env
+	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	@echo "$(1): megatron-core and Megatron-Bridge as pinned in $(2) (--no-deps) ..."
+	@$(1)/bin/$(PIP_INSTALL) -c $(2) --no-deps --ignore-requires-python megatron-core megatron-bridge 2>&1 \
+		| grep -Ev "$(PIP_NOISE)" || true
+	@echo "$(1): nemo_memlog[test], torch (CPU) and what Bridge's training modules import ..."
+	@$(1)/bin/$(PIP_INSTALL) -c $(2) -e '.[test]' transformers huggingface-hub datasets einops triton nvidia-modelopt $(3) 2>&1 \
+		| grep -Ev "$(PIP_NOISE)" || true
+	@echo "$(1): (pip's complaints about Megatron-Bridge's own unmet pins are expected and hidden: it is installed --no-deps)"
+	@$(1)/bin/python -c "import re, nemo_memlog, torch, megatron.core, tensorboard, wandb, mlflow, comet_ml, omegaconf, transformers, triton, lightning.pytorch, pytorch_lightning; \
+		from importlib.metadata import version; \
+		pins = re.findall(r'^(megatron-(?:core|bridge))==(\S+)', open('$(2)').read(), re.M); \
+		assert pins and all(version(name) == pinned for name, pinned in pins), pins" 2>/dev/null \
+		|| { echo "set-up of $(1) failed: see pip's output above"; exit 1; }
+	@touch $(1)/.installed
+endef
 
 .PHONY: setup test demo bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(STAMP03)
 
-$(STAMP): pyproject.toml constraints.txt Makefile
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing nemo_memlog[test] into $(VENV) (torch pinned by constraints.txt) ..."
-	@$(PY) -m pip install -q -c constraints.txt -e '.[test]' 2>&1 | $(PIP_QUIET) || true
-	@echo "installing Megatron-Bridge (--no-deps: it pins CUDA-only packages; pip's complaints about them are expected and hidden) and what its training modules import ..."
-	@$(PY) -m pip install -q --no-deps -c constraints.txt megatron-bridge 2>&1 | $(PIP_QUIET) || true
-	@$(PY) -m pip install -q -c constraints.txt transformers huggingface-hub datasets einops triton 2>&1 | $(PIP_QUIET) || true
-	@$(PY) -c "import nemo_memlog, torch, megatron.core, tensorboard, wandb, mlflow, comet_ml, omegaconf, transformers, triton, lightning.pytorch, pytorch_lightning; from importlib.metadata import version; assert version('megatron-bridge') == '0.3.1'" 2>/dev/null \
-		|| { echo "set-up failed: see pip's output above"; exit 1; }
-	@touch $(STAMP)
+$(STAMP): pyproject.toml constraints.txt constraints-bridge-0.6.txt Makefile
+	$(call build_env,$(VENV),constraints-bridge-0.6.txt,megatron-energon)
 
-test: $(STAMP)
+$(STAMP03): pyproject.toml constraints.txt constraints-bridge-0.3.txt Makefile
+	$(call build_env,$(VENV03),constraints-bridge-0.3.txt,)
+
+test: $(STAMP) $(STAMP03)
 	$(PY) -m pytest -q tests
+	@echo "the Bridge tests again, against Megatron-Bridge 0.3.1 ($(VENV03)):"
+	$(VENV03)/bin/python -m pytest -q $(BRIDGE_TESTS)
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
@@ -34,4 +64,4 @@ bench: $(STAMP)
 	$(PY) scripts/bench_overhead.py
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(VENV03) runs build *.egg-info

@@ -17,18 +17,25 @@ loggers into a MemoryMonitor, and nothing in the core imports this module.
   thread, before Bridge logs the same step; it opens none of its own.
 - Once per series: Bridge's own ``training_log`` also writes ``memory/*`` when the flag is
   set (before 0.5, the last stage's values only). The callback takes that over: from
-  ``on_train_start`` to ``on_train_end`` it holds ``cfg.logger.log_memory_to_tensorboard``
+  ``on_train_start`` to the end of training it holds ``cfg.logger.log_memory_to_tensorboard``
   False on every rank (Bridge reads the flag for nothing else) and writes every series
   itself, pipeline-wide.
 - Flight records: every rank records its memory for ``nemo-memlog postmortem``, by default in
   ``memory_records`` beside the recipe's ``logger.tensorboard_dir`` (else its
   ``wandb_save_dir``, else the working directory); ``memory_record_dir=`` picks another
   folder, ``memory_record_dir="off"`` none. ``on_train_end`` marks the record ended.
+- The end of training: ``on_train_end``; on Bridge's ``should_exit`` path (a signal,
+  ``exit_duration_in_mins``, ``exit_interval``: ``train()`` calls ``sys.exit`` before
+  ``on_train_end``), the next ``on_train_start`` over the same ``cfg.logger`` in this
+  process (a caught ``SystemExit``, a driver that trains again). A process that exits
+  leaves no one to read the flag.
+- MLflow names: as the installed Bridge spells its report dicts there (``bridge_mlflow_spelling``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from megatron.bridge.training.callbacks import Callback
 
@@ -39,6 +46,9 @@ from .monitor import MemoryMonitor
 BRIDGE_FIELDS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memory_keys")
 OWN_SETTINGS = tuple(f.name for f in dataclasses.fields(LoggerConfig)
                      if f.name.startswith("memory_") and f.name not in BRIDGE_FIELDS)
+#: Callbacks holding a recipe's flag whose run has not ended (see _end_training). Strong
+#: references: after a caught SystemExit nothing else may keep the callback alive.
+_holding: "set[MemoryLogCallback]" = set()
 
 
 class MemoryLogCallback(Callback):
@@ -53,6 +63,8 @@ class MemoryLogCallback(Callback):
 
     def on_train_start(self, context) -> None:
         bridge_logger = context.state.cfg.logger
+        for run in [run for run in _holding if run._bridge_logger is bridge_logger]:
+            run._end_training(flush=False)  # it exited by sys.exit (a caught SystemExit): hand the flag back
         if not bridge_logger.log_memory_to_tensorboard:
             return
         # The flight records' default folder is beside the recipe's own logs (its tensorboard_dir).
@@ -72,6 +84,7 @@ class MemoryLogCallback(Callback):
             monitor.use_writers(_adopt_open_loggers(context.state))
         bridge_logger.log_memory_to_tensorboard = False
         self.monitor, self._bridge_logger = monitor, bridge_logger
+        _holding.add(self)
 
     def on_train_step_end(self, context) -> None:
         monitor = self.monitor
@@ -79,11 +92,23 @@ class MemoryLogCallback(Callback):
             monitor.log(context.state.train_state.step + 1)
 
     def on_train_end(self, context) -> None:
+        self._end_training(flush=True)
+
+    def _end_training(self, flush: bool) -> None:
+        """Once per run: hand the flag back (the recipe's config reads true again) and, at
+        ``on_train_end``, flush. Off that event (Bridge's should_exit path) there is nothing
+        to flush: every step was written into Bridge's loggers when it was logged, and
+        Bridge flushes and ends them itself before ``sys.exit``. Never raises."""
         if self.monitor is None:
             return
+        _holding.discard(self)
+        monitor, self.monitor = self.monitor, None
         self._bridge_logger.log_memory_to_tensorboard = True
-        self.monitor.close()  # ends the flight record; Bridge's own loggers are flushed, not closed
-        self.monitor = self._bridge_logger = None
+        self._bridge_logger = None
+        if flush:
+            monitor.close()  # ends the flight record; Bridge's own loggers are flushed, not closed
+        else:
+            monitor.end_record()  # Bridge ended its loggers before sys.exit: nothing to flush
 
 
 def bridge_memory_keys(memory_keys: dict | None) -> dict | None:
@@ -114,5 +139,36 @@ def _adopt_open_loggers(state):
 
     names = sorted(name for name in dir(type(state)) if name.endswith("_logger")
                    and isinstance(getattr(type(state), name), property))
-    return adopt_writers(getattr(state, name) for name in names)
+    return adopt_writers((getattr(state, name) for name in names), spellings={"mlflow": bridge_mlflow_spelling()})
+
+
+def bridge_mlflow_spelling():
+    """``key -> name`` as the installed Bridge spells its report dicts (memory, throughput,
+    runtime) in MLflow, so our series sort with its own: its own ``_sanitize_mlflow_metrics``
+    where it can be imported, else its version's rule (``bridge_mlflow_rule``)."""
+    try:
+        from megatron.bridge.training.utils.mlflow_utils import _sanitize_mlflow_metrics
+    except ImportError:
+        from importlib.metadata import version
+
+        return bridge_mlflow_rule(version("megatron-bridge"))
+    return lambda key: next(iter(_sanitize_mlflow_metrics({key: None})))
+
+
+def bridge_mlflow_rule(bridge_version: str):
+    """Bridge's MLflow spelling by release. Before 0.4 every ``/`` -> ``_``
+    (``memory_mem-max-allocated-gigabytes``). From 0.4 the first ``/`` stays and later ones
+    become ``_``, runs of ``/`` count as one, ``@`` -> ``_at_``, and anything but letters,
+    digits, ``_ - . / :`` and space -> ``_`` (``memory/mem-max-allocated-gigabytes``)."""
+    if tuple(int(part) for part in re.findall(r"\d+", bridge_version)[:2]) < (0, 4):
+        return lambda key: key.replace("/", "_")
+    return _spelling_from_0_4
+
+
+def _spelling_from_0_4(key: str) -> str:
+    name = re.sub(r"/+", "/", key.replace("@", "_at_"))
+    if "/" in name:
+        first, rest = name.split("/", 1)
+        name = first + "/" + rest.replace("/", "_")
+    return re.sub(r"[^/\w.\- :]", "_", name)
 

@@ -172,12 +172,16 @@ class MemoryMonitor:
         if self.writers is not None:
             self.writers.flush()
 
-    def close(self) -> None:
-        """End the flight record ("close"); drain and close the writers this monitor built;
-        writers it was given are only flushed."""
+    def end_record(self) -> None:
+        """Mark this rank's flight record ended ("close") and stop recording. Never raises."""
         recorder, self.recorder = self.recorder, None
         if recorder is not None:
             recorder.close()
+
+    def close(self) -> None:
+        """End the flight record ("close"); drain and close the writers this monitor built;
+        writers it was given are only flushed."""
+        self.end_record()
         if self.writers is None:
             return
         if self._owns_writers:

@@ -1,6 +1,15 @@
-"""Megatron-Bridge 0.3.1 on a CPU-only machine: what stands in for the GPU it assumes.
+"""Megatron-Bridge (0.3.1, 0.6.2) on a CPU-only machine: what stands in for the GPU it
+assumes, and for the Python 3.12 that 0.4+ declare.
 
-Two things, both for Megatron-Bridge's GPU-only assumptions, never for nemo_memlog's code:
+Three things, all for Megatron-Bridge's assumptions, never for nemo_memlog's code:
+
+0. ``load()`` sets ``typing.override = typing_extensions.override`` on Python 3.11: the
+   one 3.12-only feature on Bridge 0.6's import path (``from typing import override`` in
+   megatron-core 0.19's ``megatron/training/models``). Anyone installing Bridge 0.6 on
+   Python 3.11 needs the same two lines before importing it (README). It also imports
+   comet_ml without its import hooks first: on Bridge 0.6's import path transformers
+   imports comet_ml, whose hooks would mirror Bridge's MLflow run into a Comet offline
+   experiment in the working directory (``.cometml-runs``).
 
 1. ``load()`` puts stand-ins for ``megatron.bridge.peft.lora_layers`` and
    ``megatron.bridge.peft.lora`` into ``sys.modules`` before importing
@@ -51,6 +60,10 @@ def _stand_in(name: str) -> None:
 
 def load() -> None:
     """Import Megatron-Bridge's training modules (idempotent)."""
+    from nemo_memlog.writers.comet import import_comet_ml
+
+    _typing_override()
+    import_comet_ml()
     for name in STAND_IN_MODULES:
         if name not in sys.modules:
             _stand_in(name)
@@ -59,6 +72,22 @@ def load() -> None:
     import megatron.bridge.training.state  # noqa: F401
     import megatron.bridge.training.utils.pg_utils  # noqa: F401
     import megatron.bridge.training.utils.train_utils  # noqa: F401
+
+
+def _typing_override() -> None:
+    import typing
+
+    if not hasattr(typing, "override"):  # Python < 3.12
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+
+
+def bridge_version() -> tuple[int, int]:
+    """The installed Megatron-Bridge's (major, minor), for version-dependent expectations."""
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("megatron-bridge").split(".")[:2])
 
 
 def host_memory_stats() -> dict[str, int]:

@@ -1,8 +1,8 @@
 """Megatron-Bridge's training loop, driven on CPU gloo ranks, with its real pieces.
 
 ``pretrain()`` asserts CUDA, so this module replaces only the loop driver. Everything
-it drives is Megatron-Bridge 0.3.1's own: a real ``GlobalState`` and ``ConfigContainer``,
-the loggers it opens (``state.tensorboard_logger``, ``state.wandb_logger``,
+it drives is the installed Megatron-Bridge's own (0.3.1 or 0.6.2): a real ``GlobalState``
+and ``ConfigContainer``, the loggers it opens (``state.tensorboard_logger``, ``state.wandb_logger``,
 ``state.mlflow_logger``), its ``CallbackManager`` (``normalize_callbacks``), and its
 ``training_log``. ``train`` follows ``megatron.bridge.training.train.train``: the loggers
 opened as its ``setup()`` opens them (TensorBoard and W&B; MLflow on first use),
@@ -19,7 +19,8 @@ peak (``peak_host_rss_gb``) lives on stage 0 and not on the last stage, where Br
 Each rank returns a ``RankRecord``: its coordinates, its own host peak around each
 ``on_train_step_end``, the collectives each callback event issued, and what the loop
 handed Bridge's ``training_log`` at each step (so the test can check it is logged
-unchanged). Run with ``cluster.run_ok(train, RunSpec(...))``.
+unchanged). Run with ``cluster.run_ok(train, RunSpec(...))``. ``exit_early_then_train_again``
+takes Bridge's ``should_exit`` path (``sys.exit`` before ``on_train_end``) and runs again.
 """
 
 from __future__ import annotations
@@ -170,35 +171,78 @@ def _fire(manager, event, record, key, **context_fields):
 def train(spec: RunSpec) -> RankRecord:
     """Run Bridge's training loop on this rank; see the module docstring."""
     bridge_env.load()
-    import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    _environment(spec)
+    record = RankRecord(rank=dist.get_rank(), pp_stage=ps.get_pipeline_model_parallel_rank(),
+                        dp_rank=ps.get_data_parallel_rank())
+    cfg = _config(spec, ps.get_pipeline_model_parallel_world_size())
+    _run(spec, cfg, _callbacks(spec), record)
+    return record
+
+
+def exit_early_then_train_again(spec: RunSpec, exit_interval: int) -> tuple[RankRecord, RankRecord]:
+    """Bridge's ``should_exit`` path, then a second run of the same config in this process.
+
+    Run 1 has ``cfg.train.exit_interval``: Bridge's own ``checkpoint_and_decide_exit``
+    decides to exit at that step, and the loop does what ``train()`` does then (flush
+    TensorBoard, finish W&B, ``sys.exit``: no ``on_train_end``). The ``SystemExit`` is
+    caught here, as a driver that runs ``pretrain`` again (or an in-process restart)
+    catches it. Run 2 trains the same ``cfg`` object to the end with a new callback."""
+    bridge_env.load()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    _environment(spec)
+    cfg = _config(spec, ps.get_pipeline_model_parallel_world_size())
+    cfg.checkpoint.save = None  # the exit path saves a checkpoint if asked: not on a CPU
+    records = [RankRecord(rank=dist.get_rank(), pp_stage=ps.get_pipeline_model_parallel_rank(),
+                          dp_rank=ps.get_data_parallel_rank()) for _ in range(2)]
+    cfg.train.exit_interval = exit_interval
+    try:
+        _run(spec, cfg, _callbacks(spec), records[0])
+        raise AssertionError(f"Bridge did not exit at exit_interval={exit_interval}")
+    except SystemExit:
+        pass
+    records[0].flag_after_run = cfg.logger.log_memory_to_tensorboard
+    cfg.train.exit_interval = None
+    _run(spec, cfg, _callbacks(spec), records[1])
+    return records[0], records[1]
+
+
+def _callbacks(spec: RunSpec):
+    """Bridge's CallbackManager over a new MemoryLogCallback (None: Bridge alone)."""
+    if spec.callback_kwargs is None:
+        return None
     from megatron.bridge.training.callbacks import normalize_callbacks
+
+    from nemo_memlog.bridge import MemoryLogCallback
+
+    return normalize_callbacks([MemoryLogCallback(**spec.callback_kwargs)])
+
+
+def _run(spec: RunSpec, cfg, manager, record: RankRecord) -> None:
+    """One run of Bridge's training loop over ``cfg`` (a fresh GlobalState), into ``record``."""
+    import sys
+
+    import torch
     from megatron.bridge.training.state import GlobalState
     from megatron.bridge.training.utils.train_utils import training_log
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import (
         destroy_num_microbatches_calculator, get_num_microbatches, init_num_microbatches_calculator)
 
-    _environment(spec)
-    pp = ps.get_pipeline_model_parallel_world_size()
     stage = ps.get_pipeline_model_parallel_rank()
-    record = RankRecord(rank=dist.get_rank(), pp_stage=stage, dp_rank=ps.get_data_parallel_rank())
-    cfg = _config(spec, pp)
     state = GlobalState()
     assert state.cfg is None, "GlobalState must be fresh per run"
     state.cfg = cfg
-    init_num_microbatches_calculator(dist.get_rank(), None, cfg.train.global_batch_size,
+    init_num_microbatches_calculator(record.rank, None, cfg.train.global_batch_size,
                                      cfg.train.micro_batch_size, cfg.data_parallel_size)
     model = [torch.nn.Linear(8, 8)]
     optimizer = torch.optim.SGD(model[0].parameters(), lr=1e-3)
     for group in optimizer.param_groups:
         group["is_decoupled_lr"] = False
-    manager = None
-    if spec.callback_kwargs is not None:
-        bridge_env.load()  # nemo_memlog.bridge imports Bridge's callbacks
-        from nemo_memlog.bridge import MemoryLogCallback
-
-        manager = normalize_callbacks([MemoryLogCallback(**spec.callback_kwargs)])
     events = dict(state=state, model=model, optimizer=optimizer, scheduler=None)
     try:
         with bridge_env.cpu_redirects():
@@ -207,7 +251,8 @@ def train(spec: RunSpec) -> RankRecord:
             state.timers("interval-time", log_level=0).start(barrier=True)
             report_memory_flag = False  # True would print torch.cuda.memory_stats text once
             _fire(manager, "on_train_start", record, "on_train_start", **events)
-            while state.train_state.step < cfg.train.train_iters:
+            should_exit = False
+            while state.train_state.step < cfg.train.train_iters and not should_exit:
                 iteration = state.train_state.step
                 _fire(manager, "on_train_step_start", record, f"on_train_step_start@{iteration + 1}", **events)
                 loss_dict, skipped_iter, grad_norm, num_zeros = _train_step(
@@ -228,9 +273,17 @@ def train(spec: RunSpec) -> RankRecord:
                     flag_seen_by_training_log=cfg.logger.log_memory_to_tensorboard))
                 report_memory_flag = training_log(
                     loss_dict, total_loss_dict, learning_rate, None, 1.0, report_memory_flag, skipped_iter,
-                    grad_norm, None, num_zeros, cfg, state, None, model, None)
+                    grad_norm, None, num_zeros, cfg, state, None, model)  # keyword-only after model from 0.6
+                if cfg.train.exit_interval:  # Bridge's own decision (its checkpoint manager/context: unused)
+                    from megatron.bridge.training.train import checkpoint_and_decide_exit  # imports ModelOpt: slow
+
+                    should_exit = checkpoint_and_decide_exit(state, model, optimizer, None, 0.0, None, None)
             if state.tensorboard_logger:
                 state.tensorboard_logger.flush()
+            if should_exit:  # what train() does then: no on_train_end
+                if state.wandb_logger:
+                    state.wandb_logger.finish()
+                sys.exit(0)
             _fire(manager, "on_train_end", record, "on_train_end", **events)
             if state.wandb_logger:
                 state.wandb_logger.finish()  # as _finish_train does
@@ -239,7 +292,6 @@ def train(spec: RunSpec) -> RankRecord:
         _close_what_bridge_leaves_open(state)
         destroy_num_microbatches_calculator()
         _ballast.clear()
-    return record
 
 
 def _close_what_bridge_leaves_open(state) -> None:
@@ -249,6 +301,43 @@ def _close_what_bridge_leaves_open(state) -> None:
         state._tensorboard_logger.close()
     if state._mlflow_logger is not None:
         state._mlflow_logger.end_run()
+
+
+def bridge_mlflow_names(keys: list[str]) -> dict[str, str]:
+    """{key: name} as this Bridge's own ``_sanitize_mlflow_metrics`` spells its report
+    dicts (memory included) for MLflow: the test's expected names."""
+    bridge_env.load()
+    from megatron.bridge.training.utils.mlflow_utils import _sanitize_mlflow_metrics
+
+    return {key: next(iter(_sanitize_mlflow_metrics({key: 0.0}))) for key in keys}
+
+
+def callback_mlflow_names(keys: list[str]) -> dict[str, dict[str, str]]:
+    """{key: name} as the callback spells MLflow names: with Bridge's sanitiser
+    ("importable"), and by the version's rule where it cannot be imported ("rule")."""
+    import sys
+
+    bridge_env.load()
+    from nemo_memlog.bridge import bridge_mlflow_spelling
+
+    module = "megatron.bridge.training.utils.mlflow_utils"
+    spellings = {"importable": bridge_mlflow_spelling()}
+    saved = sys.modules[module]
+    sys.modules[module] = None  # import raises ImportError, as where Bridge moved or renamed it
+    try:
+        spellings["rule"] = bridge_mlflow_spelling()
+    finally:
+        sys.modules[module] = saved
+    return {kind: {key: spell(key) for key in keys} for kind, spell in spellings.items()}
+
+
+def bridge_logger_names() -> list[str]:
+    """The ``*_logger`` properties of this Bridge's GlobalState: the loggers it can open."""
+    bridge_env.load()
+    from megatron.bridge.training.state import GlobalState
+
+    return sorted(name for name in dir(GlobalState) if name.endswith("_logger")
+                  and isinstance(getattr(GlobalState, name), property))
 
 
 def bench_off_interval(calls: int) -> dict:

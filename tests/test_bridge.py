@@ -1,4 +1,6 @@
-"""MemoryLogCallback inside Megatron-Bridge 0.3.1's real training pieces, on CPU gloo ranks.
+"""MemoryLogCallback inside the installed Megatron-Bridge's real training pieces, on CPU gloo
+ranks. ``make test`` runs this file against Bridge 0.6.2 (.venv) and 0.3.1 (.venv-bridge03);
+what differs between releases is read from the installed version (``BRIDGE``).
 
 tests/bridge_harness.py drives Bridge's loop (real GlobalState, ConfigContainer, loggers,
 CallbackManager, training_log) with PP 2 (world 2) and PP 2 x DP 2 (world 4); stage 0
@@ -14,7 +16,9 @@ import statistics
 import numpy as np
 import pytest
 
-from tests.bridge_harness import RunSpec, bench_off_interval, train
+from tests.bridge_env import bridge_version
+from tests.bridge_harness import (RunSpec, bench_off_interval, bridge_logger_names, bridge_mlflow_names,
+                                  callback_mlflow_names, exit_early_then_train_again, train)
 from tests.bridge_readback import mlflow_experiments, mlflow_runs, tensorboard_events, wandb_run
 from tests.cluster import Cluster
 from tests.collectives import GATHER
@@ -34,7 +38,10 @@ REQUIRED_MEMORY = [
     "memory/pp_stage_0/peak_host_rss_gb", "memory/pp_stage_1/peak_host_rss_gb",
     "memory/host_headroom_gb", "memory/host_headroom_stage", "memory/peak_host_rss_pct",
 ]
-#: Bridge 0.3.1's own series at its logging steps, per backend (with our LoggerConfig).
+BRIDGE = bridge_version()
+#: From 0.5 Bridge max-reduces its own memory report over the PP group (before: the last stage's).
+BRIDGE_PP_MAX = BRIDGE >= (0, 5)
+#: Bridge's own series at its logging steps, per backend (with our LoggerConfig).
 BRIDGE_TB = ["learning-rate", "batch-size", "lm loss", "loss-scale", "grad-norm"]
 BRIDGE_TB_VS_SAMPLES = [f"{tag} vs samples" for tag in BRIDGE_TB]
 BRIDGE_WANDB_MLFLOW = ["learning-rate", "batch-size", "lm loss", "loss-scale", "grad-norm", "samples vs steps"]
@@ -144,7 +151,7 @@ def check_bridge_metrics(run, tb, history, mlflow_metrics):
 # --- the baseline: Bridge alone, proving the harness and showing the problem -----------------
 
 
-def test_bridge_alone_logs_its_last_stage_memory_into_all_three_backends(bridge_alone):
+def test_bridge_alone_logs_its_own_memory_into_all_three_backends(bridge_alone, pp2):
     run = bridge_alone
     files, tb = tensorboard_events(run.spec.root)
     assert len(files) == 1
@@ -152,18 +159,48 @@ def test_bridge_alone_logs_its_last_stage_memory_into_all_three_backends(bridge_
     assert len(logs) == 1
     (mlflow_run,) = mlflow_runs(run.spec.mlflow_uri, "memlog-bridge")
     check_bridge_metrics(run, tb, history, mlflow_run["metrics"])
-    # Bridge's memory series (its names), at its steps, are the last stage's own peak...
+    # Bridge's memory series (its names), at its steps: before 0.5 the last stage's own
+    # peak, from 0.5 the PP max (stage 0's, here), unattributed.
     peak = "memory/mem-max-allocated-gigabytes"
     assert [s for s, _ in tb[peak]] == LOGGING_STEPS
     for step, value in tb[peak]:
         last, first = run.at(run.writer, step), run.at(run.first_stage, step)
+        reported, other = (first, last) if BRIDGE_PP_MAX else (last, first)
         # Bridge rounds to 5 significant digits, and reads a little after the harness did.
-        assert value == pytest.approx(last.peak_after, rel=1e-3), "Bridge reports the last rank only"
-        assert first.peak_after - value > CLEAR_GB, "... while the first stage holds the peak"
+        assert value == pytest.approx(reported.peak_after, rel=1e-3), f"Bridge {BRIDGE} reports stage {reported.pp_stage}"
+        assert abs(other.peak_after - value) > CLEAR_GB, "the stages differ by the ballast"
         assert history[step][peak] == pytest.approx(value, rel=1e-6)
-    assert [s for s, _ in mlflow_run["metrics"]["memory_mem-max-allocated-gigabytes"]] == LOGGING_STEPS
+    # In MLflow under the name its own sanitiser gives (the callback's names are checked against it).
+    (spelled,) = set(bridge_mlflow_names_on(pp2, [peak]).values())
+    assert spelled == ("memory/mem-max-allocated-gigabytes" if BRIDGE >= (0, 4) else "memory_mem-max-allocated-gigabytes")
+    assert [s for s, _ in mlflow_run["metrics"][spelled]] == LOGGING_STEPS
     # ... and nothing pipeline-wide exists without the callback.
     assert not any("pp_stage" in name or "peak_stage" in name for name in tb)
+
+
+def bridge_mlflow_names_on(cluster, keys):
+    """{key: its MLflow name} from the installed Bridge's own sanitiser, on the last rank."""
+    return cluster.run_ok(bridge_mlflow_names, sorted(keys))[-1]
+
+
+#: Names that tell Bridge's MLflow spellings apart (0.4+: the first '/' kept, '@' -> '_at_', ':' kept).
+SPELLING_KEYS = ["memory/peak_reserved_gb", "memory/pp_stage_0/peak_host_rss_gb", "memory//a///b", "x@y/z@w",
+                 "memory/rank:3", "memory/weird key*(1)", "plain-name", "memory/mem-max-allocated-gigabytes"]
+
+
+def test_callback_spells_mlflow_names_as_bridge_with_or_without_its_sanitiser(pp2):
+    expected = bridge_mlflow_names_on(pp2, SPELLING_KEYS)
+    spelled = pp2.run_ok(callback_mlflow_names, SPELLING_KEYS)[-1]
+    assert spelled["importable"] == expected, "Bridge's own sanitiser"
+    assert spelled["rule"] == expected, f"the rule for Bridge {BRIDGE}, where its sanitiser cannot be imported"
+    assert (expected["memory/pp_stage_0/peak_host_rss_gb"] == "memory/pp_stage_0_peak_host_rss_gb") == (BRIDGE >= (0, 4))
+
+
+def test_bridge_opens_comet_from_0_4(pp2):
+    names = pp2.run_ok(bridge_logger_names)[-1]
+    assert {"tensorboard_logger", "wandb_logger", "mlflow_logger"} <= set(names)
+    assert ("comet_logger" in names) == (BRIDGE >= (0, 4)), names
+    # The callback adopts whatever these return; a Comet experiment: tests/writers/test_adopt.py.
 
 
 # --- the callback: TensorBoard --------------------------------------------------------------------
@@ -230,23 +267,26 @@ def test_wandb_one_run_memory_and_bridge_metrics_in_the_same_rows(with_callback,
 # --- the callback: MLflow -----------------------------------------------------------------------------
 
 
-def test_mlflow_one_run_bridge_spelling_first_stage_peak_and_recorded_flag(with_callback, bridge_alone):
+def test_mlflow_one_run_bridge_spelling_first_stage_peak_and_recorded_flag(with_callback, bridge_alone, pp2):
     run = with_callback
     assert mlflow_experiments(run.spec.mlflow_uri) == ["Default", "memlog-bridge"]
     runs = mlflow_runs(run.spec.mlflow_uri, "memlog-bridge")
     assert len(runs) == 1, f"one MLflow run (Bridge's), got {len(runs)}"
     metrics, params = runs[0]["metrics"], runs[0]["params"]
     _, tb = tensorboard_events(run.spec.root)
-    check_required_memory(metrics, spell=lambda name: name.replace("/", "_"))
-    assert memory_names(metrics) == sorted(name.replace("/", "_") for name in memory_names(tb)), \
-        "every memory series, spelled as Bridge spells its MLflow names ('/' -> '_')"
+    spelled = bridge_mlflow_names_on(pp2, set(memory_names(tb)) | set(REQUIRED_MEMORY)
+                                     | {"memory/pp_stage_2/peak_host_rss_gb"})
+    check_required_memory(metrics, spell=spelled.__getitem__)
+    assert memory_names(metrics) == sorted(spelled[name] for name in memory_names(tb)), \
+        f"every memory series, spelled as Bridge {BRIDGE} spells its own MLflow names"
     for name in memory_names(metrics):
         assert [s for s, _ in metrics[name]] == LOGGING_STEPS, f"{name}: once per Bridge logging step"
-    for step, value in metrics["memory_peak_host_rss_gb"]:
+    peak = spelled["memory/peak_host_rss_gb"]
+    for step, value in metrics[peak]:
         first = run.at(run.first_stage, step)
         assert first.peak_before <= value <= first.peak_after
-        assert dict(metrics["memory_pp_stage_0_peak_host_rss_gb"])[step] == value
-    assert [v for _, v in metrics["memory_peak_stage_peak_host_rss_gb"]] == [0, 0, 0]
+        assert dict(metrics[spelled["memory/pp_stage_0/peak_host_rss_gb"]])[step] == value
+    assert [v for _, v in metrics[spelled["memory/peak_stage/peak_host_rss_gb"]]] == [0, 0, 0]
     alone = mlflow_runs(bridge_alone.spec.mlflow_uri, "memlog-bridge")[0]["metrics"]
     assert sorted(n for n in metrics if not n.startswith("memory")) == \
         sorted(n for n in alone if not n.startswith("memory")), "Bridge's own MLflow series all there"
@@ -287,6 +327,26 @@ def test_flag_off_costs_no_collective_and_writes_no_memory(flag_off):
     assert memory_names(tb) == [] and memory_names(mlflow_run["metrics"]) == []
     assert all(memory_names(row) == [] for row in history.values())
     check_bridge_metrics(run, tb, history, mlflow_run["metrics"])
+
+
+def test_should_exit_path_hands_the_flag_back_for_the_next_run_of_the_same_config(pp2, tmp_path):
+    """Bridge's exit_interval/signal/duration path calls sys.exit before on_train_end; a
+    driver that catches it and trains the same config again must find the flag on."""
+    spec = RunSpec(root=str(tmp_path), ballast_mb=BALLAST_MB, callback_kwargs=CALLBACK, backends=("tensorboard",))
+    records = pp2.run_ok(exit_early_then_train_again, spec, 3, timeout=RUN_TIMEOUT_S)
+    for exited, again in records:
+        assert [s.step for s in exited.steps] == [1, 2, 3], "Bridge's own checkpoint_and_decide_exit ended run 1"
+        assert "on_train_end" not in exited.collectives, "the exit path skips on_train_end"
+        assert [s.step for s in again.steps] == ALL_STEPS
+        assert [s.flag_seen_by_training_log for s in again.steps] == [False] * 6
+        for step in LOGGING_STEPS:
+            assert GATHER in again.collectives[f"on_train_step_end@{step}"], \
+                f"rank {again.rank}: the second run's callback found the flag on and logs step {step}"
+        assert again.flag_after_run is True
+    files, tb = tensorboard_events(spec.root)
+    assert len(files) == 2, "one events file per run"
+    assert sorted(s for s, _ in tb["memory/peak_host_rss_gb"]) == [2, 2, 4, 6], "run 1 until its exit, then run 2"
+    assert not bridge_memory_names(tb)
 
 
 # --- cost of an off-interval step (measured, not asserted on time) ------------------------------------

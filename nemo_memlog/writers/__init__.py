@@ -61,19 +61,24 @@ def build_writers(config, *, run_config=None):
     return fanout
 
 
-def adopt_writers(open_loggers) -> InlineFanOut:
+def adopt_writers(open_loggers, spellings: dict | None = None) -> InlineFanOut:
     """Writers over logger objects a framework already opened in this process (None
     entries are skipped; objects no backend recognises are ignored). They are written on
-    the calling thread and flushed, never closed, by us: see inline.py."""
-    modules = [_module(name) for name in backend_modules()]
+    the calling thread and flushed, never closed, by us: see inline.py.
+
+    ``spellings``: ``{backend: key -> name}`` for a backend whose metric names the
+    framework rewrites before writing into it (Megatron-Bridge's MLflow names); that
+    backend's ``adopt`` spells ours the same way, so they sit with the framework's own."""
+    spellings = spellings or {}
+    modules = {name: _module(name) for name in backend_modules()}
     backends = []
     for obj in open_loggers:
         if obj is None:
             continue
-        for module in modules:
-            backend = module.adopt(obj)
+        for name, module in modules.items():
+            backend = module.adopt(obj, spellings[name]) if name in spellings else module.adopt(obj)
             if backend is not None:
-                backends.append((module.__name__.rsplit(".", 1)[1], backend))
+                backends.append((name, backend))
                 break
     return InlineFanOut(backends)
 

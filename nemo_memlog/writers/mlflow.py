@@ -31,14 +31,20 @@ METRICS_PER_BATCH = 1000  # MAX_METRICS_PER_BATCH
 # MLflow's set on Windows; other systems also allow ':', but one mapping everywhere is
 # what keeps a name stable.
 _NOT_ALLOWED = re.compile(r"[^/\w.\- ]")
+_NOT_ALLOWED_POSIX = re.compile(r"[^/\w.\- :]")
 
 
 @functools.lru_cache(maxsize=4096)
 def mlflow_name(key: str) -> str:
     """``key`` as a name MLflow accepts: bad characters -> ``_``; empty, ``.`` and ``..``
     path segments -> ``_``; names over 250 characters cut, with a checksum of the whole."""
-    segments = _NOT_ALLOWED.sub("_", key).split("/")
-    name = "/".join("_" if segment in ("", ".", "..") else segment for segment in segments)
+    return _bounded(_NOT_ALLOWED.sub("_", key), key)
+
+
+def _bounded(name: str, key: str) -> str:
+    """``name`` (``key`` spelled) with empty, ``.`` and ``..`` segments -> ``_`` and cut
+    to MLflow's length, with a checksum of ``key``."""
+    name = "/".join("_" if segment in ("", ".", "..") else segment for segment in name.split("/"))
     if len(name) > MAX_NAME:
         name = f"{name[:MAX_NAME - 9]}_{zlib.crc32(key.encode()):08x}"
     return name
@@ -75,15 +81,16 @@ def open_backend(logger, params: dict, secrets: list[str]) -> "MlflowBackend":
 
 
 
-def adopt(obj) -> "MlflowBackend | None":
+def adopt(obj, spell=None) -> "MlflowBackend | None":
     """The ``mlflow`` module with a run active on this thread, opened by someone else (a
     framework such as Megatron-Bridge); else None.
 
     Writes go to that run through a client holding its id, so they land in it from any
     thread (the fluent API's active run is per thread: elsewhere it silently starts a new
-    run on every call). Names are spelled as such frameworks spell theirs, ``/`` -> ``_``
-    (``memory/peak_reserved_gb`` -> ``memory_peak_reserved_gb``), so our series sit with the
-    framework's own and keep the names its dashboards already use.
+    run on every call). Names are spelled by ``spell(key) -> name``, the framework's own
+    rule for its metrics, so our series sort with its own and keep the names its
+    dashboards already use (without one: ``/`` -> ``_``, ``memory/peak_reserved_gb`` ->
+    ``memory_peak_reserved_gb``); see ``framework_namer``.
     """
     if getattr(obj, "__name__", None) != "mlflow" or not hasattr(obj, "active_run"):
         return None
@@ -92,13 +99,24 @@ def adopt(obj) -> "MlflowBackend | None":
         return None
     from mlflow.tracking import MlflowClient
 
-    return MlflowBackend(MlflowClient(tracking_uri=obj.get_tracking_uri()), run.info.run_id, name=framework_name)
+    name = framework_namer(spell or _underscored)
+    return MlflowBackend(MlflowClient(tracking_uri=obj.get_tracking_uri()), run.info.run_id, name=name)
 
 
-@functools.lru_cache(maxsize=4096)
-def framework_name(key: str) -> str:
-    """``key`` spelled the way frameworks that log through the fluent API spell theirs."""
-    return mlflow_name(key.replace("/", "_"))
+def _underscored(key: str) -> str:
+    return key.replace("/", "_")
+
+
+def framework_namer(spell):
+    """A cached ``key -> name``: ``spell(key)``, then what MLflow would still refuse made
+    safe as ``mlflow_name`` does, except ``:``, which a framework's rule may keep (MLflow
+    takes it everywhere but on Windows, where these frameworks do not run)."""
+
+    @functools.lru_cache(maxsize=4096)
+    def name(key: str) -> str:
+        return _bounded(_NOT_ALLOWED_POSIX.sub("_", spell(key)), key)
+
+    return name
 
 
 class MlflowBackend:

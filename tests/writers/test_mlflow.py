@@ -50,6 +50,21 @@ def test_names_mlflow_rejects_are_mapped_not_dropped():
     assert mlflow_writer.mlflow_name("x" * 300) != mlflow_writer.mlflow_name("x" * 299 + "y")
 
 
+def test_a_frameworks_spelling_is_kept_and_what_mlflow_rejects_still_mapped():
+    from mlflow.utils.validation import _validate_metric_name
+
+    def spell(key):  # a framework's rule: the first '/' kept, ':' kept (Megatron-Bridge 0.4+ keeps both)
+        first, _, rest = key.partition("/")
+        return f"{first}/{rest.replace('/', '_')}" if rest else first
+
+    name = mlflow_writer.framework_namer(spell)
+    assert name("memory/pp_stage_0/peak_host_rss_gb") == "memory/pp_stage_0_peak_host_rss_gb"
+    assert name("memory/rank:3") == "memory/rank:3"
+    assert name("memory/weird key*(1)") == "memory/weird key__1_"
+    for key in ("memory/weird key*(1)", "/a//b/", "a/../b", "rank:3", "", "x" * 300, "memory/"):
+        _validate_metric_name(name(key))  # raises if MLflow would reject it
+
+
 def test_every_metric_reads_back_at_its_step(run):
     _, client, run_id, *_ = run
     for key in STEPS[10]:
