@@ -42,6 +42,8 @@ OOM_SCRIPT = textwrap.dedent("""
         ballast = torch.ones(64 << 20, dtype=torch.uint8, device="cuda")
         torch._C._cuda_attach_out_of_memory_observer(theirs)
         training_log(2, cfg)
+    # A successful allocation while recording: the history (when asked for) has an alloc with its stack.
+    scratch = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
     free, total = torch.cuda.mem_get_info()
     asked = 2 * free
     try:
@@ -88,6 +90,20 @@ def test_a_real_cuda_oom_writes_its_record_and_snapshot(tmp_path):
     assert 0 <= oom["largest_free_block"] <= oom["reserved_free"] <= reserved
     assert not any(segment.get("blocks") and any(b.get("frames") for b in segment["blocks"])
                    for segment in snapshot["segments"])  # no history asked for: no stack traces
+
+
+def test_the_post_mortem_names_the_real_oom(tmp_path):
+    """``nemo-memlog postmortem --json`` on the records a real CUDA OOM left: the rank, its
+    status, the request, and an exit status of 1 (a failure found)."""
+    seen, oom, _ = provoke(tmp_path / "records")
+    done = subprocess.run([sys.executable, "-m", "nemo_memlog.cli", "postmortem", "--json", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1, done.stderr
+    verdict = json.loads(done.stdout)
+    assert verdict["first_failure"]["rank"] == 0 and verdict["first_failure"]["status"] == "cuda_oom", verdict
+    (rank,) = verdict["ranks"]
+    assert rank["status"] == "cuda_oom" and rank["last_iteration"] == 1
+    assert "CUDA OOM" in verdict["first_failure"]["sentence"], verdict["first_failure"]
 
 
 def test_observer_attached_when_cuda_starts_after_the_recorder(tmp_path):
