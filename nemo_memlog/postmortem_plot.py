@@ -98,6 +98,7 @@ def _stop_times(axes, postmortem: Postmortem, first: RankState | None) -> None:
         axes.scatter([first.rank], [0.0], s=250, marker="*", color="red", edgecolor="black", zorder=3,
                      label=f"first failure: rank {first.rank}")
     axes.set_xlabel("rank")
-    axes.set_ylabel("stopped (s after the first failure)")
+    failed = first is not None and first.failure_time is not None
+    axes.set_ylabel("stopped (s after the first failure)" if failed else "stopped (s after the first rank)")
     axes.grid(alpha=0.3)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")

@@ -268,8 +268,10 @@ def train(cfg: DemoConfig, argv: list[str]) -> int:
     pipe = _pipeline(ps, device)
     last_logged = _train_loop(cfg, pipe, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
                               ps.get_data_parallel_group())
+    # Every rank: the writer rank's backends are flushed before the paths below are printed,
+    # and every rank's flight record ends "close" (a clean end) rather than "exit".
+    nemo_memlog.close_writers()
     if dist.get_rank() == dist.get_world_size() - 1:  # nemo_memlog's writer rank
-        nemo_memlog.close_writers()  # every backend flushed before the paths below are printed
         print(summary(cfg, last_logged), flush=True)
     dist.destroy_process_group()
     return 0

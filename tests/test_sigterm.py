@@ -99,6 +99,19 @@ def test_report_on_the_real_run_directory(preempted, capsys):
     assert width >= 400 and height >= 300 and size > 10_000
 
 
+def test_the_post_mortem_of_the_preempted_run_finds_every_rank_closed_by_sigterm(preempted):
+    """Our SIGTERM handler marks every rank's flight record ended ("sigterm"), so the post-mortem
+    of a preempted job reports no failure (exit status 0) and every rank's last iteration."""
+    from tests.test_postmortem_e2e import postmortem
+
+    run, finished, _ = preempted
+    status, found = postmortem(run)
+    assert status == 0 and found["first_failure"] is None, found
+    assert [(r["rank"], r["status"], r["end_reason"]) for r in found["ranks"]] == [
+        (rank, "closed", "sigterm") for rank in range(4)], found
+    assert min(r["last_iteration"] for r in found["ranks"]) >= finished
+
+
 def _read_into(stream, lines):
     # tqdm redraws with carriage returns: split on them to see every update.
     for line in iter(stream.readline, ""):
