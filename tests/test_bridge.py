@@ -11,6 +11,7 @@ tensorboard_log_interval=2, log_interval=1: Bridge logs its metrics (and the cal
 memory) at steps 2, 4, 6, and its iteration-time (log_timers_to_tensorboard) at every step.
 """
 
+import os
 import statistics
 
 import numpy as np
@@ -223,6 +224,22 @@ def test_tensorboard_one_writer_each_memory_series_once_per_step_with_the_first_
         assert f32(last.peak_before) <= stage1 <= f32(last.peak_after)
         assert value - stage1 > CLEAR_GB, "the first stage's ballast shows"
         assert dict(tb["memory/peak_stage/peak_host_rss_gb"])[step] == 0
+
+
+def test_flight_records_beside_the_recipes_logs_ended_at_on_train_end(with_callback):
+    """The callback's default record folder is ``memory_records`` beside the recipe's
+    tensorboard_dir; every rank recorded the logging steps, under one run id, and on_train_end
+    ended each record cleanly: the post-mortem finds no failure."""
+    from tests.test_postmortem_e2e import postmortem
+
+    run = with_callback
+    folder = os.path.join(run.spec.root, "memory_records")
+    assert os.path.dirname(run.spec.tensorboard_dir) == os.path.dirname(folder) and os.path.isdir(folder)
+    status, found = postmortem(folder)
+    assert status == 0 and found["first_failure"] is None and not found["ignored_runs"], found
+    assert [(r["status"], r["end_reason"], r["last_iteration"]) for r in found["ranks"]] == [
+        ("closed", "close", LOGGING_STEPS[-1])] * len(found["ranks"]), found
+    assert len(found["ranks"]) == found["world_size"] >= 2
 
 
 def test_tensorboard_bridge_series_unchanged(with_callback, bridge_alone):
