@@ -328,58 +328,43 @@ class _Liveness(threading.Thread):
             del recorder
             if self.stop.wait(self.period):
                 break
-        self.evidence.close()
 
 
 class HostEvidence:
-    """The host's side of a death by the kernel's OOM killer, read through descriptors kept open:
-    MemAvailable, this process's RSS, /proc/vmstat's oom_kill and the job cgroup's oom_kill
-    (cgroup v2 memory.events, or v1 memory.oom_control). None where the machine lacks one."""
+    """The host's side of a death by the kernel's OOM killer: MemAvailable, this process's RSS,
+    /proc/vmstat's oom_kill and the job cgroup's oom_kill (cgroup v2 memory.events, or v1
+    memory.oom_control), each read through the descriptor memory.py keeps open for it. None
+    where the machine lacks one."""
 
     def __init__(self):
-        self.fds = {name: _open_ro(path) for name, path in (
-            ("meminfo", "/proc/meminfo"), ("status", "/proc/self/status"), ("vmstat", "/proc/vmstat"),
-            ("cgroup", _cgroup_events_path()))}
+        self.cgroup = _cgroup_events_path()
 
     def read(self) -> dict:
-        return {"host_available_gb": _gb(self._field("meminfo", b"MemAvailable:", 1024)),
-                "host_rss_gb": _gb(self._field("status", b"VmRSS:", 1024)),
-                "vmstat_oom_kill": self._field("vmstat", b"oom_kill "),
-                "cgroup_oom_kill": self._field("cgroup", b"oom_kill ")}
+        return {"host_available_gb": _gb(_field("/proc/meminfo", b"MemAvailable:", 1024)),
+                "host_rss_gb": _gb(_field("/proc/self/status", b"VmRSS:", 1024)),
+                "vmstat_oom_kill": _field("/proc/vmstat", b"oom_kill "),
+                "cgroup_oom_kill": _field(self.cgroup, b"oom_kill ")}
 
-    def _field(self, name: str, key: bytes, scale: int = 1):
-        fd = self.fds.get(name)
-        if fd is None:
-            return None
-        try:
-            text = b"\n" + os.pread(fd, 65536, 0)
-            at = text.find(b"\n" + key)
-            if at < 0:
-                return None
-            return int(text[at + 1 + len(key) :].split(None, 1)[0]) * scale
-        except (OSError, ValueError, IndexError):
-            return None
 
-    def close(self) -> None:
-        for fd in self.fds.values():
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+def _field(path: str | None, key: bytes, scale: int = 1):
+    """The number after ``key`` at the start of a line of ``path``, times ``scale``; None where
+    the file or the line is missing."""
+    if path is None:
+        return None
+    from .memory import _read_proc
+
+    try:
+        text = b"\n" + _read_proc(path)
+        at = text.find(b"\n" + key)
+        if at < 0:
+            return None
+        return int(text[at + 1 + len(key) :].split(None, 1)[0]) * scale
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _gb(value):
     return None if value is None else value / GB
-
-
-def _open_ro(path):
-    if path is None:
-        return None
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return None
 
 
 def _cgroup_events_path(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> str | None:
