@@ -21,7 +21,7 @@ _EXPORTS = {
     "gather_memory": "reduce",
     "reduce_max_memory_across_pp_group": "reduce",
     "build_writers": "writers",
-    "FlightRecorder": "recorder",
+    "FlightRecorder": "failure.recorder",
 }
 
 __all__ = sorted(_EXPORTS)

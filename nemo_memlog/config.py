@@ -11,7 +11,7 @@ import functools
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 SECRET_NAME = re.compile(r"api[_-]?key|token|password|passwd|secret|credential|auth", re.IGNORECASE)
 REDACTED = "***redacted***"
@@ -221,6 +221,86 @@ def check_logger_fields(logger) -> None:
 
 
 EXPECTED_FORM = "expected logger.key=value, e.g. logger.log_memory_to_tensorboard=true"
+
+
+# --------------------------------------------------------------------------------------------
+# Settings: what the rest of the package reads, resolved once per run.
+
+
+def _settings_methods():
+    def record_dir(self) -> Optional[str]:
+        """The flight recorder's folder (absolute), or None when it is off: see
+        LoggerConfig.memory_record_dir."""
+        return memory_record_dir(self)
+
+    def world_scope(self) -> bool:
+        return self.memory_reduce_scope == "world"
+
+    def interval_peaks(self) -> bool:
+        return self.memory_peak_window == "interval"
+
+    def to_plain(self) -> dict[str, Any]:
+        """Every field as plain dicts, lists and scalars (for the writer process's wire
+        format). Secrets are kept: this never goes into a record."""
+        return {name: _plain(getattr(self, name)) for name in _OURS}
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in _OURS if _OURS[name].repr)
+        return f"Settings({shown})"
+
+    return {"record_dir": property(record_dir), "world_scope": property(world_scope),
+            "interval_peaks": property(interval_peaks), "to_plain": to_plain, "__repr__": __repr__,
+            "__doc__": """Every LoggerConfig field, resolved once from a config (``resolve``), then frozen.
+
+    The one object the run, the reduction, the recorder and the writers read their settings
+    from, as attributes named as LoggerConfig's fields (documented there), plus ``record_dir``,
+    ``world_scope`` and ``interval_peaks``. Equal settings compare equal, whatever object
+    they came from. Mappings and lists are copies: changing the config afterwards changes
+    nothing here. ``comet_api_key`` is left out of its repr."""}
+
+
+if TYPE_CHECKING:  # type checkers see LoggerConfig's typed fields, read-only at run time
+
+    class Settings(LoggerConfig):
+        record_dir: Optional[str]
+        world_scope: bool
+        interval_peaks: bool
+
+        def to_plain(self) -> dict[str, Any]: ...
+else:
+    Settings = dataclasses.make_dataclass(
+        "Settings",
+        [(f.name, f.type, field(default=None, repr=f.repr)) for f in dataclasses.fields(LoggerConfig)],
+        namespace=_settings_methods(), frozen=True, repr=False)
+    Settings.__module__ = __name__
+
+
+def resolve(config) -> "Settings":
+    """The Settings of ``config``: a LoggerConfig, any object with its field names (Megatron-Bridge's
+    LoggerConfig: our defaults for the fields it lacks), a container whose ``.logger`` is one
+    (Megatron-Bridge's ConfigContainer), a plain-dict form from ``Settings.to_plain()``, or a
+    Settings (returned as is). Raises TypeError for anything else and ValueError for a setting
+    that cannot work, naming the field and what to change."""
+    if isinstance(config, Settings):
+        return config
+    logger = logger_section(config)
+    check_logger_fields(logger)
+    return Settings(**{name: _copied(setting(logger, name)) for name in _OURS})
+
+
+def from_plain(fields: dict[str, Any]) -> "Settings":
+    """The inverse of ``Settings.to_plain()`` (in the writer process)."""
+    return Settings(**{name: _copied(fields.get(name, default_of(name))) for name in _OURS})
+
+
+def _copied(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "items"):
+        return {str(k): _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return tuple(_copied(v) for v in value)
+    return value
 
 
 def memory_record_dir(logger) -> Optional[str]:

@@ -15,6 +15,8 @@ from functools import lru_cache
 
 import torch
 
+from .process_wide import read_proc
+
 GB = 1e9
 
 #: torch.cuda.memory_stats() name -> logged name. Same shape as Megatron-Bridge's
@@ -265,7 +267,7 @@ def _default_plan():
 def host_rss_bytes() -> tuple[int, int]:
     """(current, peak) resident set size of this process in bytes, from the OS."""
     try:
-        text = _read_proc("/proc/self/status")
+        text = read_proc("/proc/self/status")
         return _kb_field(text, b"VmRSS:") * 1024, _kb_field(text, b"VmHWM:") * 1024
     except OSError:
         import resource  # not Linux: peak only, from getrusage
@@ -273,19 +275,6 @@ def host_rss_bytes() -> tuple[int, int]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         peak *= 1 if os.uname().sysname == "Darwin" else 1024
         return peak, peak
-
-
-_proc_fds: dict[str, tuple[int, int]] = {}
-
-
-def _read_proc(path: str) -> bytes:
-    """Re-read a /proc file through a descriptor kept open (a few us instead of an open()).
-    Keyed by pid: after a fork, /proc/self opened by the parent still means the parent."""
-    pid = os.getpid()
-    cached = _proc_fds.get(path)
-    if cached is None or cached[0] != pid:
-        cached = _proc_fds[path] = (pid, os.open(path, os.O_RDONLY | os.O_CLOEXEC))
-    return os.pread(cached[1], 16384, 0)
 
 
 def _kb_field(text: bytes, name: bytes) -> int:
@@ -328,6 +317,6 @@ def capacity_report() -> dict[str, float]:
 
 def host_available_bytes() -> int:
     try:
-        return _kb_field(_read_proc("/proc/meminfo"), b"MemAvailable:") * 1024
+        return _kb_field(read_proc("/proc/meminfo"), b"MemAvailable:") * 1024
     except (OSError, ValueError):
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

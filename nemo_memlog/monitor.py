@@ -103,7 +103,7 @@ class MemoryMonitor:
                                      timeout_s=self.timeout_s)
         self.is_writer_rank = not distributed or dist.get_rank() == self._writer_rank(dist.get_world_size())
         if self.record_dir is not None and self.recorder is None:
-            from .recorder import open_recorder
+            from .failure.recorder import open_recorder
 
             self.recorder = open_recorder(self.record_dir, pp_group=pp_group, pg_collection=pg_collection,
                                           report=self._report, record_history=self.record_history)

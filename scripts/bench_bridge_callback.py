@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tests.bridge_harness import bench_off_interval  # noqa: E402
-from tests.cluster import Cluster  # noqa: E402
+from nemo_memlog.testing.cluster import Cluster  # noqa: E402
 
 
 def main() -> None:

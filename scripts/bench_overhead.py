@@ -83,7 +83,7 @@ import torch.distributed as dist  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.collectives import count_collectives  # noqa: E402  the same pass-through spy the tests use
+from nemo_memlog.testing.collectives import count_collectives  # noqa: E402  the same pass-through spy the tests use
 
 VARIANTS = ("ours", "reduce", "bridge", "composer", "floor", "ours_a2a", "reduce_a2a")
 PIECES = ("report_memory", "capacity_report", "pack", "all_gather", "all_to_all", "unpack", "line_up",
@@ -588,7 +588,7 @@ def recorder_part(repetitions: int, off_calls: int, rounds: int) -> dict:
     from nemo_memlog.config import LoggerConfig
     from nemo_memlog.hook import training_log
     from nemo_memlog.monitor import MemoryMonitor
-    from nemo_memlog.recorder import HostEvidence
+    from nemo_memlog.failure.recorder import HostEvidence
 
     saved = memory._allocator_stats
     stats = h100_cuda_stats(0)

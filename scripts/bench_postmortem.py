@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.flight_sim import layout, write_run  # noqa: E402
+from nemo_memlog.testing.flight_sim import layout, write_run  # noqa: E402
 
 VARIANTS = {"text, no PNG": ["--no-png"], "--json": ["--json"], "text + PNG": []}
 TARGET_S = 10.0

@@ -159,7 +159,7 @@ def _train_step(model, optimizer, stage: int, last_stage: bool, iteration: int, 
 def _fire(manager, event, record, key, **context_fields):
     from megatron.bridge.training.callbacks import CallbackContext, should_fire
 
-    from tests.collectives import count_collectives
+    from nemo_memlog.testing.collectives import count_collectives
 
     if not should_fire(manager, event):
         return
@@ -356,7 +356,7 @@ def bench_off_interval(calls: int) -> dict:
     from nemo_memlog import LoggerConfig, training_log
     from nemo_memlog.bridge import MemoryLogCallback
 
-    from tests.collectives import count_collectives
+    from nemo_memlog.testing.collectives import count_collectives
 
     spec = RunSpec(root="/nonexistent", backends=(), tensorboard_log_interval=1000)
     state = GlobalState()

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.cluster import Cluster
+from nemo_memlog.testing.cluster import Cluster
 
 
 @pytest.fixture(scope="session")

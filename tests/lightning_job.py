@@ -32,7 +32,7 @@ import torch
 
 from nemo_memlog import memory
 
-from tests.collectives import count_collectives
+from nemo_memlog.testing.collectives import count_collectives
 
 MB = 2**20
 HOOKS = ("on_train_start", "on_train_batch_end", "on_train_end")

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.collectives import GATHER
+from nemo_memlog.testing.collectives import GATHER
 
 ROOT = Path(__file__).resolve().parents[1]
 

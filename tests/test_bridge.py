@@ -21,8 +21,8 @@ from tests.bridge_env import bridge_version
 from tests.bridge_harness import (RunSpec, bench_off_interval, bridge_logger_names, bridge_mlflow_names,
                                   callback_mlflow_names, exit_early_then_train_again, train)
 from tests.bridge_readback import mlflow_experiments, mlflow_runs, tensorboard_events, wandb_run
-from tests.cluster import Cluster
-from tests.collectives import GATHER
+from nemo_memlog.testing.cluster import Cluster
+from nemo_memlog.testing.collectives import GATHER
 
 CALLBACK = {"memory_reduce_scope": "pp", "memory_per_stage_keys": ["peak_*"], "memory_reduce_timeout_s": 60}
 LOGGING_STEPS = [2, 4, 6]

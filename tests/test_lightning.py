@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.collectives import GATHER
+from nemo_memlog.testing.collectives import GATHER
 from tests.lightning_job import run_job
 from tests.lightning_readback import BACKENDS, runs, series
 

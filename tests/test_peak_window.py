@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from nemo_memlog import LoggerConfig, close_writers, training_log
-from nemo_memlog.report import format_report, load_run
+from nemo_memlog.offline.report import format_report, load_run
 
 BALLAST_MB = 200
 BALLAST_STAGE = 1

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_memlog import records
+from nemo_memlog.failure import records
 from nemo_memlog.cli import main
-from tests.flight_sim import layout, write_rank, write_run
+from nemo_memlog.testing.flight_sim import layout, write_rank, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = time.time() - 3600.0  # an hour ago: no "may still be running" note

@@ -76,7 +76,7 @@ def rank_main(scenario: str, root: str) -> int:
 
 def launch(root: Path, scenario: str, *, until=None):
     """torchrun with WORLD ranks of this script; ``until(root)`` true: SIGTERM the process group."""
-    from tests.cluster import free_port
+    from nemo_memlog.testing.cluster import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
                "--master-port", str(free_port()), "--monitor-interval", "2", __file__, scenario, str(root)]

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from nemo_memlog import FlightRecorder, LoggerConfig, oom, records
+from nemo_memlog import FlightRecorder, LoggerConfig
+from nemo_memlog.failure import oom, records
 from nemo_memlog.config import memory_record_dir
 from nemo_memlog.memory import capacity_report, report_memory
-from nemo_memlog.recorder import HostEvidence, _cgroup_events_path, open_recorder, run_id
+from nemo_memlog.failure.recorder import HostEvidence, _cgroup_events_path, open_recorder, run_id
 
 ROOT = Path(__file__).resolve().parents[1]
 

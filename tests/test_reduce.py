@@ -9,8 +9,8 @@ import torch
 
 from nemo_memlog import payload
 from nemo_memlog.reduce import MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
-from tests.cluster import Cluster, RankFailure
-from tests.collectives import GATHER, count_collectives
+from nemo_memlog.testing.cluster import Cluster, RankFailure
+from nemo_memlog.testing.collectives import GATHER, count_collectives
 
 
 def _coords():

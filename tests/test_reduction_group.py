@@ -10,8 +10,8 @@ import warnings
 import pytest
 
 from nemo_memlog import LoggerConfig, training_log
-from tests.cluster import Cluster, RankFailure
-from tests.collectives import GATHER, count_collectives
+from nemo_memlog.testing.cluster import Cluster, RankFailure
+from nemo_memlog.testing.collectives import GATHER, count_collectives
 from tests.test_hook import skip_or_log
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import free_port
+from nemo_memlog.testing.cluster import free_port
 from tests.readback import stored_steps, wandb_finished
 
 ROOT = Path(__file__).resolve().parents[1]

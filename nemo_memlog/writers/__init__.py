@@ -14,12 +14,12 @@ process (``FanOut`` here). Both take the same ``log``, ``flush``, ``close`` and 
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import pkgutil
 import warnings
 import weakref
 
+from .. import process_wide
 from ..config import logger_section, recorded_params, secrets_of, setting
 from .fanout import FanOut, Sink
 from .inline import InlineFanOut
@@ -40,7 +40,7 @@ def build_writers(config, *, run_config=None):
     ``.logger``. ``run_config`` (default: ``config``) is recorded once per backend as
     hyperparameters, with secrets redacted and the resolved ``memory_peak_window`` added.
     Backends open lazily, in their own threads (of the writer process, in process mode).
-    Closed at interpreter exit and on SIGTERM (see signals.py). No backend configured: an
+    Closed at interpreter exit and on SIGTERM (see process_wide.py). No backend configured: an
     empty FanOut, and no process.
     """
     logger = logger_section(config)
@@ -55,9 +55,7 @@ def build_writers(config, *, run_config=None):
         fanout = thread_fanout(logger, names, params, secrets)
     _open_fanouts.add(fanout)
     if names:
-        from .. import signals
-
-        signals.install(close_all)
+        process_wide.on_sigterm(close_all)
     return fanout
 
 
@@ -119,7 +117,7 @@ def close_all(timeout_s: float | None = None) -> None:
             pass
 
 
-atexit.register(close_all)
+process_wide.on_exit(close_all)
 
 __all__ = ["FanOut", "InlineFanOut", "adopt_writers", "build_writers", "close_all", "backend_modules",
            "thread_fanout"]

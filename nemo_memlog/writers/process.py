@@ -24,7 +24,7 @@ counts, and exits; a watchdog ends it half a second after the budget whatever a
 backend does, so it never outlives its job. It also polls its parent, in case a forked
 child of the trainer still holds the socket. It ignores SIGINT and SIGTERM, which a
 terminal or a scheduler sends to the whole process group: the trainer's own handler
-(signals.py) or its death decides when the writer process closes. It runs at nice +10.
+(process_wide.py) or its death decides when the writer process closes. It runs at nice +10.
 
 Secrets travel through the socket only. The writer process's environment is this
 process's, less every variable whose name looks like a secret or whose value holds a
@@ -50,6 +50,7 @@ import types
 import warnings
 import weakref
 
+from .. import process_wide
 from ..config import SECRET_NAME, plain_settings, scrubbed, setting
 
 CHILD_MODULE = "nemo_memlog.writers.process"
@@ -398,7 +399,7 @@ def _after_fork_in_child() -> None:
         fanout._forget()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+process_wide.on_fork_child(_after_fork_in_child)
 
 
 # --------------------------------------------------------------------------------------------

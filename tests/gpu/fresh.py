@@ -7,7 +7,7 @@ import os
 import queue
 import traceback
 
-from tests.cluster import free_port
+from nemo_memlog.testing.cluster import free_port
 
 
 def _child(fn, args, backend, port, results):

@@ -13,8 +13,8 @@ import warnings
 import pytest
 
 from nemo_memlog import DEFAULT_MEMORY_KEYS
-from tests.cluster import Cluster
-from tests.collectives import GATHER, count_collectives
+from nemo_memlog.testing.cluster import Cluster
+from nemo_memlog.testing.collectives import GATHER, count_collectives
 from tests.gpu import needs_cuda
 from tests.gpu.fresh import run_alone
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_memlog import records
+from nemo_memlog.failure import records
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ import warnings
 import pytest
 
 from nemo_memlog import LoggerConfig, build_writers
-from tests.cluster import free_port
+from nemo_memlog.testing.cluster import free_port
 
 
 def _messages(caught, backend):

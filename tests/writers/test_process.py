@@ -17,7 +17,7 @@ from pathlib import Path
 
 from nemo_memlog import LoggerConfig, build_writers
 from nemo_memlog.writers import process
-from tests.cluster import free_port
+from nemo_memlog.testing.cluster import free_port
 from tests.readback import stored_steps, tensorboard_steps, wandb_finished
 
 ROOT = Path(__file__).resolve().parents[2]

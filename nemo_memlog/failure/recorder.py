@@ -33,7 +33,6 @@ Custom training loops::
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
 import socket
@@ -44,6 +43,8 @@ import uuid
 import warnings
 import weakref
 
+from .. import process_wide
+from ..process_wide import read_proc
 from . import oom, records
 
 GB = 1e9
@@ -58,7 +59,6 @@ ESSENTIAL_KEYS = ("peak_reserved_gb", "peak_allocated_gb", "current_reserved_gb"
 _open: "weakref.WeakSet[FlightRecorder]" = weakref.WeakSet()
 _by_path: "weakref.WeakValueDictionary[str, FlightRecorder]" = weakref.WeakValueDictionary()
 _shown_dirs: set = set()
-_hooks_installed = False
 
 
 class FlightRecorder:
@@ -247,7 +247,7 @@ def _plain(value):
 
 
 def _default_report() -> dict:
-    from .memory import capacity_report, report_memory
+    from ..memory import capacity_report, report_memory
 
     report = report_memory()
     report.update(capacity_report())
@@ -260,7 +260,7 @@ def _identity(pp_group, pg_collection) -> dict:
 
     distributed = dist.is_available() and dist.is_initialized()
     try:
-        from .megatron import coordinates
+        from ..megatron import coordinates
 
         coords = coordinates(pp_group, pg_collection) if distributed else {"pp": 0, "tp": 0, "dp": 0}
     except Exception:  # the header must not fail for want of a group
@@ -351,10 +351,8 @@ def _field(path: str | None, key: bytes, scale: int = 1):
     the file or the line is missing."""
     if path is None:
         return None
-    from .memory import _read_proc
-
     try:
-        text = b"\n" + _read_proc(path)
+        text = b"\n" + read_proc(path)
         at = text.find(b"\n" + key)
         if at < 0:
             return None
@@ -392,24 +390,23 @@ def _cgroup_events_path(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sy
 
 
 def _install_exit_hooks() -> None:
-    """Once per process: end markers at interpreter exit ("exit"), on an unhandled exception in
-    the main thread ("exception", chained before the hook that was there) and on SIGTERM
-    ("sigterm", before the writers drain: signals.py)."""
-    global _hooks_installed
-    if _hooks_installed:
-        return
-    _hooks_installed = True
-    atexit.register(end_all, "exit")
-    previous = sys.excepthook
+    """End markers at interpreter exit ("exit"), on an unhandled exception in the main thread
+    ("exception") and on SIGTERM ("sigterm", before the writers drain): process_wide.py."""
+    process_wide.on_exit(_end_all_exit)
+    process_wide.on_exception(_end_all_exception)
+    process_wide.on_sigterm(_end_all_sigterm, first=True)
 
-    def excepthook(kind, value, traceback):
-        end_all("exception", f"{kind.__name__}: {value}")
-        previous(kind, value, traceback)
 
-    sys.excepthook = excepthook
-    from . import signals
+def _end_all_exit() -> None:
+    end_all("exit")
 
-    signals.install(lambda: end_all("sigterm"), first=True)
+
+def _end_all_exception(kind, value, traceback) -> None:
+    end_all("exception", f"{kind.__name__}: {value}")
+
+
+def _end_all_sigterm() -> None:
+    end_all("sigterm")
 
 
 _warned: set = set()

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from unittest import mock
 
-from nemo_memlog import recorder as recorder_module
+from nemo_memlog.failure import recorder as recorder_module
 
 GPUS_PER_NODE = 8
 

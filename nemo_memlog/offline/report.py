@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
 
-from .attribution import PREFIX
+from ..attribution import PREFIX
 
 EVENT_GLOB = "events.out.tfevents.*"
 TABLE_WIDTH = 118
@@ -203,7 +203,7 @@ def _peak_window(configs: list[tuple[float, str]]) -> str | None:
     """memory_peak_window from one run's recorded configs, oldest first; "a -> b" when a
     resume changed it; None when no config was recorded. A config without the field was
     written before the option existed, when every peak was the run's."""
-    from .writers.tensorboard import params_from_text
+    from ..writers.tensorboard import params_from_text
 
     windows = []
     for _, text in sorted(configs):
@@ -226,7 +226,7 @@ def _read_event_file(path: Path) -> tuple[dict[str, dict[int, tuple[float, float
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
-    from .writers.tensorboard import CONFIG_TENSOR_TAG
+    from ..writers.tensorboard import CONFIG_TENSOR_TAG
 
     accumulator = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
     accumulator.Reload()

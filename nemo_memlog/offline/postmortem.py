@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import records
+from ..failure import records
 
 DEFAULT_CLOCK_SKEW_S = 2.0
 DEFAULT_LIVENESS_PERIOD_S = 1.0

@@ -24,11 +24,12 @@ import os
 import pickle
 import weakref
 
+from .. import process_wide
+
 #: Snapshots written per process: a loop that catches OOMs and retries must not fill the disk.
 MAX_SNAPSHOTS = 3
 
 _recorders: "weakref.WeakSet" = weakref.WeakSet()
-_attached = False
 _history_on = False
 
 
@@ -50,19 +51,11 @@ def watch(recorder, record_history: bool = False) -> bool:
 
 def attach_when_ready() -> bool:
     """Attach the observer if CUDA is initialised here (once per process); True once attached."""
-    global _attached
-    if _attached:
-        return True
-    import torch
-
-    if not torch.cuda.is_initialized():
-        return False
-    try:
-        torch._C._cuda_attach_out_of_memory_observer(on_oom)
-    except Exception as error:  # a torch without it, or another allocator backend: records go on without
+    attached = process_wide.on_cuda_oom(on_oom)
+    error = process_wide.cuda_oom_attach_error()
+    if attached and error:  # a torch without it, or another allocator backend: records go on without
         _warn("observer", f"cannot attach the CUDA OOM observer ({error}); a CUDA OOM will leave no oom record")
-    _attached = True
-    return True
+    return attached
 
 
 def _record_history(torch) -> None:

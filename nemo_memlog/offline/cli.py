@@ -1,0 +1,149 @@
+"""The ``nemo-memlog`` command. ``nemo-memlog report RUN_DIR`` prints the per-stage memory
+table of a finished (or running) run and writes a PNG of one metric per stage.
+``nemo-memlog postmortem RUN_DIR`` reads the flight records of a job that died and says which
+rank failed first, and what every rank held.
+
+Needs only tensorboard and matplotlib (``pip install nemo_memlog[report]``; the post-mortem
+needs matplotlib only for its PNG): no torch import of its own, no training code, no process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+PNG_NAME = "memory_report.png"
+POSTMORTEM_PNG_NAME = "memory_postmortem.png"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nemo-memlog", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    report = commands.add_parser("report", help="per-stage memory table and PNG from a run's TensorBoard events")
+    report.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                        help="run directory (or its tensorboard dir; event files are found recursively), "
+                             "or one event file; several runs in it: the newest is reported, the others listed")
+    report.add_argument("--png", type=Path, default=None, help=f"where to write the plot (default: RUN_DIR/{PNG_NAME}, beside an event file)")
+    report.add_argument("--metric", default=None,
+                        help="per-stage metric to plot (default: peak_reserved_gb if logged, else peak_host_rss_gb)")
+    _postmortem_parser(commands)
+    return parser
+
+
+def _postmortem_parser(commands) -> None:
+    from .postmortem import DEFAULT_CLOCK_SKEW_S
+
+    postmortem = commands.add_parser(
+        "postmortem", help="which rank failed first, and every rank's memory, from the flight records",
+        description="Read the per-rank flight records below RUN_DIR and lead with the first failure. "
+                    "Exit status: 0 no failure, 1 a failure found, 2 usage error or nothing readable.")
+    postmortem.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                            help="the run's memory_record_dir or any folder above it (searched recursively)")
+    postmortem.add_argument("--json", action="store_true",
+                            help="print the machine-readable form (for a failure hook); no PNG unless --png")
+    postmortem.add_argument("--png", type=Path, default=None,
+                            help=f"where to write the plot (default without --json: RUN_DIR/{POSTMORTEM_PNG_NAME})")
+    postmortem.add_argument("--no-png", action="store_true", help="write no plot")
+    postmortem.add_argument("--all", action="store_true",
+                            help="a table row for every rank (default: every rank up to 64, else a selection "
+                                 "and a summary per pipeline stage)")
+    postmortem.add_argument("--run-id", default=None,
+                            help="the run to report when the folder holds records of several (default: the newest)")
+    postmortem.add_argument("--clock-skew-s", type=_seconds, default=DEFAULT_CLOCK_SKEW_S,
+                            help="how far apart two hosts' clocks may be, in seconds (default: %(default)s)")
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds >= 0 is expected")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit code: 0 on success, 2 on a usage error or a run directory that cannot be read."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:  # argparse has printed the usage message
+        return int(exit_.code or 0)
+    if args.command == "postmortem":
+        return _postmortem(args)
+    from .postmortem import record_hint
+    from .report import ReportError
+
+    try:
+        return _report(args)
+    except ReportError as error:
+        hint = record_hint(args.run_dir)
+        print(f"nemo-memlog: error: {error}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
+        return 2
+
+
+def _postmortem(args) -> int:
+    """Exit code 1 when a failure was found, 0 when every rank closed, 2 when nothing could be read."""
+    import json
+
+    from .postmortem import PostmortemError, analyse
+    from .postmortem_render import format_text, to_json
+
+    try:
+        postmortem = analyse(args.run_dir, run_id=args.run_id, clock_skew_s=args.clock_skew_s)
+    except PostmortemError as error:
+        print(f"nemo-memlog: error: {error}", file=sys.stderr)
+        return 2
+    png = None
+    if not args.no_png and (args.png or not args.json):
+        png = _postmortem_png(postmortem, args.png or args.run_dir / POSTMORTEM_PNG_NAME)
+    if args.json:
+        print(json.dumps(_finite(to_json(postmortem, png and str(png))), indent=1))
+    else:
+        print(format_text(postmortem, all_rows=args.all))
+        if png:
+            print(f"\nplot of the last records per stage and when each rank stopped: {png}")
+    return 1 if postmortem.first_failure is not None else 0
+
+
+def _postmortem_png(postmortem, path) -> Path | None:
+    """The PNG, or None with a warning: a read-only copy of the run or no matplotlib must not
+    hide the post-mortem itself."""
+    try:
+        from .postmortem_plot import write_png
+
+        return write_png(postmortem, path)
+    except (ImportError, OSError) as error:
+        print(f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error}); "
+              "--png PATH to write it elsewhere", file=sys.stderr)
+        return None
+
+
+def _finite(value):
+    """JSON without NaN or Infinity (strict parsers refuse them): non-finite numbers become null."""
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _report(args) -> int:
+    from .report_plot import write_png
+    from .postmortem import record_hint
+    from .report import choose_metric, format_report, load_run
+
+    run = load_run(args.run_dir)
+    print(format_report(run))
+    hint = record_hint(args.run_dir)
+    if hint:
+        print(hint)
+    metric = choose_metric(run, args.metric)
+    folder = args.run_dir.parent if args.run_dir.is_file() else args.run_dir
+    png = write_png(run, metric, args.png or folder / PNG_NAME)
+    print(f"\nplot of {metric} per stage: {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""What belongs to the process, not to a run: each hook installed once, dispatching to the live runs.
+
+A run (``MemoryMonitor``), its flight recorder and its writers register what they need here
+and unregister it when they close; this module holds no run state of its own.
+
+- ``on_sigterm``: SIGTERM (preemption, a scheduler's time limit) runs the callbacks, those
+  registered with ``first=True`` first (the recorders' end markers take microseconds,
+  draining writers can take ``writer_close_timeout_s``), then hands the signal on: to the
+  handler installed before ours (the framework's own), or to the default action, so the
+  process still ends as a SIGTERM'd process would. Installed from the main thread only.
+- ``on_exit``: at interpreter exit (atexit).
+- ``on_exception``: an unhandled exception in the main thread, before the hook that was
+  there (``sys.excepthook``), called as ``callback(kind, value, traceback)``.
+- ``on_fork_child``: in a forked child (a data-loader worker), so it lets go of what
+  belongs to its parent (the writer process's socket).
+- ``on_cuda_oom``: the CUDA allocator's OOM observer, attached once CUDA is initialised,
+  called as ``callback(device, bytes_requested, device_limit, device_free)``.
+- ``read_proc``: a /proc file re-read through a descriptor kept open.
+
+Bound methods are held weakly (a run that is garbage-collected drops out by itself); plain
+functions strongly. ``forget(callback)`` unregisters from every hook. Every dispatch
+swallows the callbacks' exceptions: exit and signal paths must not fail, and a CUDA OOM
+must surface as torch's own error. Nothing here issues a collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import threading
+import weakref
+
+_sigterm: list = []
+_exit: list = []
+_exception: list = []
+_fork_child: list = []
+_cuda_oom: list = []
+_installed: set = set()
+_lock = threading.Lock()
+
+
+def _ref(callback):
+    if hasattr(callback, "__self__") and hasattr(callback, "__func__"):
+        return weakref.WeakMethod(callback)
+    return lambda: callback
+
+
+def _add(registry: list, callback, first: bool = False) -> None:
+    with _lock:
+        if any(ref() == callback for ref in registry):
+            return
+        registry.insert(0, _ref(callback)) if first else registry.append(_ref(callback))
+
+
+def _dispatch(registry: list, *args) -> None:
+    for ref in list(registry):
+        callback = ref()
+        if callback is None:
+            with _lock:
+                if ref in registry:
+                    registry.remove(ref)
+            continue
+        try:
+            callback(*args)
+        except Exception:  # an exit or signal path must not fail, an OOM must stay torch's error
+            pass
+
+
+def forget(callback) -> None:
+    """Unregister ``callback`` from every hook (a run that closed)."""
+    with _lock:
+        for registry in (_sigterm, _exit, _exception, _fork_child, _cuda_oom):
+            registry[:] = [ref for ref in registry if ref() not in (None, callback)]
+
+
+def on_sigterm(callback, *, first: bool = False) -> None:
+    """Run ``callback()`` on SIGTERM, then hand the signal on (see the module's docstring)."""
+    _add(_sigterm, callback, first)
+    if "sigterm" in _installed or threading.current_thread() is not threading.main_thread():
+        return  # Python lets only the main thread install a handler: a later registration there will
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handle(signum, frame):
+        _dispatch(_sigterm)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_IGN:
+            return
+        else:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(signal.SIGTERM, handle)
+    _installed.add("sigterm")
+
+
+def on_exit(callback) -> None:
+    """Run ``callback()`` at interpreter exit."""
+    _add(_exit, callback)
+    if "exit" not in _installed:
+        _installed.add("exit")
+        atexit.register(_dispatch, _exit)
+
+
+def on_exception(callback) -> None:
+    """Run ``callback(kind, value, traceback)`` on an unhandled exception in the main thread."""
+    _add(_exception, callback)
+    if "exception" in _installed:
+        return
+    _installed.add("exception")
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        _dispatch(_exception, kind, value, traceback)
+        previous(kind, value, traceback)
+
+    sys.excepthook = excepthook
+
+
+def on_fork_child(callback) -> None:
+    """Run ``callback()`` in the child after a fork of this process."""
+    _add(_fork_child, callback)
+    if "fork" not in _installed:
+        _installed.add("fork")
+        os.register_at_fork(after_in_child=lambda: _dispatch(_fork_child))
+
+
+def on_cuda_oom(callback) -> bool:
+    """Run ``callback(device, bytes_requested, device_limit, device_free)`` when the CUDA
+    allocator runs out of memory. True once the observer is attached; False while CUDA is not
+    initialised in this process (call ``attach_cuda_oom_observer`` again later)."""
+    _add(_cuda_oom, callback)
+    return attach_cuda_oom_observer()
+
+
+def attach_cuda_oom_observer() -> bool:
+    """Attach the one dispatching observer if CUDA is initialised here; True once attached.
+    An attach that fails (a torch without it, another allocator) counts as attached: there is
+    nothing to retry, and the caller's records go on without OOM records."""
+    if "cuda_oom" in _installed:
+        return True
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return False
+    _installed.add("cuda_oom")
+    try:
+        torch._C._cuda_attach_out_of_memory_observer(lambda *args: _dispatch(_cuda_oom, *args))
+    except Exception as error:
+        _installed.add(f"cuda_oom failed: {type(error).__name__}: {error}")
+    return True
+
+
+def cuda_oom_attach_error() -> str | None:
+    """Why the OOM observer could not be attached, or None."""
+    return next((item.split(": ", 1)[1] for item in _installed if item.startswith("cuda_oom failed")), None)
+
+
+# --------------------------------------------------------------------------------------------
+# /proc, through descriptors kept open
+
+_proc_fds: dict[str, tuple[int, int]] = {}
+
+
+def read_proc(path: str) -> bytes:
+    """Re-read a /proc (or cgroup) file through a descriptor kept open: a few microseconds
+    instead of an open(). Keyed by pid: after a fork, /proc/self opened by the parent still
+    means the parent. Raises OSError where the file cannot be opened."""
+    pid = os.getpid()
+    cached = _proc_fds.get(path)
+    if cached is None or cached[0] != pid:
+        cached = _proc_fds[path] = (pid, os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+    return os.pread(cached[1], 16384, 0)
