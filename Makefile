@@ -42,7 +42,7 @@ define build_env
 	@touch $(1)/.installed
 endef
 
-.PHONY: setup test demo bench clean
+.PHONY: setup lint test demo bench clean
 
 setup: $(STAMP) $(STAMP03)
 
@@ -52,7 +52,13 @@ $(STAMP): pyproject.toml constraints.txt constraints-bridge-0.6.txt Makefile
 $(STAMP03): pyproject.toml constraints.txt constraints-bridge-0.3.txt Makefile
 	$(call build_env,$(VENV03),constraints-bridge-0.3.txt,)
 
-test: $(STAMP) $(STAMP03)
+# Style first: a lint or format error fails in seconds, before the second environment is
+# built and before the suite. The lead formats the tree with `ruff format` and `ruff check --fix`.
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint $(STAMP03)
 	$(PY) -m pytest -q tests
 	@echo "the Bridge tests again, against Megatron-Bridge 0.3.1 ($(VENV03)):"
 	$(VENV03)/bin/python -m pytest -q $(BRIDGE_TESTS)
