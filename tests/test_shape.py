@@ -1,0 +1,398 @@
+"""The package keeps the shape STYLE.md describes, read from the source (ast): nothing is
+imported and no process is started, so this runs in well under a second.
+
+- no module imports another in a circle (imports inside functions count too);
+- a backend's library (wandb, mlflow, comet_ml, TensorBoard's SummaryWriter, tensorboardX) is
+  named only in its own writer module under nemo_memlog/writers/;
+- no torch.distributed collective outside nemo_memlog/reduce.py;
+- no module uses another module's private name;
+- nothing under nemo_memlog/offline imports torch, directly or through what it imports.
+
+Every module of the package is read, nemo_memlog/testing/ included: the helpers that tests and
+scripts share are code too, and a cycle or a private name there decays the same way. Only the
+collective rule exempts them: they build the test clusters and time the field's reductions.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE = "nemo_memlog"
+PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
+
+#: A backend's library -> the modules allowed to name it. The offline report also reads the
+#: TensorBoard event files the tensorboard writer wrote, with tensorboard's own reader
+#: (EventAccumulator): it reads them, it writes nothing, so it is not a second writer.
+BACKEND_LIBRARIES = {
+    "wandb": {"writers/wandb.py"},
+    "mlflow": {"writers/mlflow.py"},
+    "comet_ml": {"writers/comet.py"},
+    "tensorboardX": {"writers/tensorboard.py"},
+    "SummaryWriter": {"writers/tensorboard.py"},
+    "tensorboard": {"writers/tensorboard.py", "offline/report.py"},
+}
+#: Names that mean the library wherever they stand. "wandb", "mlflow" and "tensorboard" alone
+#: are also the names of our own writer modules and registry keys, so for those only an import
+#: of the library (static, or by a dotted string such as "wandb.sdk") counts.
+UNAMBIGUOUS = {"comet_ml", "tensorboardX", "SummaryWriter"}
+DYNAMIC_IMPORTS = {"import_module", "__import__", "find_spec"}
+
+#: torch.distributed's collectives, point-to-point calls and group builders, by the start of their
+#: names, so that variants (all_gather_single, broadcast_object_list, ...) count too.
+COLLECTIVE_PREFIXES = (
+    "all_gather", "all_reduce", "all_to_all", "broadcast", "barrier", "monitored_barrier", "gather", "scatter",
+    "reduce_scatter", "_all_gather", "_reduce_scatter", "new_group", "new_subgroups", "split_group", "send", "recv",
+    "isend", "irecv", "batch_isend_irecv",
+)
+COLLECTIVES_EXACT = {"reduce", "P2POp"}
+COLLECTIVES_ALLOWED = ("reduce.py", "testing/")
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # dotted: nemo_memlog.writers.wandb
+    relative: str  # under the package: writers/wandb.py
+    tree: ast.Module
+    is_package: bool
+
+    def where(self, node: ast.AST) -> str:
+        return f"{PACKAGE}/{self.relative}:{node.lineno}"
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported module, as written in ``module``: ``target`` is absolute and dotted."""
+
+    target: str
+    names: tuple[str, ...]  # from-import names; () for ``import target``
+    node: ast.AST
+    top_level: bool  # runs when the module is imported (not inside a function)
+
+
+@functools.cache
+def modules() -> dict[str, Module]:
+    found = {}
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        relative = path.relative_to(PACKAGE_DIR).as_posix()
+        parts = [PACKAGE, *relative[: -len(".py")].split("/")]
+        is_package = parts[-1] == "__init__"
+        name = ".".join(parts[:-1] if is_package else parts)
+        found[name] = Module(name, relative, ast.parse(path.read_text(), str(path)), is_package)
+    return found
+
+
+def _absolute(module: Module, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.name.split(".")
+    base = base if module.is_package else base[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def _function_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside a function or lambda: imports there run only when it is called."""
+    inside = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            inside.update(id(child) for child in ast.walk(node) if child is not node)
+    return inside
+
+
+@functools.cache
+def imports(name: str) -> tuple[Import, ...]:
+    """Every import in module ``name``, at any depth, with string-literal import_module calls."""
+    module = modules()[name]
+    inside = _function_nodes(module.tree)
+    found = []
+    for node in ast.walk(module.tree):
+        top = id(node) not in inside
+        if isinstance(node, ast.Import):
+            found += [Import(alias.name, (), node, top) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append(Import(_absolute(module, node), tuple(a.name for a in node.names), node, top))
+        elif isinstance(node, ast.Call) and _called_name(node) in DYNAMIC_IMPORTS and node.args:
+            first = node.args[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str):
+                found.append(Import(first.value, (), node, top))
+    return tuple(found)
+
+
+def _called_name(call: ast.Call) -> str | None:
+    func = call.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+
+
+def package_targets(imported: Import) -> list[str]:
+    """The package modules an import names: ``from .x import y`` is x.y where y is a module,
+    else x; ``import nemo_memlog.x`` is nemo_memlog.x. Outside the package: none."""
+    known = modules()
+    if imported.names:
+        targets = {f"{imported.target}.{n}" if f"{imported.target}.{n}" in known else imported.target
+                   for n in imported.names}
+    else:
+        targets = {imported.target}
+    return sorted(t for t in targets if t in known)
+
+
+def _bound_modules(module: Module) -> dict[str, str]:
+    """Local name -> the dotted module it is bound to by an import (package or not)."""
+    known = modules()
+    bound = {}
+    for imported in imports(module.name):
+        node = imported.node
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    bound[alias.asname] = alias.name
+                else:
+                    top = alias.name.split(".")[0]
+                    bound[top] = top
+        elif isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                dotted = f"{imported.target}.{alias.name}"
+                if dotted in known or not imported.target.startswith(PACKAGE):
+                    bound[alias.asname or alias.name] = dotted
+    return bound
+
+
+def _dotted(node: ast.AST, bound: dict[str, str]) -> str | None:
+    """``a.b.c`` with ``a`` bound to a module: that module's dotted path plus ``.b.c``."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name) and node.id in bound:
+        return ".".join([bound[node.id], *reversed(parts)])
+    return None
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+# ------------------------------------------------------------------------------------------
+# (a) no import cycle
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module, or of one importing itself."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, ()):
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_another_in_a_circle():
+    graph, lines = {}, {}
+    for name, module in modules().items():
+        for imported in imports(name):
+            for target in package_targets(imported):
+                if target != name:
+                    graph.setdefault(name, set()).add(target)
+                    lines.setdefault((name, target), module.where(imported.node))
+    problems = []
+    for component in _cycles(graph):
+        members = set(component)
+        edges = [f"    {lines[a, b]}: {a} -> {b}" for a in component for b in sorted(graph[a] & members)]
+        problems.append(f"  cycle among {', '.join(component)}:\n" + "\n".join(edges))
+    assert not problems, "modules that import each other in a circle:\n" + "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------
+# (b) a backend's library only in its own writer module
+
+
+def _library_of(dotted: str) -> str | None:
+    if dotted.startswith(PACKAGE + ".") or dotted == PACKAGE:
+        return None
+    return next((part for part in dotted.split(".") if part in BACKEND_LIBRARIES), None)
+
+
+def _backend_uses(module: Module) -> list[tuple[str, ast.AST]]:
+    uses = []
+    for imported in imports(module.name):
+        library = _library_of(imported.target)
+        library = library or next((n for n in imported.names if n in BACKEND_LIBRARIES and not
+                                   imported.target.startswith(PACKAGE)), None)
+        if library:
+            uses.append((library, imported.node))
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Name) and node.id in UNAMBIGUOUS:
+            uses.append((node.id, node))
+        elif isinstance(node, ast.Attribute) and node.attr in UNAMBIGUOUS:
+            uses.append((node.attr, node))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+            library = text if text in UNAMBIGUOUS else _library_of(text) if "." in text and " " not in text else None
+            if library and (text in UNAMBIGUOUS or text.split(".")[0] == library):
+                uses.append((library, node))
+    return uses
+
+
+def test_a_backend_library_is_named_only_in_its_own_writer_module():
+    problems = []
+    for module in modules().values():
+        for library, node in _backend_uses(module):
+            if module.relative not in BACKEND_LIBRARIES[library]:
+                problems.append(f"  {module.where(node)}: {library} (belongs in "
+                                f"{' or '.join(sorted(BACKEND_LIBRARIES[library]))})")
+    assert not problems, "a backend's library named outside its writer module:\n" + "\n".join(sorted(set(problems)))
+
+
+# ------------------------------------------------------------------------------------------
+# (c) no collective outside reduce.py
+
+
+def _is_collective(name) -> bool:
+    return isinstance(name, str) and (name in COLLECTIVES_EXACT or name.startswith(COLLECTIVE_PREFIXES))
+
+
+def _collective_calls(module: Module) -> list[tuple[str, ast.AST]]:
+    bound = _bound_modules(module)
+    found = []
+    for imported in imports(module.name):
+        if imported.target.startswith("torch.distributed"):
+            found += [(name, imported.node) for name in imported.names if _is_collective(name)]
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Attribute) and _is_collective(node.attr):
+            dotted = _dotted(node.value, bound)
+            if dotted and dotted.startswith("torch.distributed"):
+                found.append((node.attr, node))
+        elif isinstance(node, ast.Call) and _called_name(node) in ("getattr", "hasattr") and len(node.args) >= 2:
+            owner, attribute = node.args[0], node.args[1]
+            if (isinstance(attribute, ast.Constant) and _is_collective(attribute.value)
+                    and (_dotted(owner, bound) or "").startswith("torch.distributed")):
+                found.append((attribute.value, node))
+    return found
+
+
+def test_no_collective_outside_reduce():
+    problems = []
+    for module in modules().values():
+        if module.relative == COLLECTIVES_ALLOWED[0] or module.relative.startswith(COLLECTIVES_ALLOWED[1]):
+            continue
+        problems += [f"  {module.where(node)}: torch.distributed.{name}" for name, node in _collective_calls(module)]
+    assert not problems, "collectives outside nemo_memlog/reduce.py:\n" + "\n".join(sorted(set(problems)))
+
+
+# ------------------------------------------------------------------------------------------
+# (d) no private name across modules
+
+
+@functools.cache
+def _defined_private_names(name: str) -> frozenset[str]:
+    """The private names module ``name`` defines: functions, classes, assignments, and
+    attributes it sets (``self._x = ...``)."""
+    defined = set()
+    for node in ast.walk(modules()[name].tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            defined.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, ast.arg):
+            defined.add(node.arg)
+    return frozenset(n for n in defined if _is_private(n))
+
+
+def _private_uses(module: Module) -> list[str]:
+    known, bound = modules(), _bound_modules(module)
+    package_aliases = {local for local, dotted in bound.items() if dotted in known}
+    own = _defined_private_names(module.name)
+    elsewhere = set().union(*(_defined_private_names(n) for n in known if n != module.name)) - own
+    found = []
+    for imported in imports(module.name):
+        if isinstance(imported.node, ast.ImportFrom) and imported.target in known:
+            found += [f"{module.where(imported.node)}: from {imported.target} import {n}"
+                      for n in imported.names if _is_private(n) and f"{imported.target}.{n}" not in known]
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Attribute) and _is_private(node.attr):
+            dotted = _dotted(node.value, bound)
+            if dotted in known:
+                found.append(f"{module.where(node)}: {dotted}.{node.attr}")
+            elif not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
+                    and node.attr in elsewhere and dotted is None:
+                found.append(f"{module.where(node)}: .{node.attr} of an object from another module")
+        elif isinstance(node, ast.Call):
+            args = node.args
+            for owner, attribute in zip(args, args[1:]):  # setattr(module, "_x"), mock.patch.object(module, "_x")
+                if (isinstance(owner, ast.Name) and owner.id in package_aliases and isinstance(attribute, ast.Constant)
+                        and isinstance(attribute.value, str) and _is_private(attribute.value)):
+                    found.append(f"{module.where(node)}: {bound[owner.id]}.{attribute.value} (by name)")
+            for arg in args[:1]:  # mock.patch("nemo_memlog.x._y")
+                if (isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith(PACKAGE + ".")
+                        and _is_private(arg.value.rsplit(".", 1)[-1])):
+                    found.append(f"{module.where(node)}: {arg.value} (by name)")
+    return found
+
+
+def test_no_module_uses_another_modules_private_name():
+    problems = [f"  {use}" for module in modules().values() for use in _private_uses(module)]
+    assert not problems, "private names used across modules:\n" + "\n".join(sorted(set(problems)))
+
+
+# ------------------------------------------------------------------------------------------
+# (e) the offline commands never import torch
+
+
+def _runs_on_import(name: str) -> list[str]:
+    """What importing ``name`` runs: its parent packages' __init__ and the module."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules()]
+
+
+def _torch_paths(start: str) -> list[str]:
+    """Import chains from offline module ``start`` to torch: every import of an offline module
+    counts (a command calls its functions); elsewhere only the imports run at import time."""
+    seen, found, queue = set(), [], [(m, []) for m in _runs_on_import(start)]
+    while queue:
+        name, chain = queue.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        offline = name.startswith(f"{PACKAGE}.offline")
+        for imported in imports(name):
+            if not (imported.top_level or offline):
+                continue
+            step = [*chain, f"{modules()[name].where(imported.node)} imports {imported.target}"]
+            if imported.target == "torch" or imported.target.startswith("torch."):
+                found.append(" -> ".join(step))
+            for target in package_targets(imported):
+                queue += [(m, step) for m in _runs_on_import(target)]
+    return found
+
+
+def test_the_offline_commands_never_import_torch():
+    problems = []
+    for name in modules():
+        if name.startswith(f"{PACKAGE}.offline"):
+            problems += [f"  {path}" for path in _torch_paths(name)]
+    assert not problems, "torch imported by the offline commands:\n" + "\n".join(sorted(set(problems)))
