@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -48,6 +47,7 @@ from tqdm import tqdm
 
 import nemo_memlog
 from nemo_memlog.config import did_you_mean
+from nemo_memlog.testing.cluster import free_port
 from demo_model import Pipeline, build_stage, learning_rate, one_f_one_b, synthetic_microbatch
 
 DEFAULT_PROCESSES = 4
@@ -234,17 +234,11 @@ def relaunch(overrides: list[str]) -> int:
     """Run this script under torchrun with DEFAULT_PROCESSES local processes; its exit code."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DEFAULT_PROCESSES),
-               "--master-port", str(_free_port()), __file__, *overrides]
+               "--master-port", str(free_port()), __file__, *overrides]
     try:
         return subprocess.call(command, env=env)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the ranks
         return 130
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def train(cfg: DemoConfig, argv: list[str]) -> int:

@@ -1,8 +1,10 @@
-"""scripts/bench_overhead.py --smoke: the benchmark still runs end to end (timings are not checked)."""
+"""scripts/bench_overhead.py --smoke: the benchmark still runs end to end (timings are not checked),
+and leaves no temporary folder behind."""
 
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,3 +33,4 @@ def test_bench_smoke_runs_and_reports_every_part():
     assert "Steps dropped: 0." in out
     assert "Allocator statistics, an H100's statistics fed through" in out or "Allocator statistics, this GPU" in out
     assert "| report_memory |" in out and "| bridge_report_memory |" in out
+    assert not list(Path(tempfile.gettempdir()).glob("nemo_memlog_bench_*"))  # its private TMPDIR, removed
