@@ -20,8 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.bridge_harness import bench_off_interval  # noqa: E402
 from nemo_memlog.testing.cluster import Cluster  # noqa: E402
+from tests.bridge_harness import bench_off_interval  # noqa: E402
 
 
 def main() -> None:
@@ -35,8 +35,10 @@ def main() -> None:
     print(f"off-interval cost, world {args.world}, PP {args.pp}, {args.calls} interleaved calls each, median us")
     print(f"{'rank':>4} {'on_train_step_end':>18} {'training_log':>13} {'empty timer':>12} {'collectives':>12}")
     for rank, result in enumerate(results):
-        print(f"{rank:>4} {result['callback_us']:>18.3f} {result['training_log_us']:>13.3f} "
-              f"{result['empty_us']:>12.3f} {len(result['collectives']):>12}")
+        print(
+            f"{rank:>4} {result['callback_us']:>18.3f} {result['training_log_us']:>13.3f} "
+            f"{result['empty_us']:>12.3f} {len(result['collectives']):>12}"
+        )
 
 
 if __name__ == "__main__":

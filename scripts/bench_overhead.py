@@ -102,8 +102,9 @@ def arguments(argv) -> argparse.Namespace:
     parser.add_argument("--non-logging-calls", type=int, default=None, help="default: 100000")
     parser.add_argument("--writer-steps", type=int, default=None, help="default: 100; 0 skips the writer part")
     parser.add_argument("--backends", default=None, help=f"comma-separated, default: {','.join(BACKENDS)}")
-    parser.add_argument("--work-ms", type=float, default=30.0,
-                        help="the writer part's training-thread work per step (default: 30)")
+    parser.add_argument(
+        "--work-ms", type=float, default=30.0, help="the writer part's training-thread work per step (default: 30)"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the writer rank's host-memory runs")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part (bench_cuda.py) where CUDA is present")
     parser.add_argument("--recorder-reps", type=int, default=None, help="default: 2000; 0 skips the recorder part")
@@ -123,9 +124,14 @@ def pp_parts(args, records: str, started: float) -> tuple[list, dict | None, lis
     non_logging_calls = args.non_logging_calls or (20000 if smoke else 100000)
     rows, non_log, ranks = [], None, None
     for world in sizes:
-        plan = {"iters": args.iters or (20 if smoke else DEFAULT_ITERS.get(world, 200)),
-                "warmup": 5 if smoke else 20, "piece_iters": 10 if smoke else 60, "hot_calls": 100 if smoke else 2000,
-                "non_logging": non_logging_calls if world == sizes[0] else 0, "records": records}
+        plan = {
+            "iters": args.iters or (20 if smoke else DEFAULT_ITERS.get(world, 200)),
+            "warmup": 5 if smoke else 20,
+            "piece_iters": 10 if smoke else 60,
+            "hot_calls": 100 if smoke else 2000,
+            "non_logging": non_logging_calls if world == sizes[0] else 0,
+            "records": records,
+        }
         ranks = run_cluster(world, plan, timeout_s=900)
         rows.append(cluster_row(world, ranks))
         non_log = non_log or ranks[-1].get("non_logging")
@@ -174,8 +180,20 @@ def main(argv=None) -> int:
     print("\n" + "\n".join(cuda_markdown(cuda)))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"rows": rows, "non_logging": non_log, "writer": writer, "memory": memory, "wake": wake,
-                       "recorder": rec, "cuda": cuda}, out, indent=1, default=str)
+            json.dump(
+                {
+                    "rows": rows,
+                    "non_logging": non_log,
+                    "writer": writer,
+                    "memory": memory,
+                    "wake": wake,
+                    "recorder": rec,
+                    "cuda": cuda,
+                },
+                out,
+                indent=1,
+                default=str,
+            )
     return 0
 
 

@@ -98,8 +98,11 @@ def main() -> int:
             write_run(runs[size], ranks, run_id=f"bench-{size}")
             write_s[size] = time.perf_counter() - started
             files = list(runs[size].iterdir())
-            print(f"wrote {len(files)} record files for {size} ranks "
-                  f"({sum(f.stat().st_size for f in files) / 1e6:.0f} MB) in {write_s[size]:.1f} s", flush=True)
+            print(
+                f"wrote {len(files)} record files for {size} ranks "
+                f"({sum(f.stat().st_size for f in files) / 1e6:.0f} MB) in {write_s[size]:.1f} s",
+                flush=True,
+            )
         variants = [v for v in VARIANTS if not (args.smoke and v == "text + PNG")]  # the PNG is tested apart
         timings = {(size, variant): [] for size in sizes for variant in variants}
         cpu = {cell: [] for cell in timings}
@@ -114,22 +117,35 @@ def main() -> int:
                     assert first["probable_host_oom_kill"], first
                 timings[size, variant].append(elapsed)
                 cpu[size, variant].append(cpu_s)
-                print(f"  rep {repetition}: {size} ranks, {variant}: {elapsed:.2f} s wall, {cpu_s:.2f} s CPU", flush=True)
+                print(
+                    f"  rep {repetition}: {size} ranks, {variant}: {elapsed:.2f} s wall, {cpu_s:.2f} s CPU", flush=True
+                )
     print("\nwall time:")
     _table(sizes, variants, timings, write_s)
     print("\nCPU time of the command (user + system):")
     _table(sizes, variants, cpu, write_s)
     if args.json:
-        args.json.write_text(json.dumps({f"{size}|{variant}": {"wall_s": timings[size, variant], "cpu_s": cpu[size, variant]}
-                                         for size, variant in timings}))
+        args.json.write_text(
+            json.dumps(
+                {
+                    f"{size}|{variant}": {"wall_s": timings[size, variant], "cpu_s": cpu[size, variant]}
+                    for size, variant in timings
+                }
+            )
+        )
     worst = max(max(values) for values in timings.values())
     print(f"\nslowest run: {worst:.2f} s (target: under {TARGET_S:.0f} s at 4,096 ranks)")
     return 0
 
 
 def _table(sizes, variants, timings, write_s) -> None:
-    print("| ranks | files written (s) | " + " | ".join(f"{v}: median (max), s" for v in variants)
-          + " | " + " | ".join(f"{v} / {sizes[0]} ranks" for v in variants) + " |")
+    print(
+        "| ranks | files written (s) | "
+        + " | ".join(f"{v}: median (max), s" for v in variants)
+        + " | "
+        + " | ".join(f"{v} / {sizes[0]} ranks" for v in variants)
+        + " |"
+    )
     print("|" + "---:|" * (2 + 2 * len(variants)))
     for size in sizes:
         medians = [statistics.median(timings[size, v]) for v in variants]

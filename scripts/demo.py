@@ -37,7 +37,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,9 +46,9 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
 import nemo_memlog
+from demo_model import Pipeline, build_stage, learning_rate, one_f_one_b, synthetic_microbatch
 from nemo_memlog.config import did_you_mean
 from nemo_memlog.testing.cluster import free_port
-from demo_model import Pipeline, build_stage, learning_rate, one_f_one_b, synthetic_microbatch
 
 DEFAULT_PROCESSES = 4
 
@@ -92,7 +92,7 @@ class ParallelConfig:
 
 @dataclass
 class RunConfig:
-    name: Optional[str] = None
+    name: str | None = None
     """The run's folder under root; default: a new demo-<date>-<time> for every run."""
     root: str = "runs"
     """The folder holding every run's folder."""
@@ -123,8 +123,10 @@ def load_config(overrides: list[str]) -> DemoConfig:
     one and the valid keys. ``run.name`` stays None unless given (see claim_run_dir)."""
     for item in overrides:
         if "=" not in item or "." not in item.split("=", 1)[0]:
-            raise ConfigError(f"bad argument {item!r}: expected section.key=value, sections: "
-                              f"{', '.join(SECTIONS)}, logger (--help lists every key)")
+            raise ConfigError(
+                f"bad argument {item!r}: expected section.key=value, sections: "
+                f"{', '.join(SECTIONS)}, logger (--help lists every key)"
+            )
     ours = [item for item in overrides if not item.startswith("logger.")]
     for item in ours:
         _check_key(item)
@@ -145,13 +147,17 @@ def _check_key(item: str) -> None:
     """A ``section.key=value`` override names a known section and key; else ConfigError listing them."""
     section, _, key = item.split("=", 1)[0].partition(".")
     if section not in SECTIONS:
-        raise ConfigError(f"bad override {item!r}: no section {section!r}{did_you_mean(section, [*SECTIONS, 'logger'])}; "
-                          f"sections: {', '.join(SECTIONS)}, logger (--help lists every key)")
+        raise ConfigError(
+            f"bad override {item!r}: no section {section!r}{did_you_mean(section, [*SECTIONS, 'logger'])}; "
+            f"sections: {', '.join(SECTIONS)}, logger (--help lists every key)"
+        )
     schema = SECTIONS[section]
     names = [f.name for f in dataclasses.fields(schema)]
     if key.split(".")[0] not in names:
-        raise ConfigError(f"bad override {item!r}: Key {key!r} not in {schema.__name__!r}"
-                          f"{did_you_mean(key, names)}; {section} keys: {', '.join(names)}")
+        raise ConfigError(
+            f"bad override {item!r}: Key {key!r} not in {schema.__name__!r}"
+            f"{did_you_mean(key, names)}; {section} keys: {', '.join(names)}"
+        )
 
 
 def logger_defaults(run: RunConfig):
@@ -176,10 +182,17 @@ def logger_defaults(run: RunConfig):
 
 
 def _check(cfg: DemoConfig) -> None:
-    positive = {"train.iters": cfg.train.iters, "train.micro_batches": cfg.train.micro_batches,
-                "train.micro_batch_size": cfg.train.micro_batch_size, "train.seq_len": cfg.train.seq_len,
-                "model.hidden": cfg.model.hidden, "model.layers_per_stage": cfg.model.layers_per_stage,
-                "model.vocab": cfg.model.vocab, "model.heads": cfg.model.heads, "parallel.pp": cfg.parallel.pp}
+    positive = {
+        "train.iters": cfg.train.iters,
+        "train.micro_batches": cfg.train.micro_batches,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.seq_len": cfg.train.seq_len,
+        "model.hidden": cfg.model.hidden,
+        "model.layers_per_stage": cfg.model.layers_per_stage,
+        "model.vocab": cfg.model.vocab,
+        "model.heads": cfg.model.heads,
+        "parallel.pp": cfg.parallel.pp,
+    }
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1; got {value}")
@@ -192,7 +205,8 @@ def _check(cfg: DemoConfig) -> None:
             f"parallel.pp ({cfg.parallel.pp}) must divide the number of processes ({world}): choose "
             f"parallel.pp among {', '.join(fitting)}, or start the demo on N processes yourself, N a multiple "
             f"of {cfg.parallel.pp}: {_tool('torchrun')} --nproc-per-node N scripts/demo.py "
-            f"parallel.pp={cfg.parallel.pp} ...")
+            f"parallel.pp={cfg.parallel.pp} ..."
+        )
 
 
 # ---- the run folder: one per run, never shared -------------------------------------------
@@ -222,9 +236,11 @@ def claim_run_dir(run: RunConfig) -> str:
     folder = root / run.name
     if folder.is_dir() and any(folder.iterdir()):
         if not run.overwrite:
-            raise ConfigError(f"run.name={run.name}: {folder} already holds a run, and runs never share a folder. "
-                              f"Leave run.name out for a new demo-<date>-<time> folder, choose another run.name, "
-                              f"or add run.overwrite=true to delete {folder} and start again")
+            raise ConfigError(
+                f"run.name={run.name}: {folder} already holds a run, and runs never share a folder. "
+                f"Leave run.name out for a new demo-<date>-<time> folder, choose another run.name, "
+                f"or add run.overwrite=true to delete {folder} and start again"
+            )
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     return run.name
@@ -233,8 +249,17 @@ def claim_run_dir(run: RunConfig) -> str:
 def relaunch(overrides: list[str]) -> int:
     """Run this script under torchrun with DEFAULT_PROCESSES local processes; its exit code."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DEFAULT_PROCESSES),
-               "--master-port", str(free_port()), __file__, *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(DEFAULT_PROCESSES),
+        "--master-port",
+        str(free_port()),
+        __file__,
+        *overrides,
+    ]
     try:
         return subprocess.call(command, env=env)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the ranks
@@ -260,8 +285,9 @@ def train(cfg: DemoConfig, argv: list[str]) -> int:
     ps.initialize_model_parallel(pipeline_model_parallel_size=cfg.parallel.pp)
     dist.barrier()  # every rank joins the default group before the first pairwise send (NCCL)
     pipe = _pipeline(ps, device)
-    last_logged = _train_loop(cfg, pipe, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-                              ps.get_data_parallel_group())
+    last_logged = _train_loop(
+        cfg, pipe, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
+    )
     # Every rank: the writer rank's backends are flushed before the paths below are printed,
     # and every rank's flight record ends "close" (a clean end) rather than "exit".
     nemo_memlog.close_writers()
@@ -296,8 +322,11 @@ def stage_device() -> torch.device:
     if gpus >= processes:
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     if gpus and os.environ.get("RANK", "0") == "0":
-        print(f"demo.py: {processes} processes on this node but {gpus} GPU(s): the stages run on CPU (gloo).",
-              file=sys.stderr, flush=True)
+        print(
+            f"demo.py: {processes} processes on this node but {gpus} GPU(s): the stages run on CPU (gloo).",
+            file=sys.stderr,
+            flush=True,
+        )
     return torch.device("cpu")
 
 
@@ -312,16 +341,24 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
     optimizer = torch.optim.Adam(module.parameters(), lr=t.lr)
     hidden_shape = (t.micro_batch_size, t.seq_len, cfg.model.hidden)
     last_logged = None
-    progress = tqdm(range(1, t.iters + 1), desc=f"training ({dist.get_world_size()} processes, PP {pipe.stages})",
-                    unit="it", disable=not writer)
+    progress = tqdm(
+        range(1, t.iters + 1),
+        desc=f"training ({dist.get_world_size()} processes, PP {pipe.stages})",
+        unit="it",
+        disable=not writer,
+    )
     for iteration in progress:
         lr = learning_rate(iteration, t.iters, t.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        loss = one_f_one_b(module, pipe, t.micro_batches,
-                           lambda index: synthetic_microbatch(t, cfg.model.vocab, iteration, dp_rank, index),
-                           hidden_shape)
+        loss = one_f_one_b(
+            module,
+            pipe,
+            t.micro_batches,
+            lambda index, iteration=iteration: synthetic_microbatch(t, cfg.model.vocab, iteration, dp_rank, index),
+            hidden_shape,
+        )
         if dp_size > 1:
             loss = _average_over_data_parallel(module, loss, dp_group, dp_size)
         optimizer.step()
@@ -364,24 +401,35 @@ def summary(cfg: DemoConfig, last_logged) -> str:
     """The closing report: per-stage peaks vs the logged pipeline peak, and the dashboards."""
     lines = [""]
     if last_logged is None:
-        lines.append("No memory was logged: turn on logger.log_memory_to_tensorboard, or make train.iters "
-                     ">= logger.tensorboard_log_interval.")
+        lines.append(
+            "No memory was logged: turn on logger.log_memory_to_tensorboard, or make train.iters "
+            ">= logger.tensorboard_log_interval."
+        )
     else:
         iteration, logged = last_logged
         for name, label in TABLES:
             if f"memory/{name}" in logged:
                 lines += _stage_table(cfg, iteration, logged, name, label)
     run_dir = Path(cfg.run.root) / cfg.run.name
-    lines += ["", f"This run's folder: {run_dir} (a new one for every run; run.name=... chooses it)",
-              "Per-stage table and PNG of this run:", f"  {_tool('nemo-memlog')} report {run_dir}"]
+    lines += [
+        "",
+        f"This run's folder: {run_dir} (a new one for every run; run.name=... chooses it)",
+        "Per-stage table and PNG of this run:",
+        f"  {_tool('nemo-memlog')} report {run_dir}",
+    ]
     local, account = dashboard_commands(cfg.logger)
     if local:
         lines += ["Open the dashboards (no account needed):"] + [f"  {command}" for command in local]
     if account:
-        lines += ["W&B and Comet wrote offline copies; uploading them needs an account "
-                  "(`wandb login` first; COMET_API_KEY set):"] + [f"  {command}" for command in account]
-        lines.append("  without an account, the same series are in the TensorBoard and MLflow dashboards above"
-                     if local else "  without an account, nemo-memlog report above shows the memory series")
+        lines += [
+            "W&B and Comet wrote offline copies; uploading them needs an account "
+            "(`wandb login` first; COMET_API_KEY set):"
+        ] + [f"  {command}" for command in account]
+        lines.append(
+            "  without an account, the same series are in the TensorBoard and MLflow dashboards above"
+            if local
+            else "  without an account, nemo-memlog report above shows the memory series"
+        )
     return "\n".join(lines)
 
 
@@ -390,13 +438,18 @@ TABLES = (("peak_host_rss_gb", "peak host RSS"), ("peak_allocated_gb", "peak CUD
 
 
 def _stage_table(cfg: DemoConfig, iteration: int, logged: dict, name: str, label: str) -> list[str]:
-    stages = sorted(int(key.split("/")[1].removeprefix("pp_stage_")) for key in logged
-                    if key.startswith("memory/pp_stage_") and key.endswith("/" + name))
+    stages = sorted(
+        int(key.split("/")[1].removeprefix("pp_stage_"))
+        for key in logged
+        if key.startswith("memory/pp_stage_") and key.endswith("/" + name)
+    )
     peak, peak_stage = logged[f"memory/{name}"], logged[f"memory/peak_stage/{name}"]
     window = " (since the previous logging step)" if cfg.logger.memory_peak_window == "interval" else ""
-    lines = [f"{label[0].upper() + label[1:]} per pipeline stage at iteration {iteration}{window} "
-             f"(memory/pp_stage_{{i}}/{name}):",
-             f"  stage   microbatches in flight   {label}"]
+    lines = [
+        f"{label[0].upper() + label[1:]} per pipeline stage at iteration {iteration}{window} "
+        f"(memory/pp_stage_{{i}}/{name}):",
+        f"  stage   microbatches in flight   {label}",
+    ]
     last = len(stages) - 1
     for stage in stages:
         in_flight = min(len(stages) - stage, cfg.train.micro_batches)
@@ -405,8 +458,10 @@ def _stage_table(cfg: DemoConfig, iteration: int, logged: dict, name: str, label
             notes.append("<- pipeline peak")
         if stage == last and cfg.logger.writer_mode == "thread":
             notes.append("(also runs the logging backends)")
-        lines.append(f"  {stage:>5}   {in_flight:>22}   {logged[f'memory/pp_stage_{stage}/{name}']:>10.3f} GB  "
-                     + " ".join(notes))
+        lines.append(
+            f"  {stage:>5}   {in_flight:>22}   {logged[f'memory/pp_stage_{stage}/{name}']:>10.3f} GB  "
+            + " ".join(notes)
+        )
     lines.append(f"  logged: memory/{name} = {peak:.3f} GB, memory/peak_stage/{name} = {peak_stage}")
     if last > 0:
         first_minus_last = logged[f"memory/pp_stage_0/{name}"] - logged[f"memory/pp_stage_{last}/{name}"]
@@ -424,7 +479,9 @@ def dashboard_commands(logger) -> tuple[list[str], list[str]]:
         local.append(f"{_tool('mlflow')} ui --backend-store-uri {logger.mlflow_tracking_uri}")
     if logger.wandb_project and os.environ.get("WANDB_MODE") == "offline":
         found = _newest(Path(logger.wandb_save_dir or ".") / "wandb", "offline-run-*")
-        account.append(f"{_tool('wandb')} sync {found or Path(logger.wandb_save_dir or '.') / 'wandb' / 'offline-run-*'}")
+        account.append(
+            f"{_tool('wandb')} sync {found or Path(logger.wandb_save_dir or '.') / 'wandb' / 'offline-run-*'}"
+        )
     if logger.comet_project and logger.comet_offline_directory:
         found = _newest(Path(logger.comet_offline_directory), "*.zip")
         account.append(f"{_tool('comet')} upload {found or Path(logger.comet_offline_directory) / '*.zip'}")
@@ -476,9 +533,13 @@ def _field_docs(schema) -> dict[str, str]:
         return {}
     docs = {}
     for field_node, doc_node in zip(body, body[1:]):
-        if (isinstance(field_node, ast.AnnAssign) and isinstance(field_node.target, ast.Name)
-                and isinstance(doc_node, ast.Expr) and isinstance(doc_node.value, ast.Constant)
-                and isinstance(doc_node.value.value, str)):
+        if (
+            isinstance(field_node, ast.AnnAssign)
+            and isinstance(field_node.target, ast.Name)
+            and isinstance(doc_node, ast.Expr)
+            and isinstance(doc_node.value, ast.Constant)
+            and isinstance(doc_node.value.value, str)
+        ):
             text = " ".join(doc_node.value.value.split())
             docs[field_node.target.id] = re.split(r"(?<!e\.g)\. ", text)[0].rstrip(".")
     return docs

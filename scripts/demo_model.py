@@ -77,8 +77,9 @@ class Stage(nn.Module):
         if first:
             self.embed = nn.Embedding(model_cfg.vocab, model_cfg.hidden)
             self.position = nn.Parameter(0.02 * torch.randn(seq_len, model_cfg.hidden))
-        self.blocks = nn.Sequential(*[Block(model_cfg.hidden, model_cfg.heads)
-                                      for _ in range(model_cfg.layers_per_stage)])
+        self.blocks = nn.Sequential(
+            *[Block(model_cfg.hidden, model_cfg.heads) for _ in range(model_cfg.layers_per_stage)]
+        )
         if last:
             self.norm = nn.LayerNorm(model_cfg.hidden)
             self.head = nn.Linear(model_cfg.hidden, model_cfg.vocab)
@@ -183,8 +184,9 @@ class _PointToPoint:
         return self._exchange(send=output, send_to=self.pipe.next_rank, recv_from=self.pipe.next_rank)
 
     def send_backward_recv_forward(self, grad_input):
-        return self._exchange(send=grad_input, send_to=self.pipe.prev_rank,
-                              recv_from=self.pipe.prev_rank, wants_grad=True)
+        return self._exchange(
+            send=grad_input, send_to=self.pipe.prev_rank, recv_from=self.pipe.prev_rank, wants_grad=True
+        )
 
     def _exchange(self, send=None, send_to=None, recv_from=None, wants_grad=False):
         ops = []

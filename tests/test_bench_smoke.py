@@ -17,7 +17,10 @@ def test_bench_smoke_runs_and_reports_every_part():
     started = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--smoke"],
-        cwd=ROOT, capture_output=True, text=True, timeout=40,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=40,
     )
     elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]

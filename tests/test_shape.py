@@ -43,9 +43,25 @@ DYNAMIC_IMPORTS = {"import_module", "__import__", "find_spec"}
 #: torch.distributed's collectives, point-to-point calls and group builders, by the start of their
 #: names, so that variants (all_gather_single, broadcast_object_list, ...) count too.
 COLLECTIVE_PREFIXES = (
-    "all_gather", "all_reduce", "all_to_all", "broadcast", "barrier", "monitored_barrier", "gather", "scatter",
-    "reduce_scatter", "_all_gather", "_reduce_scatter", "new_group", "new_subgroups", "split_group", "send", "recv",
-    "isend", "irecv", "batch_isend_irecv",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "broadcast",
+    "barrier",
+    "monitored_barrier",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "_all_gather",
+    "_reduce_scatter",
+    "new_group",
+    "new_subgroups",
+    "split_group",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
 )
 COLLECTIVES_EXACT = {"reduce", "P2POp"}
 COLLECTIVES_ALLOWED = ("reduce.py", "testing/")
@@ -131,8 +147,9 @@ def package_targets(imported: Import) -> list[str]:
     else x; ``import nemo_memlog.x`` is nemo_memlog.x. Outside the package: none."""
     known = modules()
     if imported.names:
-        targets = {f"{imported.target}.{n}" if f"{imported.target}.{n}" in known else imported.target
-                   for n in imported.names}
+        targets = {
+            f"{imported.target}.{n}" if f"{imported.target}.{n}" in known else imported.target for n in imported.names
+        }
     else:
         targets = {imported.target}
     return sorted(t for t in targets if t in known)
@@ -239,8 +256,9 @@ def _backend_uses(module: Module) -> list[tuple[str, ast.AST]]:
     uses = []
     for imported in imports(module.name):
         library = _library_of(imported.target)
-        library = library or next((n for n in imported.names if n in BACKEND_LIBRARIES and not
-                                   imported.target.startswith(PACKAGE)), None)
+        library = library or next(
+            (n for n in imported.names if n in BACKEND_LIBRARIES and not imported.target.startswith(PACKAGE)), None
+        )
         if library:
             uses.append((library, imported.node))
     for node in ast.walk(module.tree):
@@ -261,8 +279,9 @@ def test_a_backend_library_is_named_only_in_its_own_writer_module():
     for module in modules().values():
         for library, node in _backend_uses(module):
             if module.relative not in BACKEND_LIBRARIES[library]:
-                problems.append(f"  {module.where(node)}: {library} (belongs in "
-                                f"{' or '.join(sorted(BACKEND_LIBRARIES[library]))})")
+                problems.append(
+                    f"  {module.where(node)}: {library} (belongs in {' or '.join(sorted(BACKEND_LIBRARIES[library]))})"
+                )
     assert not problems, "a backend's library named outside its writer module:\n" + "\n".join(sorted(set(problems)))
 
 
@@ -287,8 +306,11 @@ def _collective_calls(module: Module) -> list[tuple[str, ast.AST]]:
                 found.append((node.attr, node))
         elif isinstance(node, ast.Call) and _called_name(node) in ("getattr", "hasattr") and len(node.args) >= 2:
             owner, attribute = node.args[0], node.args[1]
-            if (isinstance(attribute, ast.Constant) and _is_collective(attribute.value)
-                    and (_dotted(owner, bound) or "").startswith("torch.distributed")):
+            if (
+                isinstance(attribute, ast.Constant)
+                and _is_collective(attribute.value)
+                and (_dotted(owner, bound) or "").startswith("torch.distributed")
+            ):
                 found.append((attribute.value, node))
     return found
 
@@ -331,25 +353,40 @@ def _private_uses(module: Module) -> list[str]:
     found = []
     for imported in imports(module.name):
         if isinstance(imported.node, ast.ImportFrom) and imported.target in known:
-            found += [f"{module.where(imported.node)}: from {imported.target} import {n}"
-                      for n in imported.names if _is_private(n) and f"{imported.target}.{n}" not in known]
+            found += [
+                f"{module.where(imported.node)}: from {imported.target} import {n}"
+                for n in imported.names
+                if _is_private(n) and f"{imported.target}.{n}" not in known
+            ]
     for node in ast.walk(module.tree):
         if isinstance(node, ast.Attribute) and _is_private(node.attr):
             dotted = _dotted(node.value, bound)
             if dotted in known:
                 found.append(f"{module.where(node)}: {dotted}.{node.attr}")
-            elif not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")) \
-                    and node.attr in elsewhere and dotted is None:
+            elif (
+                not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+                and node.attr in elsewhere
+                and dotted is None
+            ):
                 found.append(f"{module.where(node)}: .{node.attr} of an object from another module")
         elif isinstance(node, ast.Call):
             args = node.args
             for owner, attribute in zip(args, args[1:]):  # setattr(module, "_x"), mock.patch.object(module, "_x")
-                if (isinstance(owner, ast.Name) and owner.id in package_aliases and isinstance(attribute, ast.Constant)
-                        and isinstance(attribute.value, str) and _is_private(attribute.value)):
+                if (
+                    isinstance(owner, ast.Name)
+                    and owner.id in package_aliases
+                    and isinstance(attribute, ast.Constant)
+                    and isinstance(attribute.value, str)
+                    and _is_private(attribute.value)
+                ):
                     found.append(f"{module.where(node)}: {bound[owner.id]}.{attribute.value} (by name)")
             for arg in args[:1]:  # mock.patch("nemo_memlog.x._y")
-                if (isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith(PACKAGE + ".")
-                        and _is_private(arg.value.rsplit(".", 1)[-1])):
+                if (
+                    isinstance(arg, ast.Constant)
+                    and isinstance(arg.value, str)
+                    and arg.value.startswith(PACKAGE + ".")
+                    and _is_private(arg.value.rsplit(".", 1)[-1])
+                ):
                     found.append(f"{module.where(node)}: {arg.value} (by name)")
     return found
 

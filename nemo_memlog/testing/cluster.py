@@ -38,8 +38,9 @@ def free_port() -> int:
 
 def _worker(rank, world, pp, port, tasks, results, env):
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     import warnings
 
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex")

@@ -10,9 +10,23 @@ import contextlib
 import torch.distributed as dist
 
 COLLECTIVES = (
-    "all_gather_single", "all_gather_into_tensor", "all_gather", "all_gather_object", "all_reduce", "broadcast",
-    "broadcast_object_list", "barrier", "reduce_scatter_tensor", "gather", "scatter", "reduce",
-    "all_to_all_single", "send", "recv", "isend", "irecv",
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather",
+    "all_gather_object",
+    "all_reduce",
+    "broadcast",
+    "broadcast_object_list",
+    "barrier",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "reduce",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
 )
 
 
@@ -35,6 +49,7 @@ def count_collectives():
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
+
 
 #: The name reduce.py's one collective goes by in this torch.
 GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"

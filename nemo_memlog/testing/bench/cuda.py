@@ -120,21 +120,29 @@ def statistics_part(reps: int) -> dict:
         return {"source": "this GPU", "calls": summarise(interleaved(variants, reps)[0]), "hot_us": hot(variants)}
     with fed_statistics(h100_statistics()):
         variants = statistics_variants(False)
-        return {"source": "an H100's statistics fed through (tests/data)",
-                "calls": summarise(interleaved(variants, reps)[0]), "hot_us": hot(variants, max(100, reps // 3))}
+        return {
+            "source": "an H100's statistics fed through (tests/data)",
+            "calls": summarise(interleaved(variants, reps)[0]),
+            "hot_us": hot(variants, max(100, reps // 3)),
+        }
 
 
 def statistics_markdown(part: dict) -> list[str]:
     calls = part["calls"]
     ours = calls["report_memory"]["median_us"]
     hot_us = part["hot_us"]
-    lines = [f"Allocator statistics, {part['source']}: us per call, median (p90) of "
-             f"{calls['report_memory']['n']} interleaved calls each; hot: best tight loop:", "",
-             "| call | interleaved, median (p90) | / report_memory | hot | / report_memory |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"Allocator statistics, {part['source']}: us per call, median (p90) of "
+        f"{calls['report_memory']['n']} interleaved calls each; hot: best tight loop:",
+        "",
+        "| call | interleaved, median (p90) | / report_memory | hot | / report_memory |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, s in calls.items():
-        lines.append(f"| {name} | {s['median_us']:.1f} ({s['p90_us']:.1f}) | {s['median_us'] / ours:.2f} "
-                     f"| {hot_us[name]:.1f} | {hot_us[name] / hot_us['report_memory']:.2f} |")
+        lines.append(
+            f"| {name} | {s['median_us']:.1f} ({s['p90_us']:.1f}) | {s['median_us'] / ours:.2f} "
+            f"| {hot_us[name]:.1f} | {hot_us[name] / hot_us['report_memory']:.2f} |"
+        )
     return lines
 
 
@@ -172,8 +180,13 @@ def gpu_part(reps: int, queued_ms: float, queued_reps: int) -> dict:
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     held = [torch.ones(int(GB) // 4, device="cuda") for _ in range(2)]  # 2 GB in 2 segments: real statistics
-    out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "nccl": _nccl_version(), "python": sys.version.split()[0]}
+    out = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": _nccl_version(),
+        "python": sys.version.split()[0],
+    }
     out["statistics"] = statistics_part(reps)
     world = dist.group.WORLD
     twin = reduce.reduction_group(world, backend="gloo", world_scope=True, timeout_s=300)
@@ -220,8 +233,10 @@ def _queued(steps: dict, queued_ms: float, queued_reps: int) -> dict:
     from nemo_memlog.testing.gpu_work import QueuedWork, still_busy
 
     work = QueuedWork()
-    queued = {name: {"call_ms": [], "drained_ms": [], "busy": 0, "queued_ms": []}
-              for name in ("ours_gloo", "ours_nccl", "bridge")}
+    queued = {
+        name: {"call_ms": [], "drained_ms": [], "busy": 0, "queued_ms": []}
+        for name in ("ours_gloo", "ours_nccl", "bridge")
+    }
     iteration = 10**6
     for rep in range(queued_reps):
         for name in list(queued)[rep % 3 :] + list(queued)[: rep % 3]:
@@ -238,9 +253,16 @@ def _queued(steps: dict, queued_ms: float, queued_reps: int) -> dict:
             record["drained_ms"].append((time.perf_counter() - start) * 1e3)
             record["busy"] += busy
             record["queued_ms"].append(estimate * 1e3)
-    return {name: {"call_ms": statistics.median(r["call_ms"]), "drained_ms": statistics.median(r["drained_ms"]),
-                   "queued_ms": statistics.median(r["queued_ms"]), "busy": r["busy"], "n": queued_reps}
-            for name, r in queued.items()}
+    return {
+        name: {
+            "call_ms": statistics.median(r["call_ms"]),
+            "drained_ms": statistics.median(r["drained_ms"]),
+            "queued_ms": statistics.median(r["queued_ms"]),
+            "busy": r["busy"],
+            "n": queued_reps,
+        }
+        for name, r in queued.items()
+    }
 
 
 def _nccl_version() -> str:
@@ -249,21 +271,37 @@ def _nccl_version() -> str:
 
 
 def gpu_markdown(gpu: dict) -> list[str]:
-    lines = [f"GPU: {gpu['device']}, torch {gpu['torch']}, CUDA {gpu['cuda']}, NCCL {gpu['nccl']}, "
-             f"Python {gpu['python']}; NCCL world of one.", ""]
+    lines = [
+        f"GPU: {gpu['device']}, torch {gpu['torch']}, CUDA {gpu['cuda']}, NCCL {gpu['nccl']}, "
+        f"Python {gpu['python']}; NCCL world of one.",
+        "",
+    ]
     lines += statistics_markdown(gpu["statistics"])
     steps = gpu["steps"]
     floor = steps["floor_nccl"]["median_us"]
-    lines += ["", f"A logging step's work, idle GPU, us per call, median (p90), {steps['ours_gloo']['n']} "
-              "interleaved calls each:", "", "| variant | median (p90) | / bridge | / floor_nccl |", "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        f"A logging step's work, idle GPU, us per call, median (p90), {steps['ours_gloo']['n']} "
+        "interleaved calls each:",
+        "",
+        "| variant | median (p90) | / bridge | / floor_nccl |",
+        "|---|---:|---:|---:|",
+    ]
     for name, s in steps.items():
-        lines.append(f"| {name} | {s['median_us']:.1f} ({s['p90_us']:.1f}) "
-                     f"| {s['median_us'] / steps['bridge']['median_us']:.2f} | {s['median_us'] / floor:.2f} |")
-    lines += ["", "The same steps with matmuls queued on the stream first (median of "
-              f"{next(iter(gpu['queued'].values()))['n']}), ms:", "",
-              "| variant | queued | the call | queue still running when it returned | call + drain |",
-              "|---|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {name} | {s['median_us']:.1f} ({s['p90_us']:.1f}) "
+            f"| {s['median_us'] / steps['bridge']['median_us']:.2f} | {s['median_us'] / floor:.2f} |"
+        )
+    lines += [
+        "",
+        "The same steps with matmuls queued on the stream first (median of "
+        f"{next(iter(gpu['queued'].values()))['n']}), ms:",
+        "",
+        "| variant | queued | the call | queue still running when it returned | call + drain |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for name, q in gpu["queued"].items():
-        lines.append(f"| {name} | {q['queued_ms']:.0f} | {q['call_ms']:.2f} | {q['busy']}/{q['n']} "
-                     f"| {q['drained_ms']:.0f} |")
+        lines.append(
+            f"| {name} | {q['queued_ms']:.0f} | {q['call_ms']:.2f} | {q['busy']}/{q['n']} | {q['drained_ms']:.0f} |"
+        )
     return lines

@@ -38,23 +38,37 @@ def _measure(folders: dict, repetitions: int, off_calls: int, rounds: int) -> di
     from nemo_memlog.config import LoggerConfig
     from nemo_memlog.monitor import MemoryMonitor
 
-    monitors = {name: MemoryMonitor(LoggerConfig(log_memory_to_tensorboard=True, memory_record_dir=folder),
-                                    writers=NullBackend()) for name, folder in folders.items()}
+    monitors = {
+        name: MemoryMonitor(
+            LoggerConfig(log_memory_to_tensorboard=True, memory_record_dir=folder), writers=NullBackend()
+        )
+        for name, folder in folders.items()
+    }
     try:
         for monitor in monitors.values():
             monitor.place()
         recorder = monitors["on"].recorder
         report = memory.report_memory()  # this rank's report, as a logging step has it
         report.update(memory.capacity_report())
-        logging = {"log_step_off": monitors["off"].log_step, "log_step_on": monitors["on"].log_step,
-                   "record_alone": lambda it: recorder.record(it, report)}
+        logging = {
+            "log_step_off": monitors["off"].log_step,
+            "log_step_on": monitors["on"].log_step,
+            "record_alone": lambda it: recorder.record(it, report),
+        }
         samples = interleaved(logging, repetitions, 20)[0]
         off_ns, off_count = _off_the_logging_steps(folders, off_calls, rounds)
         record = {"seq": 0, "kind": "step", "time": time.time(), "iteration": 1, "report": report}
-        return {"logging": summarise(samples), "off_ns": off_ns, "off_calls": off_count, "rounds": rounds,
-                "beat_us": _beat_ns(recorder, repetitions) / 1e3,
-                "record_bytes": len(json.dumps(record, separators=(",", ":"))), "report_keys": len(report),
-                "slot_bytes": recorder.slot_bytes, "file_bytes": os.path.getsize(recorder.path)}
+        return {
+            "logging": summarise(samples),
+            "off_ns": off_ns,
+            "off_calls": off_count,
+            "rounds": rounds,
+            "beat_us": _beat_ns(recorder, repetitions) / 1e3,
+            "record_bytes": len(json.dumps(record, separators=(",", ":"))),
+            "report_keys": len(report),
+            "slot_bytes": recorder.slot_bytes,
+            "file_bytes": os.path.getsize(recorder.path),
+        }
     finally:
         for monitor in monitors.values():
             monitor.close()
@@ -66,8 +80,12 @@ def _off_the_logging_steps(folders: dict, off_calls: int, rounds: int) -> tuple[
     from nemo_memlog.config import LoggerConfig
     from nemo_memlog.hook import training_log
 
-    configs = {name: LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=NON_LOGGING_INTERVAL,
-                                  memory_record_dir=folder) for name, folder in folders.items()}
+    configs = {
+        name: LoggerConfig(
+            log_memory_to_tensorboard=True, tensorboard_log_interval=NON_LOGGING_INTERVAL, memory_record_dir=folder
+        )
+        for name, folder in folders.items()
+    }
     for cfg in configs.values():
         training_log(NON_LOGGING_INTERVAL, cfg, writers=NullBackend())  # placed: the recorder is open
     iterations = [i for i in range(1, 2 * off_calls) if i % NON_LOGGING_INTERVAL][:off_calls]
@@ -86,8 +104,10 @@ def _beat_ns(recorder, repetitions: int) -> float:
     from nemo_memlog.failure.recorder import HostEvidence
 
     evidence = HostEvidence()
-    return per_call_ns(lambda it: recorder.write_liveness({"alive": time.time(), "beats": it, **evidence.read()}),
-                       max(100, repetitions))
+    return per_call_ns(
+        lambda it: recorder.write_liveness({"alive": time.time(), "beats": it, **evidence.read()}),
+        max(100, repetitions),
+    )
 
 
 def recorder_markdown(rec: dict | None) -> list[str]:
@@ -97,10 +117,13 @@ def recorder_markdown(rec: dict | None) -> list[str]:
     log, off = rec["logging"], rec["off_ns"]
     added = log["log_step_on"]["median_us"] - log["log_step_off"]["median_us"]
     return [
-        "", f"Flight recorder (this process, a GPU-like report of {rec['report_keys']} keys: "
+        "",
+        f"Flight recorder (this process, a GPU-like report of {rec['report_keys']} keys: "
         f"{rec['record_bytes']} bytes per record, {rec['slot_bytes']}-byte slots, {rec['file_bytes']} bytes per rank). "
-        f"us per call:", "",
-        "| | recorder off | recorder on | on/off | added |", "|---|---:|---:|---:|---:|",
+        f"us per call:",
+        "",
+        "| | recorder off | recorder on | on/off | added |",
+        "|---|---:|---:|---:|---:|",
         f"| off the logging steps: training_log, median of {rec['rounds']} rounds of {rec['off_calls']} calls "
         f"| {off['off'] / 1e3:.3f} | {off['on'] / 1e3:.3f} | {off['on'] / off['off']:.2f} "
         f"| {(off['on'] - off['off']) / 1e3:+.3f} |",
@@ -108,7 +131,8 @@ def recorder_markdown(rec: dict | None) -> list[str]:
         f"| {log['log_step_off']['median_us']:.1f} ({log['log_step_off']['p90_us']:.1f}) "
         f"| {log['log_step_on']['median_us']:.1f} ({log['log_step_on']['p90_us']:.1f}) "
         f"| {log['log_step_on']['median_us'] / log['log_step_off']['median_us']:.2f} | {added:+.1f} |",
-        "", f"`record` alone (one json.dumps and one pwrite): {log['record_alone']['median_us']:.1f} us median "
+        "",
+        f"`record` alone (one json.dumps and one pwrite): {log['record_alone']['median_us']:.1f} us median "
         f"({log['record_alone']['p90_us']:.1f} p90). The liveness thread's beat (its /proc reads and one pwrite, "
         f"about once a second, off the training thread): {rec['beat_us']:.1f} us.",
     ]

@@ -24,8 +24,17 @@ from nemo_memlog.testing.cluster import free_port
 from nemo_memlog.testing.collectives import count_collectives
 
 VARIANTS = ("ours", "reduce", "bridge", "composer", "floor", "ours_a2a", "reduce_a2a")
-PIECES = ("report_memory", "capacity_report", "pack", "all_gather", "all_to_all", "unpack", "line_up",
-          "attribution", "hand_off")
+PIECES = (
+    "report_memory",
+    "capacity_report",
+    "pack",
+    "all_gather",
+    "all_to_all",
+    "unpack",
+    "line_up",
+    "attribution",
+    "hand_off",
+)
 DEFAULT_ITERS = {2: 400, 4: 300, 8: 200}
 NON_LOGGING_INTERVAL = 100
 
@@ -154,8 +163,11 @@ def _pieces_timed(group, report: dict, unified: dict, plan: dict, barrier) -> di
     out = {"pieces": summarise(interleaved(steps, plan["piece_iters"], 3, barrier)[0])}
     dist.barrier(group=group)
     if dist.get_rank() == dist.get_world_size() - 1:
-        out["pieces_hot_us"] = {name: per_call_ns(step, plan["hot_calls"]) / 1e3
-                                for name, step in steps.items() if name not in ("all_gather", "all_to_all")}
+        out["pieces_hot_us"] = {
+            name: per_call_ns(step, plan["hot_calls"]) / 1e3
+            for name, step in steps.items()
+            if name not in ("all_gather", "all_to_all")
+        }
     dist.barrier(group=group)
     return out
 
@@ -202,8 +214,13 @@ def non_logging(group, calls: int) -> dict:
     for _iteration in iterations:  # the loop's own cost, shown beside
         pass
     loop_ns = (time.perf_counter_ns() - start) / len(iterations)
-    return {"calls": len(iterations), "ns_per_call": best, "loop_ns": loop_ns, "collectives": len(issued),
-            "all_none": all(r is None for r in returned)}
+    return {
+        "calls": len(iterations),
+        "ns_per_call": best,
+        "loop_ns": loop_ns,
+        "collectives": len(issued),
+        "all_none": all(r is None for r in returned),
+    }
 
 
 def cluster_row(world: int, ranks: list[dict]) -> dict:
@@ -211,8 +228,11 @@ def cluster_row(world: int, ranks: list[dict]) -> dict:
     row = {"pp": world, "variants": {}, "writer": {}, "per_rank_median_us": {}, "cpu_us": {}}
     for name in VARIANTS:
         per_rank = [summary(r["samples"][name]) for r in ranks]
-        row["variants"][name] = {"median_us": max(s["median_us"] for s in per_rank),
-                                 "p90_us": max(s["p90_us"] for s in per_rank), "n": per_rank[0]["n"]}
+        row["variants"][name] = {
+            "median_us": max(s["median_us"] for s in per_rank),
+            "p90_us": max(s["p90_us"] for s in per_rank),
+            "n": per_rank[0]["n"],
+        }
         row["writer"][name] = per_rank[-1]
         row["per_rank_median_us"][name] = [s["median_us"] for s in per_rank]
         row["cpu_us"][name] = max(summary(r["cpu"][name])["median_us"] for r in ranks)
@@ -250,8 +270,13 @@ def pp_markdown(rows: list[dict]) -> list[str]:
                 f"| {med[ours] / med['floor']:.2f} | {med[reduce] / med['bridge']:.2f} "
                 f"| {med[reduce] / med['floor']:.2f} |"
             )
-    lines += ["", "CPU time per call, this process (all threads), largest median over the ranks, us:", "",
-              "| PP | " + " | ".join(VARIANTS) + " |", "|---:|" + "---:|" * len(VARIANTS)]
+    lines += [
+        "",
+        "CPU time per call, this process (all threads), largest median over the ranks, us:",
+        "",
+        "| PP | " + " | ".join(VARIANTS) + " |",
+        "|---:|" + "---:|" * len(VARIANTS),
+    ]
     lines += [f"| {r['pp']} | " + " | ".join(f"{r['cpu_us'][name]:.0f}" for name in VARIANTS) + " |" for r in rows]
     lines += [""] + [
         f"PP {r['pp']}: collectives per logging call: {'+'.join(r['collectives_per_logging_call'])} "
@@ -263,17 +288,25 @@ def pp_markdown(rows: list[dict]) -> list[str]:
 
 
 def _pieces_markdown(rows: list[dict]) -> list[str]:
-    lines = ["", "The pieces of a, one by one, writer rank, us per call: cold = each after a barrier "
-             "(median), as in a logging step; hot = in a tight loop:", "",
-             "| PP | | " + " | ".join(PIECES) + " | sum without all_to_all |",
-             "|---:|---|" + "---:|" * (len(PIECES) + 1)]
+    lines = [
+        "",
+        "The pieces of a, one by one, writer rank, us per call: cold = each after a barrier "
+        "(median), as in a logging step; hot = in a tight loop:",
+        "",
+        "| PP | | " + " | ".join(PIECES) + " | sum without all_to_all |",
+        "|---:|---|" + "---:|" * (len(PIECES) + 1),
+    ]
     for row in rows:
-        for label, p in (("cold", {name: row["pieces"][name]["median_us"] for name in PIECES}),
-                         ("hot", row["pieces_hot_us"])):
+        for label, p in (
+            ("cold", {name: row["pieces"][name]["median_us"] for name in PIECES}),
+            ("hot", row["pieces_hot_us"]),
+        ):
             total = sum(p.get(name, 0) for name in PIECES if name != "all_to_all")
-            lines.append(f"| {row['pp']} | {label} | "
-                         + " | ".join(f"{p[name]:.1f}" if name in p else "-" for name in PIECES)
-                         + f" | {total:.0f} |")
+            lines.append(
+                f"| {row['pp']} | {label} | "
+                + " | ".join(f"{p[name]:.1f}" if name in p else "-" for name in PIECES)
+                + f" | {total:.0f} |"
+            )
     return lines
 
 
@@ -281,7 +314,10 @@ def non_logging_markdown(non_log: dict | None) -> list[str]:
     """Part 2's line."""
     if not non_log:
         return []
-    return ["", f"Non-logging iteration: training_log off the interval, {non_log['calls']} calls: "
-            f"non_logging_ns_per_call={non_log['ns_per_call']:.0f} "
-            f"({non_log['ns_per_call'] / 1e3:.3f} us, of which the loop {non_log['loop_ns']:.0f} ns), "
-            f"non_logging_collectives={non_log['collectives']}, returned None: {non_log['all_none']}"]
+    return [
+        "",
+        f"Non-logging iteration: training_log off the interval, {non_log['calls']} calls: "
+        f"non_logging_ns_per_call={non_log['ns_per_call']:.0f} "
+        f"({non_log['ns_per_call'] / 1e3:.3f} us, of which the loop {non_log['loop_ns']:.0f} ns), "
+        f"non_logging_collectives={non_log['collectives']}, returned None: {non_log['all_none']}",
+    ]

@@ -23,8 +23,9 @@ def summarise(samples: dict) -> dict:
     return {name: summary(values) for name, values in samples.items()}
 
 
-def interleaved(variants: dict, repetitions: int, warmup: int = 20,
-                before: Callable[[], object] | None = None) -> tuple[dict, dict]:
+def interleaved(
+    variants: dict, repetitions: int, warmup: int = 20, before: Callable[[], object] | None = None
+) -> tuple[dict, dict]:
     """Per-call wall and CPU times (ns) of every variant, each called with the repetition's
     number (from 1): each repetition calls every variant once, the first one rotating, so that
     drift and the machine's noise hit every variant alike. ``before`` (a barrier, say) runs

@@ -30,8 +30,9 @@ def backend_config(root: str, name: str, backends: tuple, mode: str = "thread"):
     chosen = {
         "tensorboard": dict(tensorboard_dir=f"{root}/{name}/tensorboard"),
         "wandb": dict(wandb_project="bench", wandb_exp_name=name, wandb_save_dir=f"{root}/{name}"),
-        "mlflow": dict(mlflow_experiment="bench", mlflow_run_name=name,
-                       mlflow_tracking_uri=f"sqlite:///{root}/{name}/mlflow.db"),
+        "mlflow": dict(
+            mlflow_experiment="bench", mlflow_run_name=name, mlflow_tracking_uri=f"sqlite:///{root}/{name}/mlflow.db"
+        ),
         "comet": dict(comet_project="bench", comet_offline_directory=f"{root}/{name}/comet"),
     }
     fields = {k: v for backend in backends for k, v in chosen[backend].items()}
@@ -61,15 +62,20 @@ def writer_part(metrics: dict, steps: int, backends: tuple, root: str, work_ms: 
         backend.close()
     handoff, handoff_cpu, busy, others, synchronous = timings
     return {
-        "steps": steps, "keys": len(metrics), "backends": list(backends), "work_ms": work_ms,
+        "steps": steps,
+        "keys": len(metrics),
+        "backends": list(backends),
+        "work_ms": work_ms,
         "handoff": {mode: summary(handoff[mode]) for mode in MODES},
         "handoff_cpu": {mode: summary(handoff_cpu[mode]) for mode in MODES},
         "loss": {mode: summary([b - o for b, o in zip(busy[mode], busy["off"])]) for mode in MODES},
         "other_threads_cpu": {mode: summary(others[mode]) for mode in MODES},
-        "work_off": summary(busy["off"]), "synchronous": summary(synchronous),
+        "work_off": summary(busy["off"]),
+        "synchronous": summary(synchronous),
         "dropped": {mode: sum(s["dropped"] for s in stats[mode].values()) for mode in MODES},
         "failures": {mode: {name: s["failures"] for name, s in stats[mode].items() if s["failures"]} for mode in MODES},
-        "open_s": open_s, "close_s": time.perf_counter() - closed,
+        "open_s": open_s,
+        "close_s": time.perf_counter() - closed,
     }
 
 
@@ -85,8 +91,10 @@ def _open(metrics: dict, backends: tuple, root: str) -> tuple[dict, list]:
         fanout.log(metrics, 0)  # opens the backends, in their threads (of the writer process)
     sync_cfg = backend_config(root, "sync", backends)
     params = flat_params(sync_cfg)
-    synchronous_backends = [importlib.import_module(f"nemo_memlog.writers.{backend}").open_backend(sync_cfg, params, [])
-                            for backend in backends]
+    synchronous_backends = [
+        importlib.import_module(f"nemo_memlog.writers.{backend}").open_backend(sync_cfg, params, [])
+        for backend in backends
+    ]
     for mode, fanout in fanouts.items():
         if not fanout.flush(180):
             raise RuntimeError(f"the {mode} fan-out's backends did not open: {fanout.stats()}")
@@ -142,9 +150,11 @@ def writer_markdown(writer: dict | None) -> list[str]:
     if not writer:
         return []
     lines = [
-        "", f"Writer rank, {writer['steps']} steps of {writer['keys']} metrics to {', '.join(writer['backends'])}; "
+        "",
+        f"Writer rank, {writer['steps']} steps of {writer['keys']} metrics to {', '.join(writer['backends'])}; "
         f"the training thread's work: {writer['work_off']['median_us'] / 1e3:.1f} ms of pure Python "
-        f"(median, logging off). ms per step, median (p90):", "",
+        f"(median, logging off). ms per step, median (p90):",
+        "",
         "| writer_mode | hand-off (`log`), wall | hand-off, its CPU | training thread's loss, GIL included "
         "| CPU of the trainer's other threads | steps dropped | backend calls failed (retried) |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -152,14 +162,19 @@ def writer_markdown(writer: dict | None) -> list[str]:
     for mode in MODES:
         h, loss, cpu = writer["handoff"][mode], writer["loss"][mode], writer["other_threads_cpu"][mode]
         hc = writer["handoff_cpu"][mode]
-        lines.append(f"| {mode} | {h['median_us'] / 1e3:.3f} ({h['p90_us'] / 1e3:.3f}) "
-                     f"| {hc['median_us'] / 1e3:.3f} ({hc['p90_us'] / 1e3:.3f}) "
-                     f"| {loss['median_us'] / 1e3:.3f} ({loss['p90_us'] / 1e3:.3f}) "
-                     f"| {cpu['median_us'] / 1e3:.3f} ({cpu['p90_us'] / 1e3:.3f}) | {writer['dropped'][mode]} "
-                     f"| {writer['failures'][mode] or 0} |")
+        lines.append(
+            f"| {mode} | {h['median_us'] / 1e3:.3f} ({h['p90_us'] / 1e3:.3f}) "
+            f"| {hc['median_us'] / 1e3:.3f} ({hc['p90_us'] / 1e3:.3f}) "
+            f"| {loss['median_us'] / 1e3:.3f} ({loss['p90_us'] / 1e3:.3f}) "
+            f"| {cpu['median_us'] / 1e3:.3f} ({cpu['p90_us'] / 1e3:.3f}) | {writer['dropped'][mode]} "
+            f"| {writer['failures'][mode] or 0} |"
+        )
     sync = writer["synchronous"]
-    lines += ["", f"The same backends called synchronously: {sync['median_us'] / 1e3:.2f} ms "
-              f"({sync['p90_us'] / 1e3:.2f}) per step. Steps dropped: {sum(writer['dropped'].values())}. "
-              f"Opening the backends took {writer['open_s']:.1f} s, closing them {writer['close_s']:.1f} s "
-              f"(once per run)."]
+    lines += [
+        "",
+        f"The same backends called synchronously: {sync['median_us'] / 1e3:.2f} ms "
+        f"({sync['p90_us'] / 1e3:.2f}) per step. Steps dropped: {sum(writer['dropped'].values())}. "
+        f"Opening the backends took {writer['open_s']:.1f} s, closing them {writer['close_s']:.1f} s "
+        f"(once per run).",
+    ]
     return lines
