@@ -1,7 +1,7 @@
 """How long `nemo-memlog postmortem` takes, from 512 to 4,096 ranks.
 
 For each world size, one process writes every rank's flight record with the recorder's own
-code (tests/flight_sim.py: FlightRecorder, with the coordinates of the rank it plays):
+code (nemo_memlog/testing/flight_sim.py: FlightRecorder, with the coordinates of the rank it plays):
 PP 8 x TP 8 x DP (world / 64), Megatron-Core's rank order, 8 ranks a node (node-000..511 at
 4,096 ranks), the default ring (16 slots of 2 KB), 16 step records per rank. The scenario: one
 rank is SIGKILLed by the OOM killer (no end marker; its host's oom_kill counter goes up), its

@@ -144,7 +144,9 @@ def _called_name(call: ast.Call) -> str | None:
 
 def package_targets(imported: Import) -> list[str]:
     """The package modules an import names: ``from .x import y`` is x.y where y is a module,
-    else x; ``import nemo_memlog.x`` is nemo_memlog.x. Outside the package: none."""
+    else x; ``import nemo_memlog.x`` is nemo_memlog.x. Outside the package: none. The parent
+    packages' __init__, which Python runs first, are not counted: every package would then be
+    in a circle with the submodules it imports."""
     known = modules()
     if imported.names:
         targets = {
