@@ -206,7 +206,8 @@ def test_default_folder_and_off(tmp_path, monkeypatch):
     assert memory_record_dir(LoggerConfig(**on, tensorboard_dir="runs/a/tb")) == str(tmp_path / "runs/a/memory_records")
     assert memory_record_dir(LoggerConfig(**on, wandb_save_dir="w")) == str(tmp_path / "w/memory_records")
     assert memory_record_dir(LoggerConfig(**on)) == str(tmp_path / "memory_records")
-    assert memory_record_dir(LoggerConfig(**on, tensorboard_dir="tb", memory_record_dir="mine")) == str(tmp_path / "mine")
+    mine = LoggerConfig(**on, tensorboard_dir="tb", memory_record_dir="mine")
+    assert memory_record_dir(mine) == str(tmp_path / "mine")
     assert memory_record_dir(LoggerConfig(**on, memory_record_dir="off")) is None
     assert memory_record_dir(LoggerConfig(tensorboard_dir="tb")) is None  # memory logging off
     for bad in ("", 3):
