@@ -19,7 +19,9 @@ from nemo_memlog import FlightRecorder, LoggerConfig
 from nemo_memlog.failure import oom, records
 from nemo_memlog.config import memory_record_dir
 from nemo_memlog.memory import capacity_report, report_memory
-from nemo_memlog.failure.recorder import HostEvidence, _cgroup_events_path, open_recorder, run_id
+from nemo_memlog.failure.evidence import HostEvidence, cgroup_events_path
+from nemo_memlog.failure.identity import run_id
+from nemo_memlog.failure.recorder import open_recorder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,11 +71,29 @@ def test_records_header_and_ring_read_back(tmp_path):
     assert read_back(recorder.path)[1]["beats"] == after["beats"]  # the thread stopped at close
 
 
+def test_what_tests_pass_instead_of_patching(tmp_path):
+    """The header's identity, a clock and no liveness thread as constructor parameters;
+    abandon() leaves the file as a SIGKILL would."""
+    who = {"run_id": "sim", "rank": 5, "world_size": 8, "pp_rank": 1, "tp_rank": 0, "dp_rank": 1, "host": "node-7"}
+    recorder = FlightRecorder(tmp_path, identity=who, clock=lambda: 1000.0, liveness=False, liveness_period_s=0.01)
+    recorder.record(3, {"x": 1.0})
+    time.sleep(0.1)
+    recorder.abandon()
+    assert not recorder.is_open and recorder.fileno() is None
+    header, liveness, found = read_back(recorder.path)
+    assert Path(recorder.path).name == "rank-00005.memrec" and recorder.snapshot_name(0) == "rank-00005.oom-0.pickle"
+    assert {key: header[key] for key in who} == who and header["started"] == 1000.0
+    assert liveness is None  # no thread: no beat
+    assert [(r["kind"], r["time"]) for r in found] == [("step", 1000.0)]  # and no end marker
+    recorder.close()  # after abandon() nothing more is written
+    assert len(read_back(recorder.path)[2]) == 1
+
+
 def test_host_evidence_matches_proc(tmp_path):
     evidence = HostEvidence().read()
     vmstat = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
     assert evidence["vmstat_oom_kill"] == int(vmstat["oom_kill"])
-    cgroup = _cgroup_events_path()
+    cgroup = cgroup_events_path()
     if cgroup is None:
         assert evidence["cgroup_oom_kill"] is None
     else:
@@ -84,7 +104,7 @@ def test_host_evidence_matches_proc(tmp_path):
     (tmp_path / "fs" / "job" / "step").mkdir(parents=True)
     (tmp_path / "fs" / "job" / "step" / "memory.events").write_text("low 0\noom 2\noom_kill 1\noom_group_kill 0\n")
     fake.write_text("0::/job/step\n")
-    assert _cgroup_events_path(str(fake), str(tmp_path / "fs")) == str(tmp_path / "fs/job/step/memory.events")
+    assert cgroup_events_path(str(fake), str(tmp_path / "fs")) == str(tmp_path / "fs/job/step/memory.events")
 
 
 def test_a_report_too_large_for_its_slot_keeps_the_essentials(tmp_path):
@@ -116,7 +136,7 @@ def test_an_io_error_later_warns_once_and_stops_recording(tmp_path):
     recorder = FlightRecorder(tmp_path / "r", liveness_period_s=60)
     recorder.record(1, {"x": 1.0})
     read_only = os.open(recorder.path, os.O_RDONLY)
-    os.dup2(read_only, recorder._fd)  # the descriptor now refuses writes (EBADF), as a failing disk would
+    os.dup2(read_only, recorder.fileno())  # the descriptor now refuses writes (EBADF), as a failing disk would
     os.close(read_only)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -124,7 +144,7 @@ def test_an_io_error_later_warns_once_and_stops_recording(tmp_path):
             recorder.record(iteration, {"x": 1.0})
         recorder.close()
     assert len([w for w in caught if "recording stops" in str(w.message)]) <= 1
-    assert recorder._fd is None
+    assert not recorder.is_open
     assert [r["iteration"] for r in read_back(recorder.path)[2]] == [1]
 
 
@@ -133,9 +153,9 @@ def test_reopening_a_folder_starts_a_fresh_file_and_one_process_shares_its_recor
     assert open_recorder(tmp_path) is first  # two monitors of one process, one file
     first.record(1, {"x": 1.0})
     first.close()
-    assert first._fd is not None  # the other user still has it
+    assert first.is_open  # the other user still has it
     first.close()
-    assert first._fd is None
+    assert not first.is_open
     second = open_recorder(tmp_path)
     assert second is not first
     second.record(5, {"x": 2.0})
@@ -144,11 +164,11 @@ def test_reopening_a_folder_starts_a_fresh_file_and_one_process_shares_its_recor
 
 
 def test_oom_observer_called_as_torch_calls_it(tmp_path):
-    """Without a GPU the one stand-in: call the registered observer with torch's arguments
-    (tests/gpu/test_oom_gpu.py provokes a real CUDA OOM)."""
+    """Without a GPU the one stand-in: call the recorder's observer (the one it registers with
+    process_wide) with torch's arguments (tests/gpu/test_oom_gpu.py provokes a real CUDA OOM)."""
     recorder = FlightRecorder(tmp_path, liveness_period_s=60)
     recorder.record(41, full_report())
-    oom.on_oom(0, 2_000_000_000, 80_000_000_000, 1_000_000_000)
+    recorder.on_cuda_oom(0, 2_000_000_000, 80_000_000_000, 1_000_000_000)
     recorder.close()
     _, _, (step, hit, end) = read_back(recorder.path)
     assert hit["kind"] == "oom" and hit["iteration"] == 41
@@ -186,7 +206,8 @@ def test_default_folder_and_off(tmp_path, monkeypatch):
     assert memory_record_dir(LoggerConfig(**on, tensorboard_dir="runs/a/tb")) == str(tmp_path / "runs/a/memory_records")
     assert memory_record_dir(LoggerConfig(**on, wandb_save_dir="w")) == str(tmp_path / "w/memory_records")
     assert memory_record_dir(LoggerConfig(**on)) == str(tmp_path / "memory_records")
-    assert memory_record_dir(LoggerConfig(**on, tensorboard_dir="tb", memory_record_dir="mine")) == str(tmp_path / "mine")
+    mine = LoggerConfig(**on, tensorboard_dir="tb", memory_record_dir="mine")
+    assert memory_record_dir(mine) == str(tmp_path / "mine")
     assert memory_record_dir(LoggerConfig(**on, memory_record_dir="off")) is None
     assert memory_record_dir(LoggerConfig(tensorboard_dir="tb")) is None  # memory logging off
     for bad in ("", 3):
@@ -257,12 +278,15 @@ EXIT_SCRIPT = textwrap.dedent("""
     elif how == "sigkill":
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "abandon":  # as a SIGKILL leaves it: the exit that follows writes no marker either
+        time.sleep(0.3)
+        recorder.abandon()
 """)
 
 
 def test_every_exit_path_leaves_its_end_marker(tmp_path):
     expected = {"close": (0, "close"), "exit": (3, "exit"), "exception": (1, "exception"),
-                "sigterm": (-signal.SIGTERM, "sigterm"), "sigkill": (-signal.SIGKILL, None)}
+                "sigterm": (-signal.SIGTERM, "sigterm"), "sigkill": (-signal.SIGKILL, None), "abandon": (0, None)}
     done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), *expected], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stderr
@@ -271,7 +295,7 @@ def test_every_exit_path_leaves_its_end_marker(tmp_path):
         assert int(exit_codes[how]) == returncode, f"{how}: {done.stderr}"
         _, liveness, found = read_back(tmp_path / how / "rank-00000.memrec")
         assert found[0]["kind"] == "step" and found[0]["iteration"] == 3
-        if reason is None:  # SIGKILL: the step survives in the page cache, no end marker
+        if reason is None:  # SIGKILL (or abandon()): the step survives in the page cache, no end marker
             assert len(found) == 1 and liveness["beats"] >= 2
         else:
             assert [r["kind"] for r in found] == ["step", "end"] and found[1]["reason"] == reason, how

@@ -1,9 +1,13 @@
 """The failure path: what a rank leaves behind for ``nemo-memlog postmortem``.
 
 - ``records``: the flight-record file format (versioned; no torch).
-- ``recorder``: ``FlightRecorder``, the ring file one rank writes on the step path.
+- ``recorder``: ``FlightRecorder``, the ring file one rank writes on the step path, and
+  ``open_recorder``, which shares one recorder per folder within a process.
+- ``identity``: who writes a file: the run id every rank agrees on, this rank's coordinates.
+- ``evidence``: the host's side of an OOM kill (MemAvailable, RSS, OOM-kill counters).
 - ``oom``: the CUDA allocator's OOM observer, writing an ``oom`` record and a snapshot.
 
-Writing is the rank's, and it never raises into training. Nothing here is imported by
-``import nemo_memlog``; the offline reader (``nemo_memlog.offline``) imports ``records`` only.
+Imports go one way: recorder -> oom, identity, evidence, records; none of those imports
+recorder. Writing is the rank's, and it never raises into training. Nothing here is imported
+by ``import nemo_memlog``; the offline reader (``nemo_memlog.offline``) imports ``records`` only.
 """

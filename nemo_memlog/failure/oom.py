@@ -3,7 +3,8 @@
 torch calls ``observer(device, bytes_requested, device_limit, device_free)`` on the failing
 rank, after the allocator gave up and released its lock, before ``torch.OutOfMemoryError``
 unwinds. ``device_limit`` is the device's total, or the per-process limit when one is set.
-The observer then, for every open FlightRecorder of this process:
+Each open FlightRecorder registers its own observer (``watch``) with process_wide.py, which
+attaches one dispatching observer per process; for that recorder, ``record``:
 
 - takes the allocator snapshot (``torch.cuda.memory._snapshot()``: about 1 ms without
   history), writes it beside the records as ``rank-<rank>.oom-<n>.pickle`` (the format
@@ -15,50 +16,73 @@ The observer then, for every open FlightRecorder of this process:
 Observers are appended, never replaced: Megatron-Bridge's, Composer's or the user's own keep
 firing, in the order they were attached. torch attaches an observer only to devices whose
 allocator exists, so ``watch`` attaches once CUDA is initialised in this process (at once, or
-at the recorder's next record). Never raises: an OOM must surface as torch's own error.
+at the recorder's next record: ``attach_when_ready``). Never raises: an OOM must surface as
+torch's own error. This module knows the recorder only through ``Target``: it imports none.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
-import weakref
+from typing import Callable, Protocol
 
 from .. import process_wide
 
-#: Snapshots written per process: a loop that catches OOMs and retries must not fill the disk.
+#: Snapshots written per recorder: a loop that catches OOMs and retries must not fill the disk.
 MAX_SNAPSHOTS = 3
 
-_recorders: "weakref.WeakSet" = weakref.WeakSet()
+# Per process: the allocator's alloc/free history is one switch for the whole process, so it
+# is started at most once, whichever recorder asks first.
 _history_on = False
 
 
-def watch(recorder, record_history: bool = False) -> bool:
-    """Have the OOM observer write into ``recorder``. ``record_history`` turns on the
-    allocator's alloc/free history (torch.cuda.memory._record_memory_history) for this process.
-    True when the observer still waits for CUDA to be initialised (call attach_when_ready later)."""
+class Target(Protocol):
+    """What ``record`` needs of a recorder (FlightRecorder has it)."""
+
+    directory: str
+    oom_count: int  # OOM records written so far
+    report: Callable[[], dict]  # this rank's report now
+
+    @property
+    def is_open(self) -> bool: ...
+
+    def snapshot_name(self, n: int) -> str: ...
+
+    def record_oom(self, fields: dict, report: dict) -> None: ...
+
+
+def watch(observer, *, warn, record_history: bool = False) -> bool:
+    """Have ``observer(device, bytes_requested, device_limit, device_free)`` called on a CUDA
+    OOM in this process (process_wide holds it weakly when it is a bound method).
+    ``record_history`` turns on the allocator's alloc/free history
+    (torch.cuda.memory._record_memory_history) for this process. ``warn(key, text)`` (a
+    WarnOnce) says what could not be done. True when the observer still waits for CUDA to be
+    initialised (call attach_when_ready later)."""
     import torch
 
-    _recorders.add(recorder)
     if not torch.cuda.is_available():
+        process_wide.on_cuda_oom(observer)  # registered all the same: nothing will call it
         if record_history:
-            _warn("history", "memory_record_history=True has no effect: CUDA is not available")
+            warn("history", "memory_record_history=True has no effect: CUDA is not available")
         return False
     if record_history:
-        _record_history(torch)
-    return not attach_when_ready()
+        _record_history(torch, warn)
+    return not _attached(process_wide.on_cuda_oom(observer), warn)
 
 
-def attach_when_ready() -> bool:
-    """Attach the observer if CUDA is initialised here (once per process); True once attached."""
-    attached = process_wide.on_cuda_oom(on_oom)
+def attach_when_ready(*, warn) -> bool:
+    """Attach the process's observer if CUDA is initialised here; True once attached."""
+    return _attached(process_wide.attach_cuda_oom_observer(), warn)
+
+
+def _attached(attached: bool, warn) -> bool:
     error = process_wide.cuda_oom_attach_error()
     if attached and error:  # a torch without it, or another allocator backend: records go on without
-        _warn("observer", f"cannot attach the CUDA OOM observer ({error}); a CUDA OOM will leave no oom record")
+        warn("observer", f"cannot attach the CUDA OOM observer ({error}); a CUDA OOM will leave no oom record")
     return attached
 
 
-def _record_history(torch) -> None:
+def _record_history(torch, warn) -> None:
     global _history_on
     if _history_on:
         return
@@ -66,51 +90,41 @@ def _record_history(torch) -> None:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
         _history_on = True
     except Exception as error:  # an allocator built without it (e.g. cudaMallocAsync)
-        _warn("history", f"memory_record_history=True could not start the allocator's history ({error})")
+        warn("history", f"memory_record_history=True could not start the allocator's history ({error})")
 
 
-def _warn(kind: str, text: str) -> None:
-    from .recorder import _warn as warn_once
-
-    warn_once(kind, text)
-
-
-def on_oom(device: int, bytes_requested: int, device_limit: int, device_free: int) -> None:
-    """The observer torch calls. Never raises."""
-    for recorder in list(_recorders):
-        try:
-            _record(recorder, device, bytes_requested, device_limit, device_free)
-        except Exception:  # the OOM itself is what the user must see
-            pass
-
-
-def _record(recorder, device, bytes_requested, device_limit, device_free) -> None:
-    if recorder._fd is None:
-        return
-    fields = {"device": int(device), "bytes_requested": int(bytes_requested), "device_limit": int(device_limit),
-              "device_free": int(device_free)}
-    if recorder.oom_count < MAX_SNAPSHOTS:
-        fields.update(_snapshot(recorder))
+def record(target: Target, device: int, bytes_requested: int, device_limit: int, device_free: int) -> None:
+    """Write an ``oom`` record into ``target``: the request, the allocator snapshot (for the
+    first MAX_SNAPSHOTS), and the rank's report. Nothing when ``target`` is closed. Never raises."""
     try:
-        report = recorder.report()
-    except Exception:
-        report = {}
-    recorder.record_oom(fields, report)
+        if not target.is_open:
+            return
+        fields = {"device": int(device), "bytes_requested": int(bytes_requested), "device_limit": int(device_limit),
+                  "device_free": int(device_free)}
+        if target.oom_count < MAX_SNAPSHOTS:
+            fields.update(snapshot(target.directory, target.snapshot_name(target.oom_count)))
+        try:
+            report = target.report()
+        except Exception:
+            report = {}
+        target.record_oom(fields, report)
+    except Exception:  # the OOM itself is what the user must see
+        pass
 
 
-def _snapshot(recorder) -> dict:
-    """Take and write the allocator snapshot; its file name and what its segments say."""
+def snapshot(directory: str, name: str) -> dict:
+    """Take the allocator snapshot and write it to ``directory/name``: ``{"snapshot": name}``
+    once written, plus what its segments say (free_blocks); {} without one. Never raises."""
     import torch
 
     try:
-        snapshot = torch.cuda.memory._snapshot()
+        taken = torch.cuda.memory._snapshot()
     except Exception:
         return {}
-    found = free_blocks(snapshot)
-    name = f"{os.path.splitext(os.path.basename(recorder.path))[0]}.oom-{recorder.oom_count}.pickle"
+    found = free_blocks(taken)
     try:
-        with open(os.path.join(recorder.directory, name), "wb") as out:
-            pickle.dump(snapshot, out)
+        with open(os.path.join(directory, name), "wb") as out:
+            pickle.dump(taken, out)
         found["snapshot"] = name
     except OSError:
         pass

@@ -1,21 +1,19 @@
-"""Flight records of a simulated cluster, written by the recorder's own code (recorder.FlightRecorder).
+"""Flight records of a simulated cluster, written by the recorder's own code (FlightRecorder).
 
 Used by tests/test_postmortem.py and scripts/bench_postmortem.py. One process writes the files
-of many ranks: each FlightRecorder gets the coordinates of the rank it plays (its ``_identity``
-is the one thing replaced) and no liveness thread (the beat it would write is written with the
-recorder's own ``write_liveness``, at the time the scenario chooses). Records, OOM records and
-end markers go through ``record``, ``record_oom`` and ``end`` as in training; a rank that
-"dies" is shut without an end marker, as a SIGKILL leaves it.
+of many ranks, each through a FlightRecorder built with the test parameters it takes: the
+``identity`` of the rank it plays, a ``clock`` on the scenario's timeline, and
+``liveness=False`` (the beat the thread would write is written with the recorder's own
+``write_liveness``, at the time the scenario chooses). Records, OOM records and end markers go
+through ``record``, ``record_oom`` and ``end`` as in training; a rank that "dies" is
+``abandon()``-ed, with no end marker, as a SIGKILL leaves it.
 """
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from unittest import mock
 
-from nemo_memlog.failure import recorder as recorder_module
+from nemo_memlog.failure.recorder import FlightRecorder
 
 GPUS_PER_NODE = 8
 
@@ -68,40 +66,14 @@ def layout(pp: int, tp: int, dp: int, gpus_per_node: int = GPUS_PER_NODE) -> lis
     return ranks
 
 
-class _NoBeat:
-    """Stands in for the liveness thread: the scenario writes the beat itself."""
-
-    def __init__(self, recorder):
-        pass
-
-    def start(self):
-        pass
-
-    def join(self, timeout=None):
-        pass
-
-    def is_alive(self):
-        return False
-
-
 class _Clock:
-    """The recorder's ``time`` module, with ``time()`` on the scenario's timeline."""
+    """A ``time.time`` for the recorder, on the scenario's timeline: it returns ``now``."""
 
-    def __init__(self):
-        self.now = time.time()
+    def __init__(self, now: float):
+        self.now = now
 
-    def time(self) -> float:
+    def __call__(self) -> float:
         return self.now
-
-    def __getattr__(self, name):
-        return getattr(time, name)
-
-
-@contextmanager
-def _playing(rank: Rank, run_id: str, clock: _Clock):
-    with mock.patch.object(recorder_module, "_identity", return_value=rank.identity(run_id)), \
-            mock.patch.object(recorder_module, "_Liveness", _NoBeat), mock.patch.object(recorder_module, "time", clock):
-        yield
 
 
 def write_run(directory, ranks: list[Rank], run_id: str = "sim-run", slots: int | None = None) -> None:
@@ -114,22 +86,20 @@ def write_rank(directory, rank: Rank, run_id: str = "sim-run", slots: int | None
     """One rank's file: its step records 10 s apart up to ``stopped``, its last beat, then its
     OOM record and end marker at ``stopped``."""
     kwargs = {} if slots is None else {"slots": slots}
-    clock = _Clock()
-    clock.now = rank.stopped - 10.0 * (len(rank.iterations) + 1)
-    with _playing(rank, run_id, clock):
-        flight = recorder_module.FlightRecorder(directory, **kwargs)
-        assert flight._fd is not None, f"the recorder could not open {flight.path}"
-        for iteration in rank.iterations:
-            clock.now += 10.0
-            flight.record(iteration, rank.report(iteration))
-        clock.now = rank.stopped
-        if rank.beats:
-            flight.write_liveness({"alive": rank.stopped, "beats": 100, "host_available_gb": rank.host_available_gb,
-                                   "host_rss_gb": rank.host_rss_gb, "vmstat_oom_kill": rank.vmstat_oom_kill,
-                                   "cgroup_oom_kill": rank.cgroup_oom_kill})
-        if rank.oom is not None:
-            flight.record_oom(rank.oom, rank.report(rank.iterations[-1]))
-        if rank.end is not None:
-            flight.end(rank.end, "simulated")
-        flight._shut()  # no end marker of its own: as a SIGKILL leaves the file
+    clock = _Clock(rank.stopped - 10.0 * (len(rank.iterations) + 1))
+    flight = FlightRecorder(directory, identity=rank.identity(run_id), clock=clock, liveness=False, **kwargs)
+    assert flight.is_open, f"the recorder could not open {flight.path}"
+    for iteration in rank.iterations:
+        clock.now += 10.0
+        flight.record(iteration, rank.report(iteration))
+    clock.now = rank.stopped
+    if rank.beats:
+        flight.write_liveness({"alive": rank.stopped, "beats": 100, "host_available_gb": rank.host_available_gb,
+                               "host_rss_gb": rank.host_rss_gb, "vmstat_oom_kill": rank.vmstat_oom_kill,
+                               "cgroup_oom_kill": rank.cgroup_oom_kill})
+    if rank.oom is not None:
+        flight.record_oom(rank.oom, rank.report(rank.iterations[-1]))
+    if rank.end is not None:
+        flight.end(rank.end, "simulated")
+    flight.abandon()  # no end marker of its own: as a SIGKILL leaves the file
     return flight.path

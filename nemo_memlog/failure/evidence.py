@@ -1,0 +1,71 @@
+"""The host's side of a death by the kernel's OOM killer, as the liveness beat records it.
+
+A rank killed by the OOM killer (SIGKILL) writes nothing more; what the post-mortem can show
+is what the host looked like up to then: MemAvailable, this process's RSS, /proc/vmstat's
+``oom_kill`` and the job cgroup's ``oom_kill`` (cgroup v2 ``memory.events``, or v1
+``memory.oom_control``). Each file is re-read through a descriptor kept open
+(``process_wide.read_proc``): the beat costs microseconds and never allocates a descriptor.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..process_wide import read_proc
+
+GB = 1e9
+
+
+class HostEvidence:
+    """``read()``: the liveness slot's evidence fields (records.py), None where the machine
+    lacks one. The cgroup file is found once, at construction. Never raises."""
+
+    def __init__(self):
+        self.cgroup = cgroup_events_path()
+
+    def read(self) -> dict:
+        return {"host_available_gb": _gb(_field("/proc/meminfo", b"MemAvailable:", 1024)),
+                "host_rss_gb": _gb(_field("/proc/self/status", b"VmRSS:", 1024)),
+                "vmstat_oom_kill": _field("/proc/vmstat", b"oom_kill "),
+                "cgroup_oom_kill": _field(self.cgroup, b"oom_kill ")}
+
+
+def cgroup_events_path(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> str | None:
+    """This process's cgroup file that counts OOM kills: v2 ``memory.events``, v1
+    ``memory.oom_control``; None where neither is readable. ``proc_cgroup`` and ``root`` are
+    the files the kernel shows (a test points them at a fake tree)."""
+    try:
+        with open(proc_cgroup) as lines:
+            entries = [line.rstrip("\n").split(":", 2) for line in lines]
+    except OSError:
+        return None
+    candidates = []
+    for entry in entries:
+        if len(entry) != 3:
+            continue
+        _, controllers, path = entry
+        if controllers == "":  # v2: "0::/path"
+            candidates += [os.path.join(root, path.lstrip("/"), "memory.events"), os.path.join(root, "memory.events")]
+        elif "memory" in controllers.split(","):  # v1
+            candidates += [os.path.join(root, "memory", path.lstrip("/"), "memory.oom_control"),
+                           os.path.join(root, "memory", "memory.oom_control")]
+    return next((path for path in candidates if os.access(path, os.R_OK)), None)
+
+
+def _field(path: str | None, key: bytes, scale: int = 1):
+    """The number after ``key`` at the start of a line of ``path``, times ``scale``; None where
+    the file or the line is missing."""
+    if path is None:
+        return None
+    try:
+        text = b"\n" + read_proc(path)
+        at = text.find(b"\n" + key)
+        if at < 0:
+            return None
+        return int(text[at + 1 + len(key) :].split(None, 1)[0]) * scale
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _gb(value):
+    return None if value is None else value / GB
