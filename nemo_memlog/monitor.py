@@ -4,9 +4,11 @@ It owns what a run keeps between logging steps: the settings (one ``config.Setti
 resolved once, when it is built), the group it reduces over, its ``reduce.Reduction`` (the
 channels and the gloo twin) and this rank's place in the job (resolved at the first logging
 step, when the groups surely exist), the flight recorder, the writers (writer rank only) and
-the once-only warnings (one ``WarnOnce``). ``close()`` releases them. ``log(iteration)`` is the per-iteration entry point, called on every
-rank: off the logging iterations it returns None after two attribute reads and a modulo,
-with no collective, no allocation and no backend call.
+the once-only warnings (one ``WarnOnce``). ``close()`` releases them.
+
+``log(iteration)`` is the per-iteration entry point, called on every rank: off the logging
+iterations it returns None after two attribute reads and a modulo, with no collective, no
+allocation and no backend call.
 
 ``training_log()`` (hook.py) finds the monitor for its config's settings; a framework
 integration (bridge.py, lightning.py) holds one.
