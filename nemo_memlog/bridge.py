@@ -39,14 +39,17 @@ import re
 
 from megatron.bridge.training.callbacks import Callback
 
-from .config import LoggerConfig, checked_settings, memory_record_dir
+from .config import LoggerConfig, checked_settings, memory_record_dir, resolve
 from .monitor import MemoryMonitor
 
 #: Our settings that Bridge's LoggerConfig lacks: the callback's keyword arguments.
 BRIDGE_FIELDS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memory_keys")
 OWN_SETTINGS = tuple(f.name for f in dataclasses.fields(LoggerConfig)
                      if f.name.startswith("memory_") and f.name not in BRIDGE_FIELDS)
-#: Callbacks holding a recipe's flag whose run has not ended (see _end_training). Strong
+#: Per process, by nature: the callbacks holding a recipe's flag whose run has not ended.
+#: On Bridge's should_exit path ``sys.exit`` comes between a callback's on_train_start and its
+#: on_train_end, so the one left to hand the flag back is the next on_train_start over the same
+#: ``cfg.logger`` in this process, from this callback or another (see _end_training). Strong
 #: references: after a caught SystemExit nothing else may keep the callback alive.
 _holding: "set[MemoryLogCallback]" = set()
 
@@ -70,13 +73,13 @@ class MemoryLogCallback(Callback):
         # The flight records' default folder is beside the recipe's own logs (its tensorboard_dir).
         settings = {**self.settings,
                     "memory_record_dir": self.settings.get("memory_record_dir") or memory_record_dir(bridge_logger)}
-        config = LoggerConfig(
+        run_settings = resolve(LoggerConfig(
             log_memory_to_tensorboard=True,
             tensorboard_log_interval=bridge_logger.tensorboard_log_interval,
             memory_keys=bridge_memory_keys(getattr(bridge_logger, "memory_keys", None)),
             **settings,
-        )
-        monitor = MemoryMonitor(config, pg_collection=_pg_collection(context.model))
+        ))
+        monitor = MemoryMonitor(run_settings, pg_collection=_pg_collection(context.model))
         monitor.place()
         if monitor.is_writer_rank:
             # Open (or find) Bridge's loggers while the flag still reads true, so the
@@ -95,20 +98,19 @@ class MemoryLogCallback(Callback):
         self._end_training(flush=True)
 
     def _end_training(self, flush: bool) -> None:
-        """Once per run: hand the flag back (the recipe's config reads true again) and, at
-        ``on_train_end``, flush. Off that event (Bridge's should_exit path) there is nothing
-        to flush: every step was written into Bridge's loggers when it was logged, and
-        Bridge flushes and ends them itself before ``sys.exit``. Never raises."""
+        """Once per run: hand the flag back (the recipe's config reads true again), end the
+        flight record, release the run's gloo group and, at ``on_train_end``, flush. Off that
+        event (Bridge's should_exit path) there is nothing to flush: every step was written
+        into Bridge's loggers when it was logged, and Bridge flushes and ends them itself
+        before ``sys.exit``. Never raises."""
         if self.monitor is None:
             return
         _holding.discard(self)
         monitor, self.monitor = self.monitor, None
         self._bridge_logger.log_memory_to_tensorboard = True
         self._bridge_logger = None
-        if flush:
-            monitor.close()  # ends the flight record; Bridge's own loggers are flushed, not closed
-        else:
-            monitor.end_record()  # Bridge ended its loggers before sys.exit: nothing to flush
+        # Bridge's own loggers are flushed, never closed; after sys.exit Bridge has ended them: not even flushed.
+        monitor.close(writers=flush)
 
 
 def bridge_memory_keys(memory_keys: dict | None) -> dict | None:

@@ -415,10 +415,13 @@ def flat_params(config) -> dict[str, Any]:
 
 def recorded_params(run_config, logger) -> dict[str, Any]:
     """What the writers record for a run: ``flat_params(run_config)``, with the peak window
-    this run uses always present, also when the logger object lacks the field (Megatron-Bridge's
-    LoggerConfig): the report command labels the ``peak_*`` values with it."""
+    this run uses (``logger``: run_config's logger section or its Settings) always present, also
+    when the logger object lacks the field (Megatron-Bridge's LoggerConfig): the report command
+    labels the ``peak_*`` values with it."""
     params = flat_params(run_config)
-    name = "memory_peak_window" if logger is run_config else "logger.memory_peak_window"
+    # Named where run_config keeps its logger fields: itself (a logger config), else its .logger.
+    # ``logger`` may be run_config's Settings rather than the same object.
+    name = "memory_peak_window" if hasattr(run_config, "log_memory_to_tensorboard") else "logger.memory_peak_window"
     params[name] = setting(logger, "memory_peak_window")
     return params
 

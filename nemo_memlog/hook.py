@@ -1,20 +1,55 @@
-"""training_log: the per-iteration hook users call. It finds the run's MemoryMonitor.
+"""training_log: the per-iteration hook users call. It finds the run (a MemoryMonitor) for its config.
 
 Called on every rank at every iteration. The gate (``log_memory_to_tensorboard`` and
-``iteration % tensorboard_log_interval``) depends only on the config and the iteration,
+``iteration % tensorboard_log_interval``) depends only on the settings and the iteration,
 so every stage decides alike and enters the one collective together. Off the logging
-iterations it does one dictionary lookup and the monitor's two attribute reads, and
-returns None: no collective, no allocation, no backend call. The caller's ``metrics`` are
-logged only on logging iterations, in the same dict, at the same step.
+iterations it does one dictionary lookup and the run's two attribute reads, and returns
+None: no collective, no allocation, no backend call. The caller's ``metrics`` are logged
+only on logging iterations, in the same dict, at the same step.
+
+Which run a call belongs to:
+
+- A run is found by its settings (``config.Settings``, compared by value) and the
+  ``writers`` object given (by identity). A config object rebuilt at every call, with the
+  same settings, reuses the run: one set of writers (one writer process), one flight record.
+- The config object last seen for each run is held, so the common case, the same object at
+  every call, costs a lookup by that object and no reading of the settings. Its id cannot
+  be reused by another object while it is held.
+- A config whose settings differ from every open run's starts a new run, as a new config
+  always did. Settings that change at every call would start a run (and its writers) at
+  every call: past ``MANY_RUNS`` open runs, training_log warns once per process, saying so.
+- The groups (``pg_collection``, ``pp_group``) are read when the run is placed, at its
+  first logging step; a later call that finds the run does not change them. The run
+  config the writers record is the first config object's.
+- ``close_writers()`` ends every run training_log made; the next call starts a new one.
+
+What lives here is per process by nature (a free function has to find its run): the open
+runs training_log made, and its one warning.
 """
 
 from __future__ import annotations
 
+from .config import resolve
 from .monitor import MemoryMonitor
+from .warn import WarnOnce
 
-# One monitor per config object (and writers object, when given). The monitor holds both,
-# so an id is never reused while it is cached.
-_monitors: dict = {}
+#: Open runs made by training_log past which a new one warns (once per process).
+MANY_RUNS = 4
+
+
+class _Entry:
+    """A run training_log made: its settings and given writers (what finds it), and the
+    config object last seen for it (held: the fast path's key is that object's id)."""
+
+    __slots__ = ("run", "writers", "config", "key")
+
+    def __init__(self, run: MemoryMonitor, writers, config, key):
+        self.run, self.writers, self.config, self.key = run, writers, config, key
+
+
+_entries: list[_Entry] = []  # oldest first
+_by_object: dict = {}  # id(config), or (id(config), id(writers)) -> the _Entry last seen with that config
+_warnings = WarnOnce()  # per process
 
 
 def training_log(iteration: int, config, *, pg_collection=None, pp_group=None, writers=None,
@@ -22,24 +57,69 @@ def training_log(iteration: int, config, *, pg_collection=None, pp_group=None, w
     """Log pipeline-wide memory (and ``metrics``) every ``tensorboard_log_interval`` iterations.
 
     ``config`` is a LoggerConfig, any object with its field names, or a container with
-    ``.logger`` (Megatron-Bridge's ConfigContainer); its settings are read once, at the
-    first call. Returns the unified dict on every rank on logging iterations, None
-    otherwise. Only the writer rank (global rank world_size - 1) hands it to ``writers``
-    (default: the fan-out built once from ``config``). See README for the keys.
+    ``.logger`` (Megatron-Bridge's ConfigContainer); its settings are read once per config
+    object (see the module docstring for which run a call belongs to). Returns the unified
+    dict on every rank on logging iterations, None otherwise. Only the writer rank (global
+    rank world_size - 1) hands it to ``writers`` (default: the fan-out built once from the
+    settings). See README for the keys.
     """
     key = id(config) if writers is None else (id(config), id(writers))
-    monitor = _monitors.get(key)
-    if monitor is None:
-        monitor = _monitors[key] = MemoryMonitor(config, pg_collection=pg_collection, pp_group=pp_group,
-                                                 writers=writers)
-    if not monitor.enabled or iteration % monitor.interval:  # monitor.log's gate, one call fewer
+    entry = _by_object.get(key)
+    if entry is None or entry.config is not config:  # the entry holds its config: an id match is that object
+        entry = _entry_for(config, writers, key, pg_collection, pp_group)
+    run = entry.run
+    if not run.enabled or iteration % run.interval:  # run.log's gate, one call fewer
         return None
-    return monitor.log_step(iteration, metrics)
+    return run.log_step(iteration, metrics)
+
+
+def _entry_for(config, writers, key, pg_collection, pp_group) -> _Entry:
+    """The open run for ``config``'s settings and ``writers``, or a new one; seen with ``config`` from now on."""
+    settings = resolve(config)  # raises, naming the field, for a config that cannot work
+    entry = _find(settings, writers)
+    if entry is None:
+        if len(_entries) >= MANY_RUNS:
+            _warnings(
+                ("many runs",),
+                f"training_log has started {len(_entries) + 1} runs in this process, one for each config whose "
+                f"settings differ from every earlier one's; each run has its own writers (a writer process), "
+                f"flight record and gloo group. Build the config once and pass the same settings at every call "
+                f"(or call close_writers() when a run ends).", stacklevel=3)
+        run = MemoryMonitor(settings, run_config=config, pg_collection=pg_collection, pp_group=pp_group,
+                            writers=writers)
+        entry = _Entry(run, writers, config, key)
+        _entries.append(entry)
+    else:
+        _by_object.pop(entry.key, None)  # one object per run: the map stays as small as the runs
+        entry.config, entry.key = config, key
+    _by_object[key] = entry
+    return entry
+
+
+def _find(settings, writers) -> _Entry | None:
+    return next((entry for entry in _entries if entry.writers is writers and entry.run.settings == settings), None)
+
+
+def run_of(config, *, writers=None) -> MemoryMonitor | None:
+    """The open run training_log made for ``config``'s settings (and ``writers``), or None.
+    Never starts one. Raises as training_log does for a config it cannot read."""
+    entry = _find(resolve(config), writers)
+    return None if entry is None else entry.run
+
+
+def runs() -> tuple[MemoryMonitor, ...]:
+    """The open runs training_log made, oldest first."""
+    return tuple(entry.run for entry in _entries)
 
 
 def close_writers() -> None:
-    """Drain and close the writers training_log built, and end each run's flight record with
-    "close" (at exit and on SIGTERM the writers are closed, and the records marked, anyway)."""
-    for monitor in list(_monitors.values()):
-        monitor.close()
-    _monitors.clear()
+    """End every run training_log made, on this rank: end its flight record ("close"),
+    release its reduction state (channels and gloo twin), and drain and close the writers it
+    built (writers passed to training_log are flushed, not closed). The next training_log
+    call starts a new run. (Named for its first job: at exit and on SIGTERM the writers are
+    closed, and the records marked, anyway.)"""
+    entries = list(_entries)
+    _entries.clear()
+    _by_object.clear()
+    for entry in entries:
+        entry.run.close()

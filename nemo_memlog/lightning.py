@@ -32,7 +32,7 @@ import importlib
 import warnings
 
 from . import megatron
-from .config import LoggerConfig, checked_settings
+from .config import LoggerConfig, checked_settings, resolve
 from .monitor import MemoryMonitor
 from .writers import adopt_writers
 
@@ -93,8 +93,8 @@ class MemoryLogCallback(*_callback_bases()):
             warnings.warn("nemo_memlog: memory_reduce_scope='pp' but megatron-core's parallel_state is not "
                           "initialised, so there is no pipeline group: rank 0 logs its own memory only. Leave "
                           "memory_reduce_scope unset for every rank's", RuntimeWarning, stacklevel=2)
-        config = LoggerConfig(tensorboard_log_interval=interval, memory_reduce_scope=scope, **settings)
-        monitor = MemoryMonitor(config, writer_rank=WRITER_RANK)
+        run_settings = resolve(LoggerConfig(tensorboard_log_interval=interval, memory_reduce_scope=scope, **settings))
+        monitor = MemoryMonitor(run_settings, writer_rank=WRITER_RANK)
         monitor.place()
         if monitor.is_writer_rank:
             monitor.use_writers(adopt_writers(trainer.loggers))
@@ -113,6 +113,7 @@ class MemoryLogCallback(*_callback_bases()):
     def on_train_end(self, trainer, pl_module) -> None:
         if self.monitor is not None:
             self.monitor.flush()  # the loggers' save(); the Trainer finalizes them
+            self.monitor.release_reduction()  # its gloo group, if it made one
             self.monitor = None
 
 

@@ -15,7 +15,9 @@ from functools import lru_cache
 
 import torch
 
+from . import process_wide
 from .process_wide import read_proc
+from .warn import WarnOnce
 
 GB = 1e9
 
@@ -98,18 +100,19 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | 
     return report
 
 
-_cuda_seen_in_pid = None
+#: This module's warnings: once per process (what they are about, such as a host peak that
+#: cannot be reset, belongs to the process, not to a run).
+process_warnings = WarnOnce()
 
 
 def _cuda_in_use() -> bool:
     # "In use" means this process already initialised CUDA: never create a context
     # (hundreds of MB of device memory) just to read statistics. Once true it stays
     # true in this process (a forked child has to find out again).
-    global _cuda_seen_in_pid
-    if _cuda_seen_in_pid == os.getpid():
+    if process_wide.known("cuda in use"):
         return True
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        _cuda_seen_in_pid = os.getpid()
+        process_wide.remember("cuda in use")
         return True
     return False
 
@@ -149,19 +152,15 @@ def _device_usage(device: int | None, stats: dict) -> tuple[int | None, int | No
     return used, max(0, used - _reserved_now(stats))
 
 
-_cuda_mem_get_info = None
-
-
 def _mem_get_info(device: int) -> tuple[int, int]:
     """(free, total) bytes of ``device``: the call torch.cuda.mem_get_info makes, without its
     argument handling (6 us instead of 8 on an H100, of a report's ~30)."""
-    global _cuda_mem_get_info
-    if _cuda_mem_get_info is None:
-        _cuda_mem_get_info = getattr(torch.cuda.cudart(), "cudaMemGetInfo", None) or torch.cuda.mem_get_info
-    return _cuda_mem_get_info(device)
+    return _mem_get_info_call()(device)
 
 
-_contexts_seen: set = set()
+@lru_cache(maxsize=1)
+def _mem_get_info_call():
+    return getattr(torch.cuda.cudart(), "cudaMemGetInfo", None) or torch.cuda.mem_get_info
 
 
 def _has_context(device: int, stats: dict) -> bool:
@@ -169,13 +168,13 @@ def _has_context(device: int, stats: dict) -> bool:
     create one otherwise, and torch.cuda.is_initialized() alone does not say (a
     torch.cuda.current_device() call initialises CUDA without a context). Once seen, a
     primary context stays for the process's life, so the answer is kept."""
-    key = (os.getpid(), device)
-    if key in _contexts_seen:
+    fact = ("cuda context", device)
+    if process_wide.known(fact):
         return True
     check = getattr(torch._C, "_cuda_hasPrimaryContext", None)  # CUDA builds
     found = bool(check(device)) if check is not None else _reserved_now(stats) > 0  # else: memory held there
     if found:
-        _contexts_seen.add(key)
+        process_wide.remember(fact)
     return found
 
 
@@ -196,7 +195,9 @@ def reset_peaks() -> None:
         torch.cuda.reset_peak_memory_stats()
     problem = reset_host_peak()
     if problem is not None:
-        _warn_host_reset_once(problem)
+        process_warnings(
+            "host peak reset", f"memory_peak_window='interval' cannot reset the host peak here: {problem}. "
+            "peak_host_rss_gb stays the process's lifetime peak; CUDA peaks (if any) are still reset.")
 
 
 def reset_host_peak() -> str | None:
@@ -212,22 +213,6 @@ def reset_host_peak() -> str | None:
     finally:
         os.close(fd)
     return None
-
-
-_host_reset_warned = False
-
-
-def _warn_host_reset_once(problem: str) -> None:
-    global _host_reset_warned
-    if _host_reset_warned:
-        return
-    _host_reset_warned = True
-    warnings.warn(
-        f"nemo_memlog: memory_peak_window='interval' cannot reset the host peak here: {problem}. "
-        "peak_host_rss_gb stays the process's lifetime peak; CUDA peaks (if any) are still reset.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
 
 
 @lru_cache(maxsize=16)
@@ -255,13 +240,10 @@ def _plan(keys: tuple[tuple[str, str], ...]) -> tuple[tuple[str, tuple[str, ...]
     return tuple((logged_name, tuple(stat_name.split(".")), "bytes" in stat_name) for stat_name, logged_name in keys)
 
 
-_default = []
-
-
+@lru_cache(maxsize=1)
 def _default_plan():
-    if not _default:  # resolved at the first report: the warnings of _plan, if any, go to its caller
-        _default.append(_plan(tuple(DEFAULT_MEMORY_KEYS.items())))
-    return _default[0]
+    # Resolved at the first report: the warnings of _plan, if any, go to its caller.
+    return _plan(tuple(DEFAULT_MEMORY_KEYS.items()))
 
 
 def host_rss_bytes() -> tuple[int, int]:

@@ -1,56 +1,56 @@
 """MemoryMonitor: one run's memory logging, built once from a config and the process groups.
 
-It owns what a run keeps between logging steps: the settings (resolved once, when it is
-built), the group it reduces over and this rank's place in it (resolved at the first
-logging step, when the groups surely exist), the writers (writer rank only) and the
-once-only warnings. ``log(iteration)`` is the per-iteration entry point, called on every
-rank: off the logging iterations it returns None after two attribute reads and a modulo,
-with no collective, no allocation and no backend call.
+It owns what a run keeps between logging steps: the settings (one ``config.Settings``,
+resolved once, when it is built), the group it reduces over, its ``reduce.Reduction`` (the
+channels and the gloo twin) and this rank's place in the job (resolved at the first logging
+step, when the groups surely exist), the flight recorder, the writers (writer rank only) and
+the once-only warnings (one ``WarnOnce``). ``close()`` releases them.
 
-``training_log()`` (hook.py) finds the monitor for its config; a framework integration
-(bridge.py) holds one.
+``log(iteration)`` is the per-iteration entry point, called on every rank: off the logging
+iterations it returns None after two attribute reads and a modulo, with no collective, no
+allocation and no backend call.
+
+``training_log()`` (hook.py) finds the monitor for its config's settings; a framework
+integration (bridge.py, lightning.py) holds one.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch.distributed as dist
 
 from . import attribution, megatron, memory
-from .config import check_logger_fields, logger_section, memory_record_dir, setting
+from .config import resolve, secrets_of
 from .payload import scalar
-from .reduce import gather_memory, reduction_group, single_rank, takes_part
+from .reduce import Reduction, takes_part
+from .warn import WarnOnce
 
 
 class MemoryMonitor:
-    """Per-run memory logging. ``writers`` (anything with ``log(metrics, step)``) default to
-    the fan-out built from ``config`` on the writer rank, at the first logging step.
+    """Per-run memory logging. ``config``: anything ``config.resolve`` reads (a LoggerConfig,
+    Megatron-Bridge's config or its ``.logger``, a Settings); raises as it does for a setting
+    that cannot work. ``run_config`` (default: ``config``) is what the writers record as the
+    run's configuration. ``writers`` (anything with ``log(metrics, step)``) default to the
+    fan-out built from the settings on the writer rank, at the first logging step.
     ``writer_rank``: the global rank that writes (None: the last, where Megatron logs;
     a framework whose loggers live elsewhere, such as Lightning's on rank 0, names its own)."""
 
-    def __init__(self, config, *, pg_collection=None, pp_group=None, writers=None, writer_rank: int | None = None):
-        logger = logger_section(config)
-        check_logger_fields(logger)  # raises, naming the field and what to change
-        self.config = config  # kept: recorded as the run config, and its id is never reused while cached
-        self.enabled = bool(setting(logger, "log_memory_to_tensorboard"))
-        self.interval = setting(logger, "tensorboard_log_interval")
-        self.memory_keys = setting(logger, "memory_keys")
-        self.world_scope = setting(logger, "memory_reduce_scope") == "world"
-        self.per_stage_keys = tuple(setting(logger, "memory_per_stage_keys"))
-        self.headroom_warn_fraction = setting(logger, "memory_headroom_warn_fraction")
-        self.timeout_s = setting(logger, "memory_reduce_timeout_s")
-        self.reduce_backend = setting(logger, "memory_reduce_backend")
-        self.interval_peaks = setting(logger, "memory_peak_window") == "interval"
-        self.record_dir = memory_record_dir(logger)  # None: no flight recorder
-        self.record_history = setting(logger, "memory_record_history")
+    def __init__(self, config, *, pg_collection=None, pp_group=None, writers=None, writer_rank: int | None = None,
+                 run_config=None):
+        self.settings = resolve(config)  # raises, naming the field and what to change
+        self.config = config if run_config is None else run_config  # recorded by the writers as the run config
+        # The gate, read on every rank at every iteration: two attribute reads.
+        self.enabled = bool(self.settings.log_memory_to_tensorboard)
+        self.interval = self.settings.tensorboard_log_interval
+        self.record_dir = self.settings.record_dir  # absolute now, as the working directory is now; None: off
+        self.warnings = WarnOnce(secrets=secrets_of(self.settings))
+        self.reduction = Reduction(self.warnings)
+        self.group = None  # resolved at placement
         self.recorder = None  # opened at placement, when the coordinates are known
         self.writers = writers
         self._owns_writers = writers is None
         self._groups = (pp_group, pg_collection)
         self.writer_rank = writer_rank
         self._placed = False  # group, coordinates and writer rank resolved (first logging step)
-        self._warned: set = set()
 
     def log(self, iteration: int, metrics: dict | None = None) -> dict | None:
         """Every rank, every iteration. On logging iterations: report, reduce, merge with
@@ -63,21 +63,23 @@ class MemoryMonitor:
         """``log`` past its gate: callers that gate themselves (training_log) call it directly."""
         if not self._placed:
             self.place()
+        settings = self.settings
         report = self._report()
-        if self.interval_peaks:
+        if settings.interval_peaks:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
         if self.recorder is not None:  # before the collective: a rank that dies in it has this step
             self.recorder.record(iteration, report)
-        if self.world_scope:
+        if settings.world_scope:
             report.update(self._coordinates)
         if takes_part(report, self.group):
-            gathered = gather_memory(report, self.group, iteration=iteration, timeout_s=self.timeout_s)
+            gathered = self.reduction.gather(report, self.group, iteration=iteration,
+                                             timeout_s=settings.memory_reduce_timeout_s)
         else:
-            gathered = single_rank(report)
-        if self.world_scope:
-            logged = attribution.world_metrics(gathered, self.per_stage_keys)
+            gathered = self.reduction.single_rank(report)
+        if settings.world_scope:
+            logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys)
         else:
-            logged = attribution.memory_metrics(gathered, self.per_stage_keys)
+            logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
         unified = self._merge(metrics, logged)
         if self.is_writer_rank:
             self._writers().log(unified, iteration)
@@ -89,9 +91,10 @@ class MemoryMonitor:
         instead of at the first logging step. Needs the process groups to exist, and every
         rank to place itself at the same time (the gloo twin of the group is created here,
         a collective over the whole world: see reduce.reduction_group)."""
+        settings = self.settings
         pp_group, pg_collection = self._groups
         distributed = dist.is_available() and dist.is_initialized()
-        if self.world_scope:
+        if settings.world_scope:
             self.group = dist.group.WORLD if distributed else None
             coords = megatron.coordinates(pp_group, pg_collection)
             self._coordinates = {"rank": dist.get_rank() if distributed else 0, "pp_rank": coords["pp"],
@@ -99,19 +102,20 @@ class MemoryMonitor:
         else:
             self.group = megatron.pipeline_group(pp_group, pg_collection)
         # On NCCL jobs, by default, a gloo group of the same ranks: memory logging off the GPU stream.
-        self.group = reduction_group(self.group, backend=self.reduce_backend, world_scope=self.world_scope,
-                                     timeout_s=self.timeout_s)
+        self.group = self.reduction.group_for(self.group, backend=settings.memory_reduce_backend,
+                                              world_scope=settings.world_scope,
+                                              timeout_s=settings.memory_reduce_timeout_s)
         self.is_writer_rank = not distributed or dist.get_rank() == self._writer_rank(dist.get_world_size())
         if self.record_dir is not None and self.recorder is None:
             from .failure.recorder import open_recorder
 
             self.recorder = open_recorder(self.record_dir, pp_group=pp_group, pg_collection=pg_collection,
-                                          report=self._report, record_history=self.record_history)
+                                          report=self._report, record_history=settings.memory_record_history)
         self._placed = True
 
     def _report(self) -> dict:
         """This rank's report now, as a logging step has it (for the recorder's OOM record)."""
-        report = memory.report_memory(self.memory_keys)
+        report = memory.report_memory(self.settings.memory_keys)
         report.update(memory.capacity_report())
         return report
 
@@ -131,7 +135,7 @@ class MemoryMonitor:
         if self.writers is None:
             from .writers import build_writers
 
-            self.writers = build_writers(self.config)
+            self.writers = build_writers(self.settings, run_config=self.config)
             if not self.writers.sinks:
                 self.warn_once(("no-writer",), "log_memory_to_tensorboard is on but no writer is configured "
                                "(set tensorboard_dir, wandb_project, mlflow_experiment or comet_project); "
@@ -159,13 +163,12 @@ class MemoryMonitor:
     def _warn_low_headroom(self, unified: dict) -> None:
         # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
         # least can flip from step to step, and a warning per flip would be noise.
-        for kind, stage, sentence in attribution.low_headroom(unified, self.headroom_warn_fraction):
+        for kind, stage, sentence in attribution.low_headroom(unified, self.settings.memory_headroom_warn_fraction):
             self.warn_once(("headroom", kind), sentence)
 
     def warn_once(self, key, text: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            warnings.warn(f"nemo_memlog: {text}", RuntimeWarning, stacklevel=4)
+        """Warn ``nemo_memlog: <text>`` (a RuntimeWarning) the first time this run sees ``key``."""
+        self.warnings(key, text, stacklevel=4)
 
     def flush(self) -> None:
         """Wait (bounded) until the writers have written every step handed to them."""
@@ -178,14 +181,27 @@ class MemoryMonitor:
         if recorder is not None:
             recorder.close()
 
-    def close(self) -> None:
-        """End the flight record ("close"); drain and close the writers this monitor built;
-        writers it was given are only flushed."""
+    def close(self, *, writers: bool = True) -> None:
+        """End the run on this rank: end the flight record ("close"); release the reduction
+        state (channels, and the gloo twin, destroyed: no collective, see Reduction.close);
+        drain and close the writers this monitor built, and only flush writers it was given.
+        ``writers=False`` leaves the writers alone (a framework that already ended them).
+        Logging again afterwards places the run anew (every rank, as at its first step)."""
         self.end_record()
-        if self.writers is None:
+        self.release_reduction()
+        if not writers or self.writers is None:
             return
         if self._owns_writers:
             self.writers.close()
             self.writers = None
         else:
             self.writers.flush()
+
+    def release_reduction(self) -> None:
+        """Close the reduction state (see Reduction.close) and start an empty one: the next
+        logging step places the run anew. For a framework whose run ends without ``close``.
+        Never raises."""
+        self.reduction.close()
+        self.reduction = Reduction(self.warnings)
+        self.group = None
+        self._placed = False

@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import numbers
 import struct
-import warnings
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache

@@ -16,6 +16,8 @@ and unregister it when they close; this module holds no run state of its own.
 - ``on_cuda_oom``: the CUDA allocator's OOM observer, attached once CUDA is initialised,
   called as ``callback(device, bytes_requested, device_limit, device_free)``.
 - ``read_proc``: a /proc file re-read through a descriptor kept open.
+- ``known`` / ``remember``: facts that, once true, stay true for the process's life (CUDA
+  initialised, a device's context made), so a hot path checks them once.
 
 Bound methods are held weakly (a run that is garbage-collected drops out by itself); plain
 functions strongly. ``forget(callback)`` unregisters from every hook. Every dispatch
@@ -173,3 +175,20 @@ def read_proc(path: str) -> bytes:
     if cached is None or cached[0] != pid:
         cached = _proc_fds[path] = (pid, os.open(path, os.O_RDONLY | os.O_CLOEXEC))
     return os.pread(cached[1], 16384, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Facts that stay true for the life of the process
+
+_facts: set = set()
+
+
+def known(fact) -> bool:
+    """Whether ``fact`` (any hashable name) was remembered in this process. No I/O."""
+    return (os.getpid(), fact) in _facts
+
+
+def remember(fact) -> None:
+    """Remember that ``fact`` holds in this process from now on. Keyed by pid: a forked child
+    (a data-loader worker) knows nothing of its parent's facts and finds out for itself."""
+    _facts.add((os.getpid(), fact))

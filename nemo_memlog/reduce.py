@@ -15,6 +15,10 @@ whatever keys each rank passes: whether to run the handshake is decided from wor
 rank received alike (the agreed layout, and the fingerprints in the last gather), never
 from one rank's own keys. Every wait is bounded, so a rank that does not join makes the
 others raise MemoryReduceError instead of hanging.
+
+State: a ``Reduction`` holds a channel per group (the agreed layout and its buffers) and the
+gloo twins it made. A run (MemoryMonitor) owns one and closes it when it closes; the free
+functions here share one of their own (see ``Reduction``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 import datetime
 import functools
 import time
-import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import numpy
@@ -31,6 +35,7 @@ import torch.distributed as dist
 
 from . import payload
 from .config import default_of
+from .warn import WarnOnce
 
 #: The steady-state collective; set it alike on every rank. "all_gather" (the default):
 #: all_gather_single of each rank's words. "all_to_all": all_to_all_single of each rank's
@@ -79,7 +84,8 @@ def reduce_max_memory_across_pp_group(memory_report: dict, pp_group, *,
     # A MemoryMonitor placed in this job made a gloo twin of this group: same ranks, same
     # result, and no GPU work. Without one, the group itself (this helper creates no group:
     # that is a collective over the whole world, which its callers do not promise to enter).
-    return gather_memory(memory_report, _twins.get(pp_group, pp_group), timeout_s=timeout_s).maximum
+    twin = twin_for(pp_group)
+    return gather_memory(memory_report, pp_group if twin is None else twin, timeout_s=timeout_s).maximum
 
 
 def takes_part(memory_report: dict, group) -> bool:
@@ -104,39 +110,53 @@ def gather_memory(
     ``iteration``, when given, must be the same on every rank, or every rank raises
     MemoryReduceError naming each rank's iteration. ``timeout_s`` bounds the wait for
     the other ranks; past it the ranks that joined raise MemoryReduceError.
-    Call only when ``takes_part`` is true.
+    Call only when ``takes_part`` is true. The key-set handshake runs on the first call
+    per group (the free functions' ``Reduction`` keeps each group's agreed layout).
     """
-    layout = payload.layout_of(tuple(memory_report))
-    channel = _channel(group)
-    # channel.layout changes only when every rank adopts a layout together, so this
-    # test, unlike "are my keys the agreed ones?", has the same answer on every rank.
-    if channel.layout is None:
-        _agree_on_layout(channel, layout, group, iteration, timeout_s)
-    while True:
-        # Always the agreed size: a rank whose keys changed sends just its header.
-        reports = channel.exchange(layout, memory_report, group, iteration, timeout_s)
-        fingerprint = channel.layout.fingerprint
-        if all(report.fingerprint == fingerprint for report in reports):
-            break
-        # Some rank's key set differs from the agreed one: every rank sees that in the
-        # same gathered words, so every rank re-runs the handshake together.
-        _agree_on_layout(channel, layout, group, iteration, timeout_s)
-    _check_iterations(reports, iteration, group)
-    return _line_up(channel.layout.keys, reports)
+    return _shared.gather(memory_report, group, iteration=iteration, timeout_s=timeout_s)
 
 
 def single_rank(memory_report: dict) -> GatheredMemory:
     """The same lined-up view for a process alone in its group (no collective)."""
-    values = []
-    for key, value in memory_report.items():
-        value, kind, problem = payload.scalar(value)
-        if problem is not None:
-            _warn_once(key, problem)
-        values.append(None if kind is None else value)
-    return _line_up(tuple(memory_report), [payload.RankReport(len(values), 0, payload.NOT_CHECKED, values)])
+    return _shared.single_rank(memory_report)
 
 
-def _line_up(keys: tuple[str, ...], reports: list) -> GatheredMemory:
+def reduction_group(group, *, backend: str = "auto", world_scope: bool = False, timeout_s: float | None = None):
+    """The group to gather memory over: ``group`` itself, or a gloo group of the same ranks.
+
+    ``backend`` is LoggerConfig.memory_reduce_backend: "group" -> ``group``; "gloo" -> a gloo
+    twin; "auto" -> a gloo twin for the pp scope when the job's default group runs on NCCL,
+    else ``group`` (CPU jobs; and the world scope, where gloo's ring of world-size steps
+    would cost more than the wait it saves: see README).
+
+    Creating groups is a collective over the whole world: call this on EVERY rank at once,
+    with the same settings. A twin made here is kept (by the free functions' ``Reduction``)
+    for as long as ``group`` lives, and returned again by later calls; a run makes and
+    releases its own (``Reduction.group_for``, from MemoryMonitor.place). For the pp scope
+    every rank learns every PP group's ranks from one small gather over the world
+    (megatron-core keeps only this rank's), then every rank creates every twin, in the same
+    order. That gather waits at most ``timeout_s`` (None: for ever), then raises
+    MemoryReduceError.
+    """
+    return _shared.group_for(group, backend=backend, world_scope=world_scope, timeout_s=timeout_s)
+
+
+def twin_for(group):
+    """The gloo twin an open ``Reduction`` (a placed run's, or the free functions') made for
+    ``group``, or None. Asked in the order they were made, which is the same on every rank
+    (every rank makes its runs in the same order), so every rank of the group finds the same
+    twin. No collective."""
+    for ref in list(_open):
+        reduction = ref()
+        twin = None if reduction is None else reduction.twin_of(group)
+        if twin is not None:
+            return twin
+    return None
+
+
+def line_up(keys: tuple[str, ...], reports: list) -> GatheredMemory:
+    """Every rank's values (``payload.RankReport``), lined up by ``keys``: the per-key maximum
+    and the lowest rank holding it. Pure: no collective, no mutation."""
     per_rank = [report.values for report in reports]
     maximum = {}
     peak_rank = {}
@@ -209,8 +229,150 @@ def _key_mismatch_message(key_lists: list, group) -> str:
     )
 
 
-class _Channel:
-    """Per-group state: the agreed layout and pre-allocated buffers for the exchange."""
+class Reduction:
+    """The reduction state of one run: a ``Channel`` per group it gathers over (the agreed key
+    layout and its buffers), the gloo twins it made, and the warnings about report values.
+
+    A run (MemoryMonitor) makes one, with its own WarnOnce, and ``close``s it when it closes.
+    The free functions of this module (``gather_memory``, ``single_rank``, ``reduction_group``)
+    share one of their own, never closed, that warns once per process.
+
+    Channels and twins are keyed weakly by group, so an entry goes with its group and neither
+    grows without bound (a torch ProcessGroup can be weakly referenced; ``None`` and objects
+    that cannot are held strongly, and are in practice one: ``None``, a rank with no pipeline
+    group). Every rank of a group must make the same calls through the same Reduction, in the
+    same order: what one rank's channel agreed, every rank's did.
+    """
+
+    def __init__(self, warn: WarnOnce | None = None):
+        self.warn = WarnOnce() if warn is None else warn
+        self._channels = _GroupMap()
+        self._twins = _GroupMap()
+        self._created: list = []  # the gloo groups this Reduction created, destroyed at close
+        _open[:] = [ref for ref in _open if ref() is not None] + [weakref.ref(self)]
+
+    def gather(self, memory_report: dict, group, *, iteration: int | None = None,
+               timeout_s: float | None = None) -> GatheredMemory:
+        """``gather_memory`` through this Reduction's channel for ``group``."""
+        layout = payload.layout_of(tuple(memory_report))
+        channel = self.channel(group)
+        # channel.layout changes only when every rank adopts a layout together, so this
+        # test, unlike "are my keys the agreed ones?", has the same answer on every rank.
+        if channel.layout is None:
+            _agree_on_layout(channel, layout, group, iteration, timeout_s)
+        while True:
+            # Always the agreed size: a rank whose keys changed sends just its header.
+            reports = channel.exchange(layout, memory_report, group, iteration, timeout_s, self.warn_value)
+            fingerprint = channel.layout.fingerprint
+            if all(report.fingerprint == fingerprint for report in reports):
+                break
+            # Some rank's key set differs from the agreed one: every rank sees that in the
+            # same gathered words, so every rank re-runs the handshake together.
+            _agree_on_layout(channel, layout, group, iteration, timeout_s)
+        _check_iterations(reports, iteration, group)
+        return line_up(channel.layout.keys, reports)
+
+    def single_rank(self, memory_report: dict) -> GatheredMemory:
+        """``single_rank``, warning through this Reduction."""
+        values = []
+        for key, value in memory_report.items():
+            value, kind, problem = payload.scalar(value)
+            if problem is not None:
+                self.warn_value(key, problem)
+            values.append(None if kind is None else value)
+        return line_up(tuple(memory_report), [payload.RankReport(len(values), 0, payload.NOT_CHECKED, values)])
+
+    def channel(self, group) -> Channel:
+        """The channel for ``group``, made at its first use."""
+        channel = self._channels.get(group)
+        if channel is None:
+            channel = self._channels[group] = Channel(group)
+        return channel
+
+    def groups(self) -> list:
+        """The groups this Reduction holds a channel for (none once closed)."""
+        return self._channels.keys()
+
+    def group_for(self, group, *, backend: str = "auto", world_scope: bool = False, timeout_s: float | None = None):
+        """``reduction_group``, keeping the twin (made once per group) in this Reduction."""
+        if backend == "group" or not (dist.is_available() and dist.is_initialized()):
+            return group
+        world = dist.group.WORLD
+        if backend == "auto" and (world_scope or not on_cuda(world)):
+            return group
+        twin = self._twins.get(group, _NONE)
+        if twin is _NONE:
+            twin, created = _world_twin(timeout_s) if world_scope else _pp_twin(group, world, timeout_s)
+            self._created.extend(created)
+            self._twins[group] = twin
+        return twin
+
+    def twin_of(self, group):
+        """The twin this Reduction made for ``group``, or None."""
+        return self._twins.get(group)
+
+    def warn_value(self, key: str, why: str) -> None:
+        """Warn once that ``key``'s value cannot be sent as a number (``payload``'s callback)."""
+        self.warn(("value", key, why), f"memory report value for {key!r}: {why}; this rank reports it as missing",
+                  category=UserWarning, stacklevel=4)
+
+    def close(self) -> None:
+        """Drop every channel and twin, and destroy the gloo groups this Reduction created.
+
+        Destroying a group is local in torch.distributed (no collective): each rank destroys
+        its own handle when its run closes. A rank still gathering over the twin then sees
+        the others gone, and raises MemoryReduceError as for a rank that stopped logging.
+        Never raises."""
+        self._channels.clear()
+        self._twins.clear()
+        created, self._created = self._created, []
+        for group in created:
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group(group)
+            except Exception:  # already gone (the world was destroyed first): nothing to release
+                pass
+        _open[:] = [ref for ref in _open if ref() not in (None, self)]
+
+
+_NONE = object()  # "no entry", where None is a value (the twin of a rank with no group)
+
+
+class _GroupMap:
+    """group -> value, weakly keyed where the group allows it, else held (see Reduction)."""
+
+    def __init__(self):
+        self._weak: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._held: dict = {}
+
+    def get(self, group, default=None):
+        try:
+            return self._weak.get(group, default)
+        except TypeError:  # cannot be weakly referenced (None)
+            return self._held.get(group, default)
+
+    def __setitem__(self, group, value) -> None:
+        try:
+            self._weak[group] = value
+        except TypeError:
+            self._held[group] = value
+
+    def keys(self) -> list:
+        return list(self._weak.keys()) + list(self._held)
+
+    def clear(self) -> None:
+        self._weak.clear()
+        self._held.clear()
+
+
+#: The open Reductions, oldest first, for ``twin_for``; weakly (a run dropped without closing drops out).
+_open: list = []
+#: The free functions' Reduction: per process, never closed; warns once per process.
+_shared = Reduction()
+
+
+class Channel:
+    """One group's state in a Reduction: the agreed layout and pre-allocated buffers for the exchange."""
 
     def __init__(self, group):
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_cuda(group) else torch.device("cpu")
@@ -233,12 +395,14 @@ class _Channel:
         self.send_words = self.send_rows[0]
         self.recv_words = self.recv_host.numpy()
 
-    def exchange(self, layout, memory_report, group, iteration, timeout_s) -> list:
+    def exchange(self, layout, memory_report, group, iteration, timeout_s, warn_value) -> list:
+        """The one collective: every rank's words in the agreed layout, unpacked. ``warn_value(key, why)``
+        hears of a value sent as missing."""
         if layout is self.layout or layout.keys == self.layout.keys:
-            payload.pack_into(self.send_words, layout, memory_report, iteration, _warn_once)
+            payload.pack_into(self.send_words, layout, memory_report, iteration, warn_value)
         else:
             # This rank's key set changed: its header alone tells every rank to re-agree.
-            words = numpy.frombuffer(payload.pack(layout, memory_report, iteration, _warn_once), dtype=numpy.int64)
+            words = numpy.frombuffer(payload.pack(layout, memory_report, iteration, warn_value), dtype=numpy.int64)
             self.send_words[:] = 0
             self.send_words[: payload.HEADER_WORDS] = words[: payload.HEADER_WORDS]
         to_all = EXCHANGE == "all_to_all"
@@ -292,71 +456,33 @@ def _all_to_all_single(out, inp, group):
     return dist.all_to_all_single(out, inp, group=group, async_op=True)
 
 
-_channels: dict = {}
-
-
-def _channel(group) -> _Channel:
-    channel = _channels.get(group)
-    if channel is None:
-        channel = _channels[group] = _Channel(group)
-    return channel
-
-
 def on_cuda(group) -> bool:
     """Whether a collective over ``group`` runs on CUDA tensors (NCCL without a gloo part)."""
     backend = str(dist.get_backend(group))
     return "gloo" not in backend and "nccl" in backend
 
 
-# --------------------------------------------------------------------------------------------
-# The CPU twin of a group: what the memory gather runs over by default on NCCL jobs.
-
-#: group -> its gloo twin (the same ranks), for the groups a MemoryMonitor placed itself in.
-_twins: dict = {}
-
-
-def reduction_group(group, *, backend: str = "auto", world_scope: bool = False, timeout_s: float | None = None):
-    """The group to gather memory over: ``group`` itself, or a gloo group of the same ranks.
-
-    ``backend`` is LoggerConfig.memory_reduce_backend: "group" -> ``group``; "gloo" -> a gloo
-    twin; "auto" -> a gloo twin for the pp scope when the job's default group runs on NCCL,
-    else ``group`` (CPU jobs; and the world scope, where gloo's ring of world-size steps
-    would cost more than the wait it saves: see README).
-
-    Creating groups is a collective over the whole world: call this on EVERY rank at once,
-    with the same settings, once per run (MemoryMonitor.place does). For the pp scope every
-    rank learns every PP group's ranks from one small gather over the world (megatron-core
-    keeps only this rank's), then every rank creates every twin, in the same order. That
-    gather waits at most ``timeout_s`` (None: for ever), then raises MemoryReduceError.
-    """
-    if backend == "group" or not (dist.is_available() and dist.is_initialized()):
-        return group
-    world = dist.group.WORLD
-    if backend == "auto" and (world_scope or not on_cuda(world)):
-        return group
-    if group in _twins:
-        return _twins[group]
-    if world_scope:
-        twin = _new_gloo_group(None, timeout_s)
-    else:
-        twin = _pp_twin(group, world, timeout_s)
-    _twins[group] = twin
-    return twin
+def _world_twin(timeout_s) -> tuple:
+    """(a gloo group of every rank, [it]): the world scope's twin, and what was created."""
+    twin = _new_gloo_group(None, timeout_s)
+    return twin, [twin]
 
 
-def _pp_twin(group, world, timeout_s):
-    """Every rank names its group by its lowest global rank (-1: no group, or one of one);
-    the same gathered names give every rank the same partition and creation order."""
+def _pp_twin(group, world, timeout_s) -> tuple:
+    """(this rank's twin, [the group created that holds this rank]). Every rank names its
+    group by its lowest global rank (-1: no group, or one of one); the same gathered names
+    give every rank the same partition and creation order."""
     ranks = dist.get_process_group_ranks(group) if group is not None and group.size() > 1 else []
     mine = min(ranks) if ranks else -1
-    names = _channel(world).gather_small(torch.tensor([mine], dtype=torch.int64), world, None, timeout_s)
-    twin = group
+    names = Channel(world).gather_small(torch.tensor([mine], dtype=torch.int64), world, None, timeout_s)
+    twin, created = group, []
     for name in sorted(set(names) - {-1}):
         members = [rank for rank, named in enumerate(names) if named == name]
-        created = _new_gloo_group(members, timeout_s)
+        made = _new_gloo_group(members, timeout_s)
         if name == mine:
-            twin = created if members == sorted(ranks) else group  # not a partition: keep the group
-    return twin
+            created.append(made)
+            twin = made if members == sorted(ranks) else group  # not a partition: keep the group
+    return twin, created
 
 
 def _new_gloo_group(ranks, timeout_s):
@@ -387,12 +513,3 @@ def _describe(group) -> str:
     except Exception:  # a group this rank is not in, or an exotic group object
         ranks = None
     return f"the group of global ranks {ranks}" if ranks else "the process group"
-
-
-_warned: set = set()
-
-
-def _warn_once(key: str, why: str) -> None:
-    if (key, why) not in _warned:
-        _warned.add((key, why))
-        warnings.warn(f"memory report value for {key!r}: {why}; this rank reports it as missing", stacklevel=4)

@@ -231,3 +231,40 @@ def test_the_flag_off_stays_a_silent_no_op():
         warnings.simplefilter("error")
         for config in (LoggerConfig(), BridgeLogger(), Container()):
             assert all(training_log(iteration, config) is None for iteration in range(1, 4))
+
+
+def test_a_config_rebuilt_at_every_call_with_equal_settings_reuses_one_run(tmp_path):
+    from nemo_memlog import close_writers
+    from nemo_memlog.hook import run_of, runs
+
+    close_writers()  # the runs earlier tests left open in this process
+
+    def rebuilt():
+        return LoggerConfig(log_memory_to_tensorboard=True, tensorboard_dir=str(tmp_path / "tb"),
+                            memory_record_dir="off")
+
+    fanouts = []
+    for iteration in range(1, 5):
+        assert training_log(iteration, rebuilt(), metrics={"loss": 1.0 * iteration})["loss"] == iteration
+        fanouts.append(run_of(rebuilt()).writers)
+    assert len(runs()) == 1, "equal settings: one run"
+    assert fanouts[0] is not None and all(fanout is fanouts[0] for fanout in fanouts), "one writer fan-out"
+    close_writers()
+    assert runs() == () and run_of(rebuilt()) is None
+
+
+def test_settings_that_change_at_every_call_make_new_runs_and_warn_once():
+    from nemo_memlog import close_writers
+    from nemo_memlog.hook import MANY_RUNS, runs
+
+    close_writers()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for interval in range(2, 2 * MANY_RUNS + 2):  # iteration 1: off-interval, nothing logged
+            assert training_log(1, LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=interval)) \
+                is None
+    made = runs()
+    close_writers()
+    assert len(made) == 2 * MANY_RUNS and len({id(run) for run in made}) == len(made), "a run for each settings"
+    warned = [str(w.message) for w in caught if "runs in this process" in str(w.message)]
+    assert len(warned) == 1 and "Build the config once" in warned[0], [str(w.message) for w in caught]

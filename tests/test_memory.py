@@ -11,6 +11,7 @@ import torch
 from nemo_memlog import DEFAULT_MEMORY_KEYS, report_memory
 from nemo_memlog import memory
 from nemo_memlog.memory import DEVICE_KEYS, capacity_report, host_rss_bytes, reset_host_peak, reset_peaks
+from nemo_memlog.warn import WarnOnce
 
 CUDA_IN_USE = torch.cuda.is_available() and torch.cuda.is_initialized()
 
@@ -120,7 +121,7 @@ def test_h100_statistics_by_path_equal_torch_flattened_ones(monkeypatch):
 
 def test_a_host_peak_that_cannot_be_reset_warns_once(monkeypatch):
     monkeypatch.setattr(memory, "reset_host_peak", lambda: "no /proc here")
-    monkeypatch.setattr(memory, "_host_reset_warned", False)
+    monkeypatch.setattr(memory, "process_warnings", WarnOnce())  # this process has not warned yet
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         reset_peaks()

@@ -114,9 +114,11 @@ def nccl_world_of_one(run_dir):
     activations = torch.ones(int(0.5 * GB) // 4, device="cuda")  # noqa: F841  (held: real memory to log)
     report = memory.report_memory()
     report.update(memory.capacity_report())
-    gathered = reduce.gather_memory(report, world, iteration=1, timeout_s=60)
+    reduction = reduce.Reduction()  # what gather_memory (and a run) gathers through
+    gathered = reduction.gather(report, world, iteration=1, timeout_s=60)
     out = {"report": report, "gathered": gathered.per_rank[0], "keys": gathered.keys,
-           "channel_device": reduce._channels[world].device.type}
+           "channel_device": reduction.channel(world).device.type}
+    reduction.close()
 
     cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_dir=f"{run_dir}/tensorboard")
     with warnings.catch_warnings():
