@@ -40,7 +40,7 @@ _exception: list = []
 _fork_child: list = []
 _cuda_oom: list = []
 _installed: set = set()
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entrant: a SIGTERM may land while this thread holds it (forget at a close)
 
 
 def _ref(callback):
