@@ -76,7 +76,7 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | 
     for queued GPU work.
     """
     plan = _plan(tuple(memory_keys.items())) if memory_keys else _default_plan()
-    device, stats = _allocator_stats()
+    device, stats = allocator_stats()
     report: dict[str, int | float] = {}
     for logged_name, path, in_bytes in plan:
         value = stats
@@ -117,7 +117,7 @@ def _cuda_in_use() -> bool:
     return False
 
 
-def _allocator_stats() -> tuple[int | None, dict]:
+def allocator_stats() -> tuple[int | None, dict]:
     """(current device, torch's nested allocator statistics), or (None, {}) without CUDA in use."""
     if not _cuda_in_use():
         return None, {}

@@ -411,9 +411,9 @@ class Channel:
         if self.send is not self.send_host:
             self.send.copy_(self.send_host)
         if to_all:
-            self._wait(_all_to_all_single(self.recv, self.send, group), group, iteration, timeout_s)
+            self._wait(all_to_all_single(self.recv, self.send, group), group, iteration, timeout_s)
         else:
-            self._wait(_all_gather_single(self.recv, self.send_row, group), group, iteration, timeout_s)
+            self._wait(all_gather_single(self.recv, self.send_row, group), group, iteration, timeout_s)
         if self.recv is not self.recv_host:
             self.recv_host.copy_(self.recv)
         return payload.unpack(self.layout, self.recv_words, self.ranks)
@@ -421,7 +421,7 @@ class Channel:
     def gather_small(self, mine, group, iteration, timeout_s) -> list[int]:
         """Every rank's ``mine`` (same size and dtype on every rank), concatenated, as a list."""
         out = torch.empty(mine.numel() * self.ranks, dtype=mine.dtype, device=self.device)
-        self._wait(_all_gather_single(out, mine.to(self.device), group), group, iteration, timeout_s)
+        self._wait(all_gather_single(out, mine.to(self.device), group), group, iteration, timeout_s)
         return out.tolist()
 
     def _wait(self, work, group, iteration, timeout_s) -> None:
@@ -446,13 +446,15 @@ def _timedelta(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def _all_gather_single(out, inp, group):
+def all_gather_single(out, inp, group):
+    """Start an all-gather of ``inp`` into ``out`` over ``group`` (async); the exchange's collective."""
     # torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, inp, group=group, async_op=True)
 
 
-def _all_to_all_single(out, inp, group):
+def all_to_all_single(out, inp, group):
+    """Start an all-to-all of ``inp`` into ``out`` over ``group`` (async); the other exchange's collective."""
     return dist.all_to_all_single(out, inp, group=group, async_op=True)
 
 

@@ -108,7 +108,7 @@ def test_h100_statistics_by_path_equal_torch_flattened_ones(monkeypatch):
     """Real statistics of an H100 (tests/data): every one of the 122 names torch.cuda.memory_stats()
     gave there, read by path from the nested dict, is the same value; absent names stay missing."""
     flat, tree = h100_statistics("flat"), h100_statistics("nested")
-    monkeypatch.setattr(memory, "_allocator_stats", lambda: (None, tree))
+    monkeypatch.setattr(memory, "allocator_stats", lambda: (None, tree))
     every_name = {name: name.replace(".", "/") for name in flat}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # one name no torch produces, below, warns

@@ -89,7 +89,7 @@ def run_rank(rank: int, world: int, port: int, plan: dict) -> dict:
 def _timed(group, plan: dict) -> dict:
     from nemo_memlog import memory
     from nemo_memlog.config import LoggerConfig
-    from nemo_memlog.hook import training_log
+    from nemo_memlog.hook import run_of, training_log
     from nemo_memlog.reduce import gather_memory
 
     # The flight recorder is on, as by default (its folder a temp dir rather than ./memory_records).
@@ -129,7 +129,8 @@ def _timed(group, plan: dict) -> dict:
     out["samples"], out["cpu"] = interleaved(variants, plan["iters"], plan["warmup"], barrier)
     out.update(_collectives_and_exchange(ours, report, group, plan["warmup"] + plan["iters"] + 1))
     out["unified"] = last["unified"]
-    out.update(_pieces_timed(group, report, last["unified"], plan, barrier))
+    run = run_of(cfg, writers=fanout)  # the run training_log used: its channel and warnings
+    out.update(_pieces_timed(run, report, last["unified"], plan, barrier))
     if plan["non_logging"]:
         dist.barrier(group=group)
         if dist.get_rank() == dist.get_world_size() - 1:
@@ -157,9 +158,10 @@ def _collectives_and_exchange(ours, report: dict, group, iteration: int) -> dict
     return out
 
 
-def _pieces_timed(group, report: dict, unified: dict, plan: dict, barrier) -> dict:
+def _pieces_timed(run, report: dict, unified: dict, plan: dict, barrier) -> dict:
     """The pieces cold on every rank; hot on the writer rank, the other ranks blocked meanwhile."""
-    steps = pieces(group, report, unified)
+    group = run.group
+    steps = pieces(run, report, unified)
     out = {"pieces": summarise(interleaved(steps, plan["piece_iters"], 3, barrier)[0])}
     dist.barrier(group=group)
     if dist.get_rank() == dist.get_world_size() - 1:
@@ -172,24 +174,25 @@ def _pieces_timed(group, report: dict, unified: dict, plan: dict, barrier) -> di
     return out
 
 
-def pieces(group, report, unified) -> dict:
-    """The steps of ``ours`` one by one, on the buffers and data of the last logging call."""
+def pieces(run, report, unified) -> dict:
+    """The steps of ``ours`` one by one, on the run's buffers and the data of its last logging call."""
     from nemo_memlog import attribution, memory, payload, reduce
 
-    channel = reduce._channels[group]
+    group = run.group
+    channel = run.reduction.channel(group)
     layout = channel.layout
     reports = payload.unpack(layout, channel.recv_words, channel.ranks)
-    gathered = reduce._line_up(layout.keys, reports)
+    gathered = reduce.line_up(layout.keys, reports)
     channel.send_rows[1:] = channel.send_words  # every row is this rank's words, as all_to_all sends them
     fanout = null_fanout()
     return {
         "report_memory": lambda it: memory.report_memory(),
         "capacity_report": lambda it: memory.capacity_report(),
-        "pack": lambda it: payload.pack_into(channel.send_words, layout, report, it, reduce._warn_once),
-        "all_gather": lambda it: reduce._all_gather_single(channel.recv, channel.send_row, group).wait(),
-        "all_to_all": lambda it: reduce._all_to_all_single(channel.recv, channel.send, group).wait(),
+        "pack": lambda it: payload.pack_into(channel.send_words, layout, report, it, run.reduction.warn_value),
+        "all_gather": lambda it: reduce.all_gather_single(channel.recv, channel.send_row, group).wait(),
+        "all_to_all": lambda it: reduce.all_to_all_single(channel.recv, channel.send, group).wait(),
         "unpack": lambda it: payload.unpack(layout, channel.recv_words, channel.ranks),
-        "line_up": lambda it: reduce._line_up(layout.keys, reports),
+        "line_up": lambda it: reduce.line_up(layout.keys, reports),
         "attribution": lambda it: attribution.memory_metrics(gathered, ("peak_*",)),
         "hand_off": lambda it: fanout.log(unified, it),
     }

@@ -43,13 +43,13 @@ def fed_statistics(nested: dict):
 
     from nemo_memlog import memory
 
-    ours, torchs = memory._allocator_stats, torch.cuda.memory.memory_stats_as_nested_dict
-    memory._allocator_stats = lambda: (None, nested)
+    ours, torchs = memory.allocator_stats, torch.cuda.memory.memory_stats_as_nested_dict
+    memory.allocator_stats = lambda: (None, nested)
     torch.cuda.memory.memory_stats_as_nested_dict = lambda device=None: nested
     try:
         yield
     finally:
-        memory._allocator_stats, torch.cuda.memory.memory_stats_as_nested_dict = ours, torchs
+        memory.allocator_stats, torch.cuda.memory.memory_stats_as_nested_dict = ours, torchs
 
 
 @contextlib.contextmanager
