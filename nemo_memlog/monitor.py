@@ -110,7 +110,8 @@ class MemoryMonitor:
             from .failure.recorder import open_recorder
 
             self.recorder = open_recorder(self.record_dir, pp_group=pp_group, pg_collection=pg_collection,
-                                          report=self._report, record_history=settings.memory_record_history)
+                                          report=self._report, record_history=settings.memory_record_history,
+                                          warn=self.warnings)  # the run's one set of once-only warnings
         self._placed = True
 
     def _report(self) -> dict:

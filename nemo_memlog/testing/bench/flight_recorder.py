@@ -101,7 +101,7 @@ def _off_the_logging_steps(folders: dict, off_calls: int, rounds: int) -> tuple[
 
 def _beat_ns(recorder, repetitions: int) -> float:
     """The liveness thread's beat: its /proc and cgroup reads and one pwrite, ns."""
-    from nemo_memlog.failure.recorder import HostEvidence
+    from nemo_memlog.failure.evidence import HostEvidence
 
     evidence = HostEvidence()
     return per_call_ns(
