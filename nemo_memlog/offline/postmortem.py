@@ -134,6 +134,8 @@ class Ambiguity:
 
 @dataclass
 class Postmortem:
+    """One run's post-mortem: every rank's state, the first failure, and what could not be read."""
+
     run_dir: Path
     run_id: str
     ranks: list[RankState]  # by rank

@@ -46,6 +46,7 @@ def to_json(postmortem: Postmortem, png: str | None = None) -> dict:
 
 
 def _rank_json(state: RankState) -> dict:
+    """One rank's entry of ``ranks`` (and the base of ``first_failure``)."""
     header = state.header
     oom = None
     if state.oom is not None:
