@@ -3,8 +3,10 @@ table of a finished (or running) run and writes a PNG of one metric per stage.
 ``nemo-memlog postmortem RUN_DIR`` reads the flight records of a job that died and says which
 rank failed first, and what every rank held.
 
-Needs only tensorboard and matplotlib (``pip install nemo_memlog[report]``; the post-mortem
-needs matplotlib only for its PNG): no torch import of its own, no training code, no process group.
+Reads the command line; prints what report.py and postmortem_render.py (or postmortem_json.py)
+return, and writes the PNG of report_plot.py or postmortem_plot.py. Needs only tensorboard and
+matplotlib (``pip install nemo_memlog[report]``; the post-mortem needs matplotlib only for its PNG):
+no torch import of its own, no training code, no process group.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ POSTMORTEM_PNG_NAME = "memory_postmortem.png"
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The two commands and their options."""
     parser = argparse.ArgumentParser(prog="nemo-memlog", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     report = commands.add_parser("report", help="per-stage memory table and PNG from a run's TensorBoard events")
     report.add_argument("run_dir", metavar="RUN_DIR", type=Path,
                         help="run directory (or its tensorboard dir; event files are found recursively), "
                              "or one event file; several runs in it: the newest is reported, the others listed")
-    report.add_argument("--png", type=Path, default=None, help=f"where to write the plot (default: RUN_DIR/{PNG_NAME}, beside an event file)")
+    report.add_argument("--png", type=Path, default=None,
+                        help=f"where to write the plot (default: RUN_DIR/{PNG_NAME}, beside an event file)")
     report.add_argument("--metric", default=None,
                         help="per-stage metric to plot (default: peak_reserved_gb if logged, else peak_host_rss_gb)")
     _postmortem_parser(commands)
@@ -32,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _postmortem_parser(commands) -> None:
+    """``postmortem`` and its options, added to ``commands``."""
     from .postmortem import DEFAULT_CLOCK_SKEW_S
 
     postmortem = commands.add_parser(
@@ -55,6 +60,7 @@ def _postmortem_parser(commands) -> None:
 
 
 def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds >= 0."""
     value = float(text)
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds >= 0 is expected")
@@ -69,23 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     if args.command == "postmortem":
         return _postmortem(args)
-    from .postmortem import record_hint
     from .report import ReportError
 
     try:
         return _report(args)
     except ReportError as error:
-        hint = record_hint(args.run_dir)
+        hint = _record_hint(args.run_dir)
         print(f"nemo-memlog: error: {error}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
         return 2
 
 
 def _postmortem(args) -> int:
     """Exit code 1 when a failure was found, 0 when every rank closed, 2 when nothing could be read."""
-    import json
-
     from .postmortem import PostmortemError, analyse
-    from .postmortem_render import format_text, to_json
+    from .postmortem_json import json_text
+    from .postmortem_render import format_text
 
     try:
         postmortem = analyse(args.run_dir, run_id=args.run_id, clock_skew_s=args.clock_skew_s)
@@ -96,7 +100,7 @@ def _postmortem(args) -> int:
     if not args.no_png and (args.png or not args.json):
         png = _postmortem_png(postmortem, args.png or args.run_dir / POSTMORTEM_PNG_NAME)
     if args.json:
-        print(json.dumps(_finite(to_json(postmortem, png and str(png))), indent=1))
+        print(json_text(postmortem, png and str(png)))
     else:
         print(format_text(postmortem, all_rows=args.all))
         if png:
@@ -117,25 +121,14 @@ def _postmortem_png(postmortem, path) -> Path | None:
         return None
 
 
-def _finite(value):
-    """JSON without NaN or Infinity (strict parsers refuse them): non-finite numbers become null."""
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
-
-
 def _report(args) -> int:
-    from .report_plot import write_png
-    from .postmortem import record_hint
+    """Exit code 0; raises ReportError when the run cannot be reported on."""
     from .report import choose_metric, format_report, load_run
+    from .report_plot import write_png
 
     run = load_run(args.run_dir)
     print(format_report(run))
-    hint = record_hint(args.run_dir)
+    hint = _record_hint(args.run_dir)
     if hint:
         print(hint)
     metric = choose_metric(run, args.metric)
@@ -143,6 +136,20 @@ def _report(args) -> int:
     png = write_png(run, metric, args.png or folder / PNG_NAME)
     print(f"\nplot of {metric} per stage: {png}")
     return 0
+
+
+def _record_hint(run_dir) -> str | None:
+    """One line for ``report``: where flight records are, if any are below ``run_dir``."""
+    from .rank_files import find_record_files
+
+    try:
+        found = next(iter(find_record_files(run_dir)), None)
+    except OSError:
+        return None
+    if found is None:
+        return None
+    return (f"flight records found under {found.parent}: `nemo-memlog postmortem {run_dir}` says which rank "
+            "failed first and what every rank held")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """`nemo-memlog postmortem`: which rank failed first, and what every rank held, from the flight records.
 
 Reads the per-rank ring files that recorder.py writes (their format: records.py) anywhere
-below a folder, on the cluster or on a copy of it: no torch, no process group, no training
-code. Each file is read with one ``read``; slots are decoded from that buffer.
+below a folder, on the cluster or on a copy of it, through rank_files.py; prints nothing:
+``analyse`` returns a ``Postmortem`` that postmortem_render.py and postmortem_json.py put
+in words and postmortem_plot.py draws. No torch, no process group, no training code.
 
 Every rank that left a readable header gets exactly one status:
 
@@ -27,14 +28,14 @@ nodes within milliseconds, not always) - on one host the clock is shared.
 
 from __future__ import annotations
 
-import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..failure import records
+from .rank_files import RankFile, find_record_files, read_rank_file
+from .tables import finite_number
 
 DEFAULT_CLOCK_SKEW_S = 2.0
 DEFAULT_LIVENESS_PERIOD_S = 1.0
@@ -47,43 +48,6 @@ _RANK_IN_NAME = re.compile(r"rank-(\d+)")
 
 class PostmortemError(Exception):
     """Nothing can be reported (no folder, no readable record); the message says what to change."""
-
-
-@dataclass(eq=False)  # identity: one object per file
-class RankFile:
-    """One rank's file: header, liveness (None when never written or unreadable), its checked
-    record slots oldest first, parsed only when asked (a post-mortem of thousands of ranks needs
-    the newest few of each), and what could not be read, in words."""
-
-    path: Path
-    header: dict
-    liveness: dict | None
-    slots: list[list]  # [seq, kind or None, checked JSON bytes, parsed record or None], oldest first
-    problems: list[str] = field(default_factory=list)
-
-    def newest(self, kind: str | None = None, want=None) -> dict | None:
-        """The newest record of ``kind`` (any kind: None) for which ``want(record)`` holds."""
-        for slot in reversed(self.slots):
-            if kind is not None and slot[1] is not None and slot[1] != kind:
-                continue
-            record = self._parsed(slot)
-            if record is not None and kind in (None, record.get("kind")) and (want is None or want(record)):
-                return record
-        return None
-
-    @property
-    def records(self) -> list[dict]:
-        """Every readable record, oldest first (parses them all)."""
-        return [record for record in map(self._parsed, self.slots) if record is not None]
-
-    def _parsed(self, slot: list) -> dict | None:
-        if slot[3] is None and slot[2] is not None:
-            try:
-                slot[3] = records.parse(slot[2])
-            except records.RecordError as error:
-                self.problems.append(f"record {slot[0]}: {error}")
-            slot[2] = None  # parsed, or known bad: never again
-        return slot[3]
 
 
 @dataclass(eq=False)  # identity: one object per rank
@@ -128,9 +92,9 @@ class RankState:
     def failure_time(self) -> float | None:
         """When it failed: the OOM record's time, the exception's end record, else the last beat."""
         if self.oom is not None:
-            return _number(self.oom.get("time"))
+            return finite_number(self.oom.get("time"))
         if self.end is not None:
-            return _number(self.end.get("time"))
+            return finite_number(self.end.get("time"))
         return self.last_alive
 
     @property
@@ -144,11 +108,11 @@ class RankState:
 
     def value(self, key: str) -> float | None:
         """A number of the last report, None where missing (NaN, absent)."""
-        return _number(self.last_report.get(key))
+        return finite_number(self.last_report.get(key))
 
     def live(self, key: str) -> float | None:
         """A liveness number (fresher, about once a second), else the last report's."""
-        value = _number((self.file.liveness or {}).get(key))
+        value = finite_number((self.file.liveness or {}).get(key))
         return self.value(key) if value is None else value
 
     @property
@@ -170,6 +134,8 @@ class Ambiguity:
 
 @dataclass
 class Postmortem:
+    """One run's post-mortem: every rank's state, the first failure, and what could not be read."""
+
     run_dir: Path
     run_id: str
     ranks: list[RankState]  # by rank
@@ -188,79 +154,6 @@ class Postmortem:
         return max(int(r.header.get("world_size") or 0) for r in self.ranks) or len(self.ranks)
 
 
-# ---- reading ------------------------------------------------------------------------------
-
-
-def find_record_files(run_dir) -> list[Path]:
-    """Every ``*.memrec`` file at or below ``run_dir``, sorted."""
-    found = []
-    for folder, _, names in os.walk(run_dir):
-        found += [Path(folder, name) for name in names if name.endswith(records.SUFFIX)]
-    return sorted(found)
-
-
-def read_rank_file(path) -> RankFile:
-    """Read one rank's file with a single read and check every slot (length, checksum). Raises
-    RecordError when the header cannot be used (empty, truncated, garbage, another format or
-    version); a torn or corrupted liveness or record slot, or a truncated ring, is listed in
-    ``problems`` and the rest is kept."""
-    path = Path(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:  # one read system call per file (a buffered read() makes two, and more for a large file)
-        data = os.read(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-    if not data:
-        raise records.RecordError("empty file (0 bytes)")
-    try:
-        header = records.check_header(records.decode(data[: records.HEADER_BYTES]))
-    except records.RecordError as error:
-        raise records.RecordError(f"header: {error}") from None
-    slots, slot_bytes = int(header["slots"]), int(header["slot_bytes"])
-    problems = []
-    expected = records.file_bytes(slots, slot_bytes)
-    if len(data) < expected:
-        problems.append(f"file truncated: {len(data)} of {expected} bytes")
-    try:
-        liveness = records.decode(data[records.HEADER_BYTES : records.RECORDS_AT])
-    except records.RecordError as error:
-        liveness = None
-        problems.append(f"liveness slot: {error}")
-    found = []
-    for slot in range(slots):
-        start = records.record_offset(slot, slots, slot_bytes)
-        if start >= len(data):
-            break
-        try:
-            body = records.payload(data[start : start + slot_bytes])
-        except records.RecordError as error:
-            problems.append(f"record slot {slot}: {error}")
-            continue
-        if body is not None:
-            found.append(_peeked(body, slot, problems))
-    found = [entry for entry in found if entry is not None]
-    found.sort(key=lambda entry: entry[0])
-    return RankFile(path, header, liveness, found, problems)
-
-
-#: recorder.py writes ``seq`` and ``kind`` first; where they are not, the slot is parsed instead.
-_PEEK = re.compile(rb'\{"seq":(\d+),"kind":"(\w+)"')
-
-
-def _peeked(body: bytes, slot: int, problems: list[str]) -> list | None:
-    """``[seq, kind, body, None]`` from the slot's first bytes, or parsed when they do not say."""
-    match = _PEEK.match(body)
-    if match:
-        return [int(match.group(1)), match.group(2).decode(), body, None]
-    try:
-        record = records.parse(body)
-    except records.RecordError as error:
-        problems.append(f"record slot {slot}: {error}")
-        return None
-    seq = record.get("seq")
-    return [seq if isinstance(seq, int) else -1, record.get("kind"), None, record]
-
-
 # ---- analysis -----------------------------------------------------------------------------
 
 
@@ -273,6 +166,26 @@ def analyse(run_dir, run_id: str | None = None, clock_skew_s: float = DEFAULT_CL
     PostmortemError when there is no folder, no record file, or no readable one.
     """
     run_dir = Path(run_dir)
+    readable, unreadable = _read_all(run_dir)
+    chosen, ignored = _choose_run(readable, run_id, run_dir)
+    files, duplicates = _one_per_rank(chosen)
+    states = [_state(file) for file in files]
+    _host_evidence(states)
+    failures = sorted((s for s in states if s.failed), key=_failure_order)
+    first = failures[0] if failures else None
+    world = max(int(s.header.get("world_size") or 0) for s in states)
+    seen = {s.rank for s in states}
+    missing = [rank for rank in range(world) if rank not in seen]
+    postmortem = Postmortem(run_dir, chosen[0].header["run_id"], states, first,
+                            _ambiguity(first, failures, clock_skew_s), failures, unreadable, ignored,
+                            missing, duplicates, clock_skew_s)
+    postmortem.notes = _notes(postmortem)
+    return postmortem
+
+
+def _read_all(run_dir: Path) -> tuple[list[RankFile], list[tuple[Path, int | None, str]]]:
+    """The readable rank files below ``run_dir``, and (file, rank from its name, why) for the others.
+    Raises PostmortemError when there is no folder, no record file, or no readable one."""
     if not run_dir.is_dir():
         raise PostmortemError(f"{run_dir}: no such directory; expected the run's memory_record_dir "
                               f"or a folder above it, holding rank-NNNNN{records.SUFFIX} files")
@@ -291,27 +204,16 @@ def analyse(run_dir, run_id: str | None = None, clock_skew_s: float = DEFAULT_CL
     if not readable:
         reasons = "; ".join(f"{path}: {why}" for path, _, why in unreadable[:5])
         raise PostmortemError(f"{run_dir}: {len(paths)} record file(s), none readable ({reasons})")
-    chosen, ignored = _choose_run(readable, run_id, run_dir)
-    files, duplicates = _one_per_rank(chosen)
-    states = [_state(file) for file in files]
-    _host_evidence(states)
-    failures = sorted((s for s in states if s.failed), key=_failure_order)
-    first = failures[0] if failures else None
-    world = max(int(s.header.get("world_size") or 0) for s in states)
-    seen = {s.rank for s in states}
-    missing = [rank for rank in range(world) if rank not in seen]
-    postmortem = Postmortem(run_dir, chosen[0].header["run_id"], states, first,
-                            _ambiguity(first, failures, clock_skew_s), failures, unreadable, ignored,
-                            missing, duplicates, clock_skew_s)
-    postmortem.notes = _notes(postmortem)
-    return postmortem
+    return readable, unreadable
 
 
 def _choose_run(files: list[RankFile], run_id: str | None, run_dir: Path) -> tuple[list[RankFile], list[dict]]:
+    """The files of ``run_id`` (default: the run that started last), and the other runs as ``ignored_runs``."""
     runs: dict[str, list[RankFile]] = {}
     for file in files:
         runs.setdefault(str(file.header["run_id"]), []).append(file)
-    started = {rid: min(_number(f.header.get("started")) or 0.0 for f in group) for rid, group in runs.items()}
+    started = {rid: min(finite_number(f.header.get("started")) or 0.0 for f in group)
+               for rid, group in runs.items()}
     if run_id is None:
         run_id = max(runs, key=lambda rid: (started[rid], rid))
     elif run_id not in runs:
@@ -338,7 +240,7 @@ def _one_per_rank(files: list[RankFile]) -> tuple[list[RankFile], list[str]]:
 
 
 def _last_beat(file: RankFile) -> float:
-    return _number((file.liveness or {}).get("alive")) or 0.0
+    return finite_number((file.liveness or {}).get("alive")) or 0.0
 
 
 def _state(file: RankFile) -> RankState:
@@ -350,11 +252,11 @@ def _state(file: RankFile) -> RankState:
     last = file.newest(want=lambda record: isinstance(record.get("iteration"), int))
     with_report = file.newest(want=lambda record: isinstance(record.get("report"), dict) and record["report"])
     report = with_report["report"] if with_report else {}
-    alive = _number((file.liveness or {}).get("alive"))
+    alive = finite_number((file.liveness or {}).get("alive"))
     if alive is None:  # never beat, or its slot torn: the newest record, else the start
-        alive = _number(newest and newest.get("time")) or _number(file.header.get("started"))
+        alive = finite_number(newest and newest.get("time")) or finite_number(file.header.get("started"))
     return RankState(file, status, end, oom, last["iteration"] if last else None, alive, report,
-                     _number(report.get("peak_reserved_gb")))
+                     finite_number(report.get("peak_reserved_gb")))
 
 
 def _host_evidence(states: list[RankState]) -> None:
@@ -378,7 +280,8 @@ def _host_evidence(states: list[RankState]) -> None:
                                                     f"beat ({before} -> {max(later)})")
         available, total = state.live("host_available_gb"), state.value("host_total_gb")
         if available is not None and total and available < LOW_AVAILABLE_FRACTION * total:
-            state.host_oom_kill_evidence.append(f"MemAvailable was {available:.1f} GB of {total:.1f} GB at its last beat")
+            state.host_oom_kill_evidence.append(
+                f"MemAvailable was {available:.1f} GB of {total:.1f} GB at its last beat")
 
 
 def _failure_order(state: RankState) -> tuple:
@@ -393,6 +296,7 @@ def allowance_s(a: RankState, b: RankState, clock_skew_s: float) -> float:
 
 
 def _ambiguity(first: RankState | None, failures: list[RankState], clock_skew_s: float) -> Ambiguity | None:
+    """The failed ranks that stopped within the allowance of the first failure, closest first; None if none."""
     if first is None or first.failure_time is None:
         return None
     close = []
@@ -410,6 +314,7 @@ def _ambiguity(first: RankState | None, failures: list[RankState], clock_skew_s:
 
 
 def _notes(postmortem: Postmortem) -> list[str]:
+    """A failure named first though another rank stopped earlier; a run that may still be going."""
     notes = []
     first = postmortem.first_failure
     if first is not None and first.status == "cuda_oom":
@@ -418,7 +323,8 @@ def _notes(postmortem: Postmortem) -> list[str]:
                    and s.failure_time < first.failure_time - allowance_s(first, s, postmortem.clock_skew_s)]
         if earlier:
             stopped = min(earlier, key=lambda s: s.failure_time)
-            notes.append(f"rank {stopped.rank} ({stopped.status}) stopped {first.failure_time - stopped.failure_time:.1f} s "
+            gap = first.failure_time - stopped.failure_time
+            notes.append(f"rank {stopped.rank} ({stopped.status}) stopped {gap:.1f} s "
                          "before this CUDA OOM; a CUDA OOM is named first whenever there is one")
     alive = [s.last_alive for s in postmortem.ranks if s.status == "unfinished" and s.last_alive is not None]
     period = max(s.period for s in postmortem.ranks)
@@ -426,22 +332,3 @@ def _notes(postmortem: Postmortem) -> list[str]:
         notes.append(f"a rank beat {time.time() - max(alive):.1f} s ago: the run may still be going, "
                      "and its unfinished ranks be alive")
     return notes
-
-
-def _number(value) -> float | None:
-    """A finite number, else None (JSON null, NaN for a statistic a rank lacks)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return value
-
-
-def record_hint(run_dir) -> str | None:
-    """One line for ``nemo-memlog report``: where flight records are, if any are below ``run_dir``."""
-    try:
-        found = next(iter(find_record_files(run_dir)), None)
-    except OSError:
-        return None
-    if found is None:
-        return None
-    return (f"flight records found under {found.parent}: `nemo-memlog postmortem {run_dir}` says which rank "
-            "failed first and what every rank held")

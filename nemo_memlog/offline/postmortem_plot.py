@@ -1,13 +1,16 @@
 """The post-mortem's PNG: the last records per pipeline stage, and when each rank stopped.
 
-matplotlib is imported here, lazily, with the Agg backend, as plot.py does for the report.
+Reads a ``postmortem.Postmortem`` (and the rings of the few ranks it draws); draws one PNG
+through plotting.py (matplotlib, lazily, on the Agg backend).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .postmortem import Postmortem, RankState, _number
+from .plotting import finish_axes, new_figure, save
+from .postmortem import Postmortem, RankState
+from .tables import finite_number
 
 METRICS = ("peak_reserved_gb", "peak_host_rss_gb", "host_rss_gb")
 _STATUS_COLOR = {"closed": "tab:green", "cuda_oom": "tab:red", "unfinished": "tab:orange"}
@@ -18,15 +21,11 @@ def write_png(postmortem: Postmortem, path) -> Path:
 
     Top: per pipeline stage, the records still in the ring of the rank holding the stage's
     highest memory metric (peak_reserved_gb, else host RSS) in its last record; the first
-    failure's own records in red, its last point (the OOM, or its last record) marked. Bottom: each rank's failure or
-    last-alive time relative to the first failure, coloured by status, the first failure starred.
+    failure's own records in red, its last point (the OOM, or its last record) marked. Bottom: each
+    rank's failure or last-alive time relative to the first failure, coloured by status, the first
+    failure starred.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(11, 8), dpi=100, layout="constrained")
+    figure = new_figure(11, 8)
     top, bottom = figure.subplots(2, 1)
     first = postmortem.first_failure
     metric = _metric(postmortem.ranks)
@@ -35,10 +34,7 @@ def write_png(postmortem: Postmortem, path) -> Path:
     title = f"post-mortem of run {postmortem.run_id}: " + (f"first failure rank {first.rank} ({first.status})"
                                                             if first else "no failure")
     figure.suptitle(title)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, metadata={"Title": title})
-    return path
+    return save(figure, path, title)
 
 
 def _metric(ranks: list[RankState]) -> str:
@@ -50,9 +46,10 @@ def _metric(ranks: list[RankState]) -> str:
 
 
 def _series(state: RankState, metric: str) -> list[tuple[int, float]]:
+    """(iteration, value) of ``metric`` in the rank's readable records, by iteration (parses its ring)."""
     points = {}
     for record in state.file.records:
-        value = _number((record.get("report") or {}).get(metric))
+        value = finite_number((record.get("report") or {}).get(metric))
         if isinstance(record.get("iteration"), int) and value is not None:
             points[record["iteration"]] = value
     return sorted(points.items())
@@ -80,11 +77,11 @@ def _stage_lines(axes, ranks: list[RankState], metric: str, first: RankState | N
     axes.set_xlabel("iteration (records still in the rings)")
     axes.set_ylabel(f"{metric} (GB)")
     axes.set_ylim(bottom=0)
-    axes.grid(alpha=0.3)
-    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    finish_axes(axes)
 
 
 def _stop_times(axes, postmortem: Postmortem, first: RankState | None) -> None:
+    """Each rank's failure (or last-alive) time, relative to the first failure's, coloured by status."""
     times = [s.failure_time for s in postmortem.ranks if s.failure_time is not None]
     if not times:
         return
@@ -100,5 +97,4 @@ def _stop_times(axes, postmortem: Postmortem, first: RankState | None) -> None:
     axes.set_xlabel("rank")
     failed = first is not None and first.failure_time is not None
     axes.set_ylabel("stopped (s after the first failure)" if failed else "stopped (s after the first rank)")
-    axes.grid(alpha=0.3)
-    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    finish_axes(axes)

@@ -1,6 +1,8 @@
-"""The post-mortem in words: the lead sentence, the table of ranks, and the JSON for failure hooks.
+"""The post-mortem in words: the lead sentence, the table of ranks, what could not be read.
 
-Pure formatting of a ``postmortem.Postmortem``: no file is read or written here.
+Reads a ``postmortem.Postmortem`` (no file); ``format_text`` returns the text
+``nemo-memlog postmortem`` prints, ``sentence`` the first failure in one sentence (also in
+the JSON, postmortem_json.py). Tables and numbers are formatted by tables.py.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ import math
 import time
 from collections import Counter
 
-from .postmortem import Postmortem, RankState, allowance_s
-from .report import Column, _render_block
+from .postmortem import STATUSES, Postmortem, RankState
+from .tables import Column, cell, clock, date_time, gb_cell, gb_text, render_block, whole_number
 
 #: Up to this many ranks the table has every rank; above it, the failures, the first one's
 #: pipeline and host, and a summary per pipeline stage (``--all`` for every row).
@@ -49,19 +51,19 @@ def sentence(postmortem: Postmortem) -> str:
 
 def _oom_sentence(state: RankState) -> str:
     oom = state.oom
-    requested, free = _int(oom.get("bytes_requested")), _int(oom.get("device_free"))
-    reserved_free, largest = _int(oom.get("reserved_free")), _int(oom.get("largest_free_block"))
+    requested, free = whole_number(oom.get("bytes_requested")), whole_number(oom.get("device_free"))
+    reserved_free, largest = whole_number(oom.get("reserved_free")), whole_number(oom.get("largest_free_block"))
     at = _oom_iteration(state)
-    text = f"{who(state)} hit a CUDA OOM {at} asking for {gb(requested)} with {gb(free)} free"
+    text = f"{who(state)} hit a CUDA OOM {at} asking for {gb_text(requested)} with {gb_text(free)} free"
     if fragmented(oom):
-        return (f"{text}; {gb(free + reserved_free)} was free in total, but the largest free block was {gb(largest)}, "
-                f"which is fragmentation: try {FRAGMENTATION_FIX}")
-    limit = _int(oom.get("device_limit"))
-    does_not_fit = (f": the working set does not fit in {gb(limit)}; lower the micro-batch size, recompute "
+        return (f"{text}; {gb_text(free + reserved_free)} was free in total, but the largest free block was "
+                f"{gb_text(largest)}, which is fragmentation: try {FRAGMENTATION_FIX}")
+    limit = whole_number(oom.get("device_limit"))
+    does_not_fit = (f": the working set does not fit in {gb_text(limit)}; lower the micro-batch size, recompute "
                     "activations, or spread the model over more pipeline or tensor-parallel ranks")
     if reserved_free is None:
         return f"{text} (no allocator snapshot, so fragmentation cannot be told){does_not_fit}"
-    return f"{text}; {gb(free + reserved_free)} was free in total with the allocator's cache{does_not_fit}"
+    return f"{text}; {gb_text(free + reserved_free)} was free in total with the allocator's cache{does_not_fit}"
 
 
 def _oom_iteration(state: RankState) -> str:
@@ -76,8 +78,8 @@ def _oom_iteration(state: RankState) -> str:
 
 def fragmented(oom: dict) -> bool:
     """Enough memory sat free inside the allocator's segments, in no block big enough."""
-    requested, reserved_free = _int(oom.get("bytes_requested")), _int(oom.get("reserved_free"))
-    largest = _int(oom.get("largest_free_block"))
+    requested, reserved_free = whole_number(oom.get("bytes_requested")), whole_number(oom.get("reserved_free"))
+    largest = whole_number(oom.get("largest_free_block"))
     if None in (requested, reserved_free, largest):
         return False
     return reserved_free >= requested > largest
@@ -85,7 +87,9 @@ def fragmented(oom: dict) -> bool:
 
 def _vanished_sentence(state: RankState) -> str:
     rss, total = state.live("host_rss_gb"), state.value("host_total_gb")
-    memory = f" with host RSS {gb(rss, 1)}" + (f" of {gb(total, 1)}" if total else "") if rss is not None else ""
+    memory = ""
+    if rss is not None:
+        memory = f" with host RSS {gb_text(rss, 1)}" + (f" of {gb_text(total, 1)}" if total else "")
     text = f"{who(state)} vanished at {clock(state.last_alive)} (last alive){_at_iteration(state)}{memory}"
     if state.host_oom_kill_evidence:
         return (f"{text} while {'; '.join(state.host_oom_kill_evidence)}: probably the kernel's OOM killer "
@@ -104,14 +108,15 @@ def ambiguity_line(postmortem: Postmortem) -> str | None:
         return None
     other = ambiguity.others[0]
     gap = abs(other.failure_time - first.failure_time)
-    where = f"on one host ({first.host})" if other.host == first.host else f"on different hosts ({first.host}, {other.host})"
+    same_host = other.host == first.host
+    where = f"on one host ({first.host})" if same_host else f"on different hosts ({first.host}, {other.host})"
     beats = [s for s in (first, other) if not s.failure_time_exact]
     parts = [f"{' and '.join(f'rank {s.rank}' for s in beats)}: a last beat may be up to a liveness period "
              f"({max(s.period for s in beats):g} s) before the death"] if beats else []
-    if other.host != first.host:
+    if not same_host:
         parts.append(f"the hosts' clocks may differ by {postmortem.clock_skew_s:g} s (--clock-skew-s)")
-    line = (f"cannot tell which of rank {first.rank} and rank {other.rank} failed first: they stopped {gap:.2f} s apart "
-            f"{where}, within the {ambiguity.allowance_s:.2f} s allowance ({'; '.join(parts)})")
+    line = (f"cannot tell which of rank {first.rank} and rank {other.rank} failed first: they stopped "
+            f"{gap:.2f} s apart {where}, within the {ambiguity.allowance_s:.2f} s allowance ({'; '.join(parts)})")
     more = len(ambiguity.others) - 1
     if more:
         line += f"; {more} more failed rank(s) stopped within the same allowance"
@@ -129,24 +134,25 @@ def format_text(postmortem: Postmortem, all_rows: bool = False) -> str:
     started = min((s.header.get("started") or math.inf) for s in ranks)
     lines = [f"post-mortem of run {postmortem.run_id} under {postmortem.run_dir}: {len(ranks)} of "
              f"{postmortem.world_size} ranks read, {len({s.host for s in ranks})} host(s), {_shape(ranks)}",
-             f"started {_date(started)}; times are this machine's local time ({time.strftime('%Z %z')})",
+             f"started {date_time(started)}; times are this machine's local time ({time.strftime('%Z %z')})",
              "", "FIRST FAILURE: " + sentence(postmortem)]
     first = postmortem.first_failure
     if first is not None and first.oom and first.oom.get("snapshot"):
-        lines.append(f"allocator snapshot: {first.file.path.parent / first.oom['snapshot']} (open it at pytorch.org/memory_viz)")
+        snapshot = first.file.path.parent / first.oom["snapshot"]
+        lines.append(f"allocator snapshot: {snapshot} (open it at pytorch.org/memory_viz)")
     lines += [line for line in [ambiguity_line(postmortem)] if line]
     lines += [f"note: {note}" for note in postmortem.notes]
     counts = Counter(s.status for s in ranks)
-    lines += ["", "status: " + ", ".join(f"{counts.get(status, 0)} {status}" for status in ("closed", "cuda_oom", "unfinished"))
+    lines += ["", "status: " + ", ".join(f"{counts.get(status, 0)} {status}" for status in STATUSES)
               + _failures_tail(postmortem)]
     shown = ranks if all_rows or len(ranks) <= FULL_TABLE_MAX_RANKS else _selected(postmortem)
     if len(shown) < len(ranks):
         lines.append(f"showing {len(shown)} of {len(ranks)} ranks: the first {SHOWN_FAILURES} failures, the first "
                      "failure's pipeline and host, ranks with unreadable slots (--all: every rank)")
     if shown:
-        lines += [""] + _render_block(_rank_columns(postmortem, shown))
+        lines += [""] + render_block(_rank_columns(postmortem, shown))
     if len(shown) < len(ranks):
-        lines += ["", "per pipeline stage:"] + _render_block(_stage_columns(ranks))
+        lines += ["", "per pipeline stage:"] + render_block(_stage_columns(ranks))
     lines += _problem_lines(postmortem)
     return "\n".join(lines)
 
@@ -156,7 +162,8 @@ def _failures_tail(postmortem: Postmortem) -> str:
     if not failures:
         return ""
     order = ", ".join(str(s.rank) for s in failures[:SHOWN_FAILURES])
-    return f"; failed ranks in order: {order}" + (f", ... ({len(failures)} in all)" if len(failures) > SHOWN_FAILURES else "")
+    more = f", ... ({len(failures)} in all)" if len(failures) > SHOWN_FAILURES else ""
+    return f"; failed ranks in order: {order}{more}"
 
 
 def _shape(ranks: list[RankState]) -> str:
@@ -204,11 +211,11 @@ def _rank_columns(postmortem: Postmortem, shown: list[RankState]) -> list[Column
             Column("rank", "host", [s.host for s in shown], left=True),
             Column("outcome", "status", [s.status for s in shown], left=True),
             Column("outcome", "finding", [_finding(postmortem, s) for s in shown], left=True),
-            Column("outcome", "last iter", [_text(s.last_iteration) for s in shown]),
-            Column("device GB", "peak reserved", [_gb_cell(s.peak_reserved_gb) for s in shown]),
-            Column("device GB", "headroom", [_gb_cell(s.headroom_gb) for s in shown]),
-            Column("host GB", "RSS", [_gb_cell(s.live("host_rss_gb")) for s in shown]),
-            Column("host GB", "MemAvailable", [_gb_cell(s.live("host_available_gb")) for s in shown]),
+            Column("outcome", "last iter", [cell(s.last_iteration) for s in shown]),
+            Column("device GB", "peak reserved", [gb_cell(s.peak_reserved_gb) for s in shown]),
+            Column("device GB", "headroom", [gb_cell(s.headroom_gb) for s in shown]),
+            Column("host GB", "RSS", [gb_cell(s.live("host_rss_gb")) for s in shown]),
+            Column("host GB", "MemAvailable", [gb_cell(s.live("host_available_gb")) for s in shown]),
             Column("", "last alive", [clock(s.last_alive, fraction=True) for s in shown])]
 
 
@@ -223,7 +230,7 @@ def _stage_columns(ranks: list[RankState]) -> list[Column]:
         if not found:
             return "-"
         number, rank = pick(found)
-        return f"{_gb_cell(number)} (r{rank})"
+        return f"{gb_cell(number)} (r{rank})"
 
     def alive_range(group):
         times = [s.last_alive for s in group if s.last_alive is not None]
@@ -236,12 +243,13 @@ def _stage_columns(ranks: list[RankState]) -> list[Column]:
     return [Column("", "pp stage", [str(stage) for stage, _ in rows]),
             Column("", "ranks", [str(len(group)) for _, group in rows]),
             *[Column("status", status, [str(sum(s.status == status for s in group)) for _, group in rows])
-              for status in ("closed", "cuda_oom", "unfinished")],
+              for status in STATUSES],
             Column("", "last iter", [iterations(group) for _, group in rows]),
             Column("GB", "max peak reserved", [extreme(g, lambda s: s.peak_reserved_gb, max) for _, g in rows]),
             Column("GB", "least headroom", [extreme(g, lambda s: s.headroom_gb, min) for _, g in rows]),
             Column("GB", "max host RSS", [extreme(g, lambda s: s.live("host_rss_gb"), max) for _, g in rows]),
-            Column("GB", "least MemAvailable", [extreme(g, lambda s: s.live("host_available_gb"), min) for _, g in rows]),
+            Column("GB", "least MemAvailable",
+                   [extreme(g, lambda s: s.live("host_available_gb"), min) for _, g in rows]),
             Column("", "last alive", [alive_range(group) for _, group in rows])]
 
 
@@ -264,9 +272,9 @@ def _problem_lines(postmortem: Postmortem) -> list[str]:
                   f"copied): {_ranges(missing)}"]
     if postmortem.ignored_runs:
         files = sum(run["files"] for run in postmortem.ignored_runs)
-        lines += ["", f"ignored {files} record file(s) of {len(postmortem.ignored_runs)} other run(s) in the same folder "
-                  f"(reported: run {postmortem.run_id}, the newest start, or --run-id):"]
-        lines += [f"  run {run['run_id']}, started {_date(run['started'])}: {run['files']} file(s) in "
+        lines += ["", f"ignored {files} record file(s) of {len(postmortem.ignored_runs)} other run(s) in the same "
+                  f"folder (reported: run {postmortem.run_id}, the newest start, or --run-id):"]
+        lines += [f"  run {run['run_id']}, started {date_time(run['started'])}: {run['files']} file(s) in "
                   + ", ".join(run["dirs"][:3]) + (" ..." if len(run["dirs"]) > 3 else "")
                   for run in postmortem.ignored_runs]
     if postmortem.duplicates:
@@ -288,87 +296,3 @@ def _ranges(ranks: list[int]) -> str:
             spans.append(str(start) if start == rank else f"{start}-{rank}")
             start = None
     return ", ".join(spans)
-
-
-# ---- JSON ---------------------------------------------------------------------------------
-
-
-def to_json(postmortem: Postmortem, png: str | None = None) -> dict:
-    """The machine-readable post-mortem (schema in the README): plain JSON, no NaN."""
-    first = postmortem.first_failure
-    failure = None
-    if first is not None:
-        failure = _rank_json(postmortem, first) | {
-            "time": first.failure_time, "time_exact": first.failure_time_exact, "sentence": sentence(postmortem),
-            "fragmentation": bool(first.oom and fragmented(first.oom)),
-            "ambiguous_with": [{"rank": s.rank, "status": s.status, "host": s.host, "time": s.failure_time,
-                                "allowance_s": allowance_s(first, s, postmortem.clock_skew_s)}
-                               for s in (postmortem.ambiguity.others if postmortem.ambiguity else [])]}
-    return {
-        "run_dir": str(postmortem.run_dir), "run_id": postmortem.run_id, "world_size": postmortem.world_size,
-        "sentence": sentence(postmortem), "first_failure": failure,
-        "failed_ranks": [s.rank for s in postmortem.failures],
-        "ranks": [_rank_json(postmortem, s) for s in postmortem.ranks],
-        "missing_ranks": postmortem.missing_ranks,
-        "unreadable_files": [{"path": str(path), "rank": rank, "error": why} for path, rank, why in postmortem.unreadable],
-        "ignored_runs": postmortem.ignored_runs, "duplicate_files": postmortem.duplicates,
-        "notes": postmortem.notes, "clock_skew_s": postmortem.clock_skew_s, "png": png,
-    }
-
-
-def _rank_json(postmortem: Postmortem, state: RankState) -> dict:
-    header = state.header
-    oom = None
-    if state.oom is not None:
-        keys = ("time", "iteration", "device", "bytes_requested", "device_limit", "device_free",
-                "reserved_free", "largest_free_block", "snapshot")
-        oom = {key: state.oom.get(key) for key in keys} | {"fragmentation": fragmented(state.oom)}
-    return {
-        "rank": state.rank, "pp_rank": header.get("pp_rank"), "tp_rank": header.get("tp_rank"),
-        "dp_rank": header.get("dp_rank"), "host": state.host, "pid": header.get("pid"),
-        "status": state.status, "end_reason": state.end_reason, "end_detail": (state.end or {}).get("detail"),
-        "last_iteration": state.last_iteration, "last_alive": state.last_alive,
-        "last_alive_iso": _iso(state.last_alive), "peak_reserved_gb": state.peak_reserved_gb,
-        "headroom_gb": state.headroom_gb, "host_rss_gb": state.live("host_rss_gb"),
-        "host_available_gb": state.live("host_available_gb"), "host_total_gb": state.value("host_total_gb"),
-        "probable_host_oom_kill": state.probable_host_oom_kill, "host_oom_kill_evidence": state.host_oom_kill_evidence,
-        "oom": oom, "problems": state.file.problems, "file": str(state.file.path),
-    }
-
-
-# ---- units and times ----------------------------------------------------------------------
-
-
-def gb(value, scale: float = 1e9) -> str:
-    """Bytes (or GB with ``scale=1``) as a short GB figure."""
-    if value is None:
-        return "? GB"
-    number = value / scale
-    return f"{number:.0f} GB" if number >= 10 else f"{number:.1f} GB" if number >= 0.1 else f"{number:.2f} GB"
-
-
-def clock(stamp: float | None, fraction: bool = False) -> str:
-    if stamp is None:
-        return "-"
-    text = time.strftime("%H:%M:%S", time.localtime(stamp))
-    return f"{text}.{int(stamp % 1 * 10)}" if fraction else text
-
-
-def _date(stamp: float | None) -> str:
-    return "unknown" if stamp is None or not math.isfinite(stamp) else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
-
-
-def _iso(stamp: float | None) -> str | None:
-    return None if stamp is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(stamp))
-
-
-def _int(value) -> int | None:
-    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
-
-
-def _text(value) -> str:
-    return "-" if value is None else str(value)
-
-
-def _gb_cell(value) -> str:
-    return "-" if value is None else f"{value:.2f}"

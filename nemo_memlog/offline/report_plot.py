@@ -1,13 +1,16 @@
 """The report's PNG: one metric's per-stage values over steps, the logged max, the capacity.
 
-matplotlib is imported here, lazily, with the Agg backend: no display is needed.
+Reads a ``MemoryRun`` (events.py); draws one PNG through plotting.py (matplotlib, lazily,
+on the Agg backend: no display is needed).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from .plotting import finish_axes, new_figure, save
 from .report import MemoryRun, capacity_tag
+from .tables import unit
 
 
 def write_png(run: MemoryRun, metric: str, path) -> Path:
@@ -17,12 +20,7 @@ def write_png(run: MemoryRun, metric: str, path) -> Path:
     max (memory/<metric>) dashed, and the capacity (device or host total) as a horizontal line.
     The title (also the PNG's Title text) names the run's peak window (memory_peak_window).
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(10, 5.5), dpi=100, layout="constrained")
+    figure = new_figure(10, 5.5)
     axes = figure.add_subplot()
     for stage, series in run.per_stage(metric).items():
         axes.plot(series.steps, series.values, marker="o", markersize=3, linewidth=1.5, label=f"stage {stage}")
@@ -31,18 +29,14 @@ def write_png(run: MemoryRun, metric: str, path) -> Path:
         axes.plot(logged.steps, logged.values, linestyle="--", color="black", linewidth=1.2,
                   label="logged max over stages")
     _capacity_line(axes, run, metric)
-    if metric.endswith("_gb"):
+    if unit(metric) == "GB":
         axes.set_ylim(bottom=0)  # distance to the capacity line reads as headroom
     axes.set_xlabel("step")
-    axes.set_ylabel(_unit_label(metric))
+    axes.set_ylabel(metric if unit(metric) is None else f"{metric} ({unit(metric)})")
     title = f"{metric} per pipeline stage, peak window: {run.peak_window or 'not recorded'}"
     axes.set_title(f"{title}  ({run.run_dir.name or run.run_dir})")
-    axes.grid(alpha=0.3)
-    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")  # never over the lines
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, metadata={"Title": title})  # the PNG's own text says what it shows
-    return path
+    finish_axes(axes)
+    return save(figure, path, title)  # the PNG's own text says what it shows
 
 
 def _capacity_line(axes, run: MemoryRun, metric: str) -> None:
@@ -58,11 +52,3 @@ def _capacity_line(axes, run: MemoryRun, metric: str) -> None:
                  label=label + (" (above this scale)" if far else ""))
     if far:
         axes.set_ylim(top=1.15 * top)
-
-
-def _unit_label(metric: str) -> str:
-    if metric.endswith("_gb"):
-        return f"{metric} (GB)"
-    if metric.endswith("_pct"):
-        return f"{metric} (%)"
-    return metric

@@ -1,0 +1,34 @@
+"""What the two PNGs share: a matplotlib figure, the legend beside the axes, and the save.
+
+Reads nothing; ``save`` writes one PNG whose own Title text says what it shows. matplotlib
+is imported on the first figure, with the Agg backend: no display is needed, and a command
+that draws nothing never imports it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def new_figure(width: float, height: float):
+    """An empty ``matplotlib.figure.Figure`` of ``width`` x ``height`` inches at 100 dpi, laid out to fit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=100, layout="constrained")
+
+
+def finish_axes(axes) -> None:
+    """A light grid, and the legend outside the axes on the right: never over the lines."""
+    axes.grid(alpha=0.3)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+
+
+def save(figure, path, title: str) -> Path:
+    """The PNG at ``path`` (its folder made), with ``title`` as its Title text; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, metadata={"Title": title})
+    return path

@@ -1,0 +1,146 @@
+"""Plain-text tables and the number and time formats of the offline commands.
+
+Reads no file and prints nothing: ``Column`` lists in, lines of text out; numbers and unix
+times in, short strings out. The report's table (report.py), the post-mortem's text
+(postmortem_render.py) and both PNGs (report_plot.py, postmortem_plot.py) format through here,
+so one figure reads the same in every output.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from itertools import groupby
+
+# ---- tables -------------------------------------------------------------------------------
+
+
+@dataclass
+class Column:
+    """One table column: its cells as text, under a header and a spanning group header."""
+
+    group: str  # spanning header over consecutive columns with the same group
+    header: str
+    cells: list[str]
+    left: bool = False
+
+    @property
+    def width(self) -> int:
+        return max(len(self.header), *(len(c) for c in self.cells)) if self.cells else len(self.header)
+
+
+def render_table(columns: list[Column], width: int) -> list[str]:
+    """Aligned text; groups that do not fit in ``width`` continue below, the first column repeated."""
+    first, *rest = columns
+    blocks = [[]]
+    for _, group in groupby(rest, key=lambda column: column.group):
+        group = list(group)
+        if blocks[-1] and _block_width([first, *blocks[-1], *group]) > width:
+            blocks.append([])
+        blocks[-1] += group
+    lines = []
+    for block in blocks:
+        lines += ([""] if lines else []) + render_block([first, *block])
+    return lines
+
+
+def _block_width(columns: list[Column]) -> int:
+    groups = len([1 for _ in groupby(columns, key=lambda column: column.group)])
+    return sum(column.width for column in columns) + 2 * (len(columns) - 1) + (groups - 1)
+
+
+def render_block(columns: list[Column]) -> list[str]:
+    """Group line, header line, rule, rows. Two spaces between columns, three between groups."""
+
+    def row(texts):
+        parts = []
+        for i, (column, text) in enumerate(zip(columns, texts)):
+            if i:
+                parts.append("   " if columns[i - 1].group != column.group else "  ")
+            parts.append(text.ljust(column.width) if column.left else text.rjust(column.width))
+        return "".join(parts).rstrip()
+
+    spans = [list(span) for _, span in groupby(columns, key=lambda column: column.group)]
+    groups = "   ".join(span[0].group.center(sum(c.width for c in span) + 2 * (len(span) - 1)) for span in spans)
+    header = row([column.header for column in columns])
+    return [groups.rstrip(), header, "-" * len(header), *(row(cells) for cells in zip(*(c.cells for c in columns)))]
+
+
+# ---- numbers ------------------------------------------------------------------------------
+
+
+def finite_number(value) -> float | None:
+    """A finite number as it is, else None (JSON null, NaN for a statistic a rank lacks, a bool, text)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return value
+
+
+def whole_number(value) -> int | None:
+    """A finite number cut to an int (byte counts), else None."""
+    number = finite_number(value)
+    return None if number is None else int(number)
+
+
+def unit(name: str) -> str | None:
+    """The unit a metric's name ends with: "GB" for ``*_gb``, "%" for ``*_pct``, else None."""
+    if name.endswith("_gb"):
+        return "GB"
+    if name.endswith("_pct"):
+        return "%"
+    return None
+
+
+def metric_cell(name: str, value: float | None) -> str:
+    """A logged metric's value as the report prints it: by its unit; counters and stage indices whole."""
+    if value is None:
+        return "-"
+    if unit(name) == "%":
+        return f"{value:.1f}"
+    if unit(name) == "GB":
+        return f"{value:.2f}"
+    if float(value).is_integer():  # counters (alloc_retries) and stage indices
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+def gb_cell(value: float | None) -> str:
+    """GB in a table cell: two decimals, "-" for none."""
+    return "-" if value is None else f"{value:.2f}"
+
+
+def gb_text(value, scale: float = 1e9) -> str:
+    """Bytes (or GB with ``scale=1``) as a short GB figure for a sentence: "61 GB", "1.3 GB", "0.04 GB"."""
+    if value is None:
+        return "? GB"
+    number = value / scale
+    return f"{number:.0f} GB" if number >= 10 else f"{number:.1f} GB" if number >= 0.1 else f"{number:.2f} GB"
+
+
+def cell(value) -> str:
+    """Any value in a table cell: ``str``, "-" for none."""
+    return "-" if value is None else str(value)
+
+
+# ---- times (this machine's local time) ----------------------------------------------------
+
+
+def clock(stamp: float | None, fraction: bool = False) -> str:
+    """HH:MM:SS (with tenths: ``fraction``), "-" for none."""
+    if stamp is None:
+        return "-"
+    text = time.strftime("%H:%M:%S", time.localtime(stamp))
+    return f"{text}.{int(stamp % 1 * 10)}" if fraction else text
+
+
+def date_time(stamp: float | None) -> str:
+    """YYYY-MM-DD HH:MM:SS, "unknown" for none or a non-finite time."""
+    if stamp is None or not math.isfinite(stamp):
+        return "unknown"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+
+
+def iso_time(stamp: float | None) -> str | None:
+    """ISO 8601 with the UTC offset, None for none."""
+    return None if stamp is None else time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(stamp))
