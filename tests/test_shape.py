@@ -23,16 +23,17 @@ from pathlib import Path
 PACKAGE = "nemo_memlog"
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / PACKAGE
 
-#: A backend's library -> the modules allowed to name it. The offline report also reads the
-#: TensorBoard event files the tensorboard writer wrote, with tensorboard's own reader
-#: (EventAccumulator): it reads them, it writes nothing, so it is not a second writer.
+#: A backend's library -> the modules allowed to name it. The offline report's event reader
+#: (offline/events.py) also reads the TensorBoard event files the tensorboard writer wrote, with
+#: tensorboard's own reader (EventAccumulator): it reads them, it writes nothing, so it is not
+#: a second writer.
 BACKEND_LIBRARIES = {
     "wandb": {"writers/wandb.py"},
     "mlflow": {"writers/mlflow.py"},
     "comet_ml": {"writers/comet.py"},
     "tensorboardX": {"writers/tensorboard.py"},
     "SummaryWriter": {"writers/tensorboard.py"},
-    "tensorboard": {"writers/tensorboard.py", "offline/report.py"},
+    "tensorboard": {"writers/tensorboard.py", "offline/events.py"},
 }
 #: Names that mean the library wherever they stand. "wandb", "mlflow" and "tensorboard" alone
 #: are also the names of our own writer modules and registry keys, so for those only an import
