@@ -118,7 +118,7 @@ def bridge_memory_keys(memory_keys: dict | None) -> dict | None:
     in the logged names of byte statistics, as Bridge's ``report_memory`` renames them
     (values are GB in both), so a recipe's own series keep their names. None (the recipe
     sets none): our DEFAULT_MEMORY_KEYS names (``peak_reserved_gb``...), which headroom and
-    the per-stage defaults key on; README maps Bridge's default names to them."""
+    the per-stage defaults key on; docs/bridge.md maps Bridge's default names to them."""
     if not memory_keys:
         return None
     return {stat: name.replace("bytes", "gigabytes") if "bytes" in stat else name

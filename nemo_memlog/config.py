@@ -81,7 +81,7 @@ class LoggerConfig:
     values, so they need no GPU: "auto" gathers the ``pp`` scope over a gloo group of the
     same ranks (created once, at the first logging step, by every rank together) when the
     job's default group runs on NCCL, and over the group itself otherwise (CPU jobs, and the
-    ``world`` scope: README says why). "gloo": always a gloo group of its own, both scopes.
+    ``world`` scope: docs/configuration.md says why). "gloo": always a gloo group of its own, both scopes.
     "group": the group itself; on NCCL that copies the words to the GPU, runs an NCCL
     kernel on the pipeline's communicator and waits for all queued GPU work."""
     writer_buffer_steps: int = 10000
@@ -105,7 +105,7 @@ class LoggerConfig:
     memory_record_history: bool = False
     """Record the CUDA allocator's alloc/free history (torch.cuda.memory._record_memory_history)
     so the snapshot a CUDA OOM writes shows which code allocated what. Costs time on every
-    allocation and host memory for the traces (README); off: the snapshot still shows every
+    allocation and host memory for the traces (docs/postmortem.md); off: the snapshot still shows every
     segment and block, without stack traces."""
 
     def __post_init__(self):

@@ -61,7 +61,7 @@ def training_log(iteration: int, config, *, pg_collection=None, pp_group=None, w
     object (see the module docstring for which run a call belongs to). Returns the unified
     dict on every rank on logging iterations, None otherwise. Only the writer rank (global
     rank world_size - 1) hands it to ``writers`` (default: the fan-out built once from the
-    settings). See README for the keys.
+    settings). See the README's metric table for the keys.
     """
     key = id(config) if writers is None else (id(config), id(writers))
     entry = _by_object.get(key)

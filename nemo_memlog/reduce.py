@@ -42,7 +42,7 @@ from .warn import WarnOnce
 #: words repeated once per rank, which delivers the same gathered words. gloo runs the
 #: all-gather as a ring of N-1 dependent steps and the all-to-all as direct sends: on a
 #: 2-core CPU box the reduction alone took a third to a half less time at PP 4-8
-#: (BENCHMARKS.md). Not the default until it is measured on NCCL.
+#: (docs/performance.md). Not the default until it is measured on NCCL.
 EXCHANGE = "all_gather"
 
 
@@ -127,7 +127,7 @@ def reduction_group(group, *, backend: str = "auto", world_scope: bool = False, 
     ``backend`` is LoggerConfig.memory_reduce_backend: "group" -> ``group``; "gloo" -> a gloo
     twin; "auto" -> a gloo twin for the pp scope when the job's default group runs on NCCL,
     else ``group`` (CPU jobs; and the world scope, where gloo's ring of world-size steps
-    would cost more than the wait it saves: see README).
+    would cost more than the wait it saves: see docs/configuration.md).
 
     Creating groups is a collective over the whole world: call this on EVERY rank at once,
     with the same settings. A twin made here is kept (by the free functions' ``Reduction``)

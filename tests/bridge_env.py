@@ -6,7 +6,7 @@ Three things, all for Megatron-Bridge's assumptions, never for nemo_memlog's cod
 0. ``load()`` sets ``typing.override = typing_extensions.override`` on Python 3.11: the
    one 3.12-only feature on Bridge 0.6's import path (``from typing import override`` in
    megatron-core 0.19's ``megatron/training/models``). Anyone installing Bridge 0.6 on
-   Python 3.11 needs the same two lines before importing it (README). It also imports
+   Python 3.11 needs the same two lines before importing it (docs/bridge.md). It also imports
    comet_ml without its import hooks first: on Bridge 0.6's import path transformers
    imports comet_ml, whose hooks would mirror Bridge's MLflow run into a Comet offline
    experiment in the working directory (``.cometml-runs``).

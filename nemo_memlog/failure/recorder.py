@@ -68,7 +68,7 @@ class FlightRecorder:
     ``pp_group`` / ``pg_collection`` give the coordinates written in the header (megatron-core's
     parallel_state where initialised, else 0). ``report`` builds the report an OOM record holds
     (default: report_memory() + capacity_report()). ``record_history`` turns on the CUDA
-    allocator's alloc/free history, so an OOM snapshot holds traces (at its cost: README).
+    allocator's alloc/free history, so an OOM snapshot holds traces (at its cost: docs/postmortem.md).
     Never raises for I/O: an unwritable folder warns once and the recorder records nothing.
 
     For tests and simulations (defaults are what a run wants): ``identity``, the header's

@@ -1,7 +1,7 @@
 """The post-mortem as JSON, for a failure hook: ``nemo-memlog postmortem --json``.
 
 Reads a ``postmortem.Postmortem`` (no file); ``json_text`` returns the document the command
-prints (schema in the README), strict JSON: no NaN, no Infinity.
+prints (schema in docs/postmortem.md), strict JSON: no NaN, no Infinity.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def json_text(postmortem: Postmortem, png: str | None = None) -> str:
 
 
 def to_json(postmortem: Postmortem, png: str | None = None) -> dict:
-    """The machine-readable post-mortem (schema in the README) as plain JSON values."""
+    """The machine-readable post-mortem (schema in docs/postmortem.md) as plain JSON values."""
     first = postmortem.first_failure
     failure = None
     if first is not None:
