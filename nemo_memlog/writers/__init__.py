@@ -15,7 +15,7 @@ The words, one idea each, throughout this package:
   each backend in a thread of this process, as a ``BufferedBackend``;
   ``InlineFanOut`` (inline.py): backends over open loggers, written on the caller's thread.
 - an **open logger** is an object a framework already opened (Megatron-Bridge's
-  SummaryWriter, a Lightning ``Logger``): a backend **adopts** it, and never closes it.
+  TensorBoard writer, a Lightning ``Logger``): a backend **adopts** it, and never closes it.
 
 ``build_writers`` opens the writers a config asks for; ``adopt_writers`` adopts open loggers.
 """
@@ -42,8 +42,8 @@ def build_writers(config, *, run_config=None) -> Writers:
     No backend configured: an empty ThreadFanOut, and no process.
     """
     settings = resolve(config)
-    logger = logger_section(config)
     run_config = config if run_config is None else run_config
+    logger = _logger_of(run_config, config)
     secrets = secrets_of(run_config) + secrets_of(logger)
     params = recorded_params(run_config, logger)
     names = enabled_backends(settings)
@@ -75,6 +75,16 @@ def adopt_writers(open_loggers, spellings: dict | None = None) -> InlineFanOut:
                 backends.append((name, backend))
                 break
     return InlineFanOut(backends)
+
+
+def _logger_of(run_config, config):
+    """The logger section as the run config holds it (so a run config that IS the logger config
+    records ``memory_peak_window`` unprefixed, even when ``config`` is its Settings), else
+    ``config``'s (``run_config`` is not a config: a dict of hyperparameters, say)."""
+    try:
+        return logger_section(run_config)
+    except TypeError:
+        return logger_section(config)
 
 
 def _process_fanout(settings, names, params, secrets):

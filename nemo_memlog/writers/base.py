@@ -3,7 +3,7 @@
 A **backend** writes one store (``Backend``). Each backend module in this package has:
 
 - ``adopt(obj) -> Backend | None``: wrap an *open logger* of its kind (one a framework
-  opened: Bridge's SummaryWriter, a Lightning ``Logger``), recognised without importing
+  opened: Bridge's TensorBoard writer, a Lightning ``Logger``), recognised without importing
   its library; None for any other object;
 
 and, for the stores a Settings can open (``CONFIGURED``):
