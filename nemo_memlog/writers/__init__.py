@@ -1,74 +1,70 @@
-"""Writers: one module per backend, discovered here, fanned out by fanout.FanOut.
+"""Writers: where a run's logged steps go.
 
-A backend module exposes ``enabled(logger)``, ``open_backend(logger, params, secrets)``
-and a backend object with ``log(metrics, step)``, ``flush()`` and ``close()``; and
-``adopt(obj)``, which wraps a logger object of its kind that someone else opened (or
-returns None for any other object) without importing its library. Modules are found by
-listing this package, and imported only when their config asks for them, so this file
-names no backend and an uninstalled backend costs nothing.
+The words, one idea each, throughout this package:
 
-``writer_mode`` picks where the backends run: in a writer process of their own
-(``process.ProcessFanOut``, whose process runs a ``FanOut``), or in threads of this
-process (``FanOut`` here). Both take the same ``log``, ``flush``, ``close`` and ``stats``.
+- a **backend** is one store's adapter (TensorBoard, W&B, MLflow, Comet, a Lightning logger):
+  ``log(metrics, step)``, ``flush()``, ``close()`` (base.Backend). One module per backend;
+  base.py holds the interface, the module contract and the registry (``CONFIGURED``,
+  ``ADOPTABLE``). A backend library's name appears only inside its own module.
+- the **writers** of a run are the fan-out a run hands each step to (base.Writers):
+  ``log(metrics, step)``, ``flush()``, ``close()``, ``stats()``, and ``backend_names``, the
+  backends it writes (empty: none). Three kinds, one interface:
+  ``ProcessFanOut`` (parent.py; ``writer_mode="process"``): the backends run in a writer
+  process of their own (child.py), fed through a socket (wire.py);
+  ``ThreadFanOut`` (fanout.py; ``writer_mode="thread"``, and inside the writer process):
+  each backend in a thread of this process, as a ``BufferedBackend``;
+  ``InlineFanOut`` (inline.py): backends over open loggers, written on the caller's thread.
+- an **open logger** is an object a framework already opened (Megatron-Bridge's
+  TensorBoard writer, a Lightning ``Logger``): a backend **adopts** it, and never closes it.
+
+``build_writers`` opens the writers a config asks for; ``adopt_writers`` adopts open loggers.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 import warnings
-import weakref
 
-from .. import process_wide
-from ..config import logger_section, recorded_params, secrets_of, setting
-from .fanout import FanOut, Sink
+from ..config import logger_section, recorded_params, resolve, secrets_of
+from .base import ADOPTABLE, CONFIGURED, Backend, Writers, backend_module, enabled_backends
+from .fanout import BufferedBackend, ThreadFanOut, open_thread_fanout
 from .inline import InlineFanOut
 
-_INFRASTRUCTURE = {"fanout", "inline", "process"}
-_open_fanouts: "weakref.WeakSet" = weakref.WeakSet()
 
+def build_writers(config, *, run_config=None) -> Writers:
+    """The writers for every backend ``config`` enables (possibly none): a ``ThreadFanOut``,
+    or with ``writer_mode="process"`` a ``ProcessFanOut`` (same methods).
 
-def backend_modules() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _INFRASTRUCTURE)
-
-
-def build_writers(config, *, run_config=None):
-    """The fan-out for every backend ``config`` enables (possibly none): a ``FanOut``, or
-    with ``writer_mode="process"`` a ``ProcessFanOut`` (same methods).
-
-    ``config`` is a LoggerConfig, any object with its field names, or a container with
-    ``.logger``. ``run_config`` (default: ``config``) is recorded once per backend as
-    hyperparameters, with secrets redacted and the resolved ``memory_peak_window`` added.
-    Backends open lazily, in their own threads (of the writer process, in process mode).
-    Closed at interpreter exit and on SIGTERM (see process_wide.py). No backend configured: an
-    empty FanOut, and no process.
+    ``config`` is a Settings or anything ``config.resolve`` takes (a LoggerConfig, an object
+    with its field names, a container with ``.logger``). ``run_config`` (default: ``config``)
+    is recorded once per backend as hyperparameters, with secrets redacted and the resolved
+    ``memory_peak_window`` added. Backends open lazily, in their own threads (of the writer
+    process, in process mode). Closed at interpreter exit and on SIGTERM (process_wide.py).
+    No backend configured: an empty ThreadFanOut, and no process.
     """
-    logger = logger_section(config)
+    settings = resolve(config)
     run_config = config if run_config is None else run_config
+    logger = _logger_of(run_config, config)
     secrets = secrets_of(run_config) + secrets_of(logger)
     params = recorded_params(run_config, logger)
-    names = [name for name in backend_modules() if _module(name).enabled(logger)]
-    fanout = None
-    if names and setting(logger, "writer_mode") == "process":
-        fanout = _process_fanout(logger, names, params, secrets)
-    if fanout is None:
-        fanout = thread_fanout(logger, names, params, secrets)
-    _open_fanouts.add(fanout)
-    if names:
-        process_wide.on_sigterm(close_all)
-    return fanout
+    names = enabled_backends(settings)
+    writers = None
+    if names and settings.writer_mode == "process":
+        writers = _process_fanout(settings, names, params, secrets)
+    if writers is None:
+        writers = open_thread_fanout(settings, names, params, secrets)
+    return writers
 
 
 def adopt_writers(open_loggers, spellings: dict | None = None) -> InlineFanOut:
-    """Writers over logger objects a framework already opened in this process (None
-    entries are skipped; objects no backend recognises are ignored). They are written on
-    the calling thread and flushed, never closed, by us: see inline.py.
+    """Writers over open loggers a framework already opened in this process (None entries
+    are skipped; objects no backend recognises are ignored). They are written on the
+    calling thread and flushed, never closed, by us: see inline.py.
 
     ``spellings``: ``{backend: key -> name}`` for a backend whose metric names the
     framework rewrites before writing into it (Megatron-Bridge's MLflow names); that
     backend's ``adopt`` spells ours the same way, so they sit with the framework's own."""
     spellings = spellings or {}
-    modules = {name: _module(name) for name in backend_modules()}
+    modules = {name: backend_module(name) for name in ADOPTABLE}
     backends = []
     for obj in open_loggers:
         if obj is None:
@@ -81,18 +77,21 @@ def adopt_writers(open_loggers, spellings: dict | None = None) -> InlineFanOut:
     return InlineFanOut(backends)
 
 
-def thread_fanout(logger, names: list[str], params: dict, secrets: list[str]) -> FanOut:
-    """The backends ``names``, each in a thread of this process behind its own buffer."""
-    sinks = [Sink(name, _opener(_module(name), logger, params, secrets), setting(logger, "writer_buffer_steps"),
-                  secrets) for name in names]
-    return FanOut(sinks, setting(logger, "writer_close_timeout_s"))
-
-
-def _process_fanout(logger, names, params, secrets):
+def _logger_of(run_config, config):
+    """The logger section as the run config holds it (so a run config that IS the logger config
+    records ``memory_peak_window`` unprefixed, even when ``config`` is its Settings), else
+    ``config``'s (``run_config`` is not a config: a dict of hyperparameters, say)."""
     try:
-        from .process import ProcessFanOut
+        return logger_section(run_config)
+    except TypeError:
+        return logger_section(config)
 
-        return ProcessFanOut(logger, names, params, secrets)
+
+def _process_fanout(settings, names, params, secrets):
+    try:
+        from .parent import ProcessFanOut
+
+        return ProcessFanOut(settings, names, params, secrets)
     except Exception as error:  # no process can be started here (limits, a sandbox, no AF_UNIX): threads work
         warnings.warn(f"nemo_memlog: could not start the writer process ({type(error).__name__}: {error}); "
                       f"the backends write from threads of this process instead (logger.writer_mode='thread')",
@@ -100,24 +99,5 @@ def _process_fanout(logger, names, params, secrets):
         return None
 
 
-def _module(name: str):
-    return importlib.import_module(f"{__name__}.{name}")
-
-
-def _opener(module, logger, params, secrets):
-    return lambda: module.open_backend(logger, params, secrets)
-
-
-def close_all(timeout_s: float | None = None) -> None:
-    """Drain and close every open fan-out (at exit, on SIGTERM). Never raises."""
-    for fanout in list(_open_fanouts):
-        try:
-            fanout.close(timeout_s)
-        except Exception:  # exit paths must not fail
-            pass
-
-
-process_wide.on_exit(close_all)
-
-__all__ = ["FanOut", "InlineFanOut", "adopt_writers", "build_writers", "close_all", "backend_modules",
-           "thread_fanout"]
+__all__ = ["ADOPTABLE", "CONFIGURED", "Backend", "BufferedBackend", "InlineFanOut", "ThreadFanOut", "Writers",
+           "adopt_writers", "backend_module", "build_writers", "enabled_backends", "open_thread_fanout"]

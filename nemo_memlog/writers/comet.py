@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..config import scrubbed, setting
+from ..config import scrubbed
 
 DEFAULT_OFFLINE_DIRECTORY = "./comet_offline"
 _NO_HOOKS = "COMET_DISABLE_AUTO_LOGGING"
@@ -37,17 +37,17 @@ NO_CAPTURE = dict(
 )
 
 
-def enabled(logger) -> bool:
-    return bool(setting(logger, "comet_project"))
+def enabled(settings) -> bool:
+    return bool(settings.comet_project)
 
 
-def open_backend(logger, params: dict, secrets: list[str]) -> "CometBackend":
+def open_backend(settings, params: dict, secrets: list[str]) -> "CometBackend":
     """A Comet experiment named ``comet_experiment_name`` with ``comet_tags``, and
     ``params`` logged once (string values with ``secrets`` scrubbed)."""
     comet_ml = import_comet_ml()
-    api_key = setting(logger, "comet_api_key") or os.environ.get("COMET_API_KEY")
-    where = dict(project_name=setting(logger, "comet_project"), workspace=setting(logger, "comet_workspace"))
-    offline_directory = setting(logger, "comet_offline_directory")
+    api_key = settings.comet_api_key or os.environ.get("COMET_API_KEY")
+    where = dict(project_name=settings.comet_project, workspace=settings.comet_workspace)
+    offline_directory = settings.comet_offline_directory
     if api_key and not offline_directory:
         experiment = comet_ml.Experiment(api_key=api_key, **where, **NO_CAPTURE)
     else:
@@ -56,10 +56,10 @@ def open_backend(logger, params: dict, secrets: list[str]) -> "CometBackend":
         experiment = comet_ml.OfflineExperiment(offline_directory=directory, **where, **NO_CAPTURE)
     if not experiment.alive:  # comet_ml reports a failed start in its log, without raising
         raise RuntimeError("the Comet experiment did not start (see the COMET messages above)")
-    if setting(logger, "comet_experiment_name"):
-        experiment.set_name(setting(logger, "comet_experiment_name"))
-    if setting(logger, "comet_tags"):
-        experiment.add_tags(list(setting(logger, "comet_tags")))
+    if settings.comet_experiment_name:
+        experiment.set_name(settings.comet_experiment_name)
+    if settings.comet_tags:
+        experiment.add_tags(list(settings.comet_tags))
     experiment.log_parameters({key: scrubbed(value, secrets) for key, value in params.items()})
     return CometBackend(experiment)
 
@@ -78,8 +78,6 @@ def import_comet_ml():
         else:
             os.environ[_NO_HOOKS] = previous
     return comet_ml
-
-
 
 
 def adopt(obj) -> "CometBackend | None":

@@ -1,8 +1,8 @@
 """Fan one metrics dict out to every backend, off the training thread, losing nothing.
 
-Each backend gets its own ``Sink``: a daemon thread and a bounded buffer of logged
-steps. ``FanOut.log`` appends the (read-only) dict to one queue and wakes one dispatcher
-thread, which puts it in every sink's buffer: the training thread never waits on a
+Each backend runs as a ``BufferedBackend``: a daemon thread and a bounded buffer of logged
+steps. ``ThreadFanOut.log`` appends the (read-only) dict to one queue and wakes one dispatcher
+thread, which puts it in every backend's buffer: the training thread never waits on a
 backend, and a slow or hung backend never holds up the others.
 
 A backend call that fails leaves its step at the head of that backend's buffer and is
@@ -10,7 +10,7 @@ retried with backoff (0.5 s doubling to 30 s), so a backend that comes back gets
 step it missed, in order. When a buffer is full (``writer_buffer_steps``), the OLDEST
 step of that backend (other than one being written) is dropped, counted, and warned
 about once: the training thread never blocks, and memory stays bounded. ``close``
-drains every sink, then each sink's thread closes its backend, all at once, so a hung
+drains every buffer, then each backend's thread closes its backend, all at once, so a hung
 backend holds up no other backend's close. Failures warn once per backend and kind of
 failure, with secrets scrubbed from the message.
 """
@@ -22,26 +22,27 @@ import threading
 import time
 import warnings
 
-from ..config import scrubbed
+from .. import process_wide
+from ..warn import WarnOnce
+from .base import backend_module
 
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
 
 
-class Sink:
+class BufferedBackend:
     """One backend behind a buffer and a thread. ``opener()`` builds the backend (in the thread)."""
 
     def __init__(self, name: str, opener, buffer_steps: int, secrets: list[str]):
         self.name = name
         self._opener = opener
         self._backend = None
-        self._secrets = secrets
         self._buffer: collections.deque = collections.deque()
         self._limit = buffer_steps
         self._cond = threading.Condition()
         self._busy = False  # an item is being written right now
         self._closing = False
-        self._warned: set = set()
+        self._warn_once = WarnOnce(f"{name} backend: ", secrets)
         self.written = 0
         self.dropped = 0
         self.failures = 0
@@ -77,7 +78,7 @@ class Sink:
 
     def request_close(self) -> None:
         """Stop taking steps: the thread writes what it holds (giving up at a failure), then
-        closes the backend itself, alongside the other sinks' threads."""
+        closes the backend itself, alongside the other backends' threads."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -160,41 +161,46 @@ class Sink:
             )
             return False, None
 
-    def _warn_once(self, kind, text: str) -> None:
-        if kind in self._warned:
-            return
-        self._warned.add(kind)
-        warnings.warn(f"nemo_memlog: {self.name} backend: {scrubbed(text, self._secrets)}", RuntimeWarning,
-                      stacklevel=2)
-
     def stats(self) -> dict:
         with self._cond:
             return {"written": self.written, "pending": len(self._buffer), "dropped": self.dropped,
                     "failures": self.failures}
 
 
+class ThreadFanOut:
+    """The writers, in threads of this process: one ``log(metrics, step)`` to every
+    ``BufferedBackend``. Also the no-op writers when there are none.
 
-class FanOut:
-    """One ``log(metrics, step)`` to every sink. Also a no-op fan-out when there are no sinks.
-
-    ``log`` wakes ONE dispatcher thread, which hands the step to every sink: the training
+    ``log`` wakes ONE dispatcher thread, which hands the step to every backend: the training
     thread pays one lock and one wake-up per step, however many backends there are.
     """
 
-    def __init__(self, sinks: list[Sink], close_timeout_s: float = 30.0):
-        self.sinks = sinks
+    def __init__(self, buffered: list[BufferedBackend], close_timeout_s: float = 30.0, *,
+                 closes_with_process: bool = True):
+        """``closes_with_process``: closed at interpreter exit and on SIGTERM (process_wide.py);
+        False in the writer process, which decides its own end."""
+        self.buffered = buffered
+        self.backend_names = [backend.name for backend in buffered]
         self.close_timeout_s = close_timeout_s
         self.closed = False
         self._queue: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._moving = False
         self._stopping = False
-        if sinks:
+        if buffered:
             threading.Thread(target=self._dispatch, name="nemo_memlog-fanout", daemon=True).start()
+        if buffered and closes_with_process:
+            process_wide.on_exit(self.close)
+            process_wide.on_sigterm(self.close)
+
+    @property
+    def sinks(self) -> list[str]:
+        """Transitional alias of ``backend_names`` for callers not yet renamed (monitor.py)."""
+        return self.backend_names
 
     def log(self, metrics: dict, step: int) -> None:
         """Hand ``metrics`` (not copied: callers must not mutate it afterwards) to every backend."""
-        if self.sinks:
+        if self.buffered:
             with self._cond:
                 self._queue.append((metrics, step))
                 self._cond.notify()
@@ -210,14 +216,14 @@ class FanOut:
                 self._queue.clear()
                 self._moving = True
             for metrics, step in steps:
-                for sink in self.sinks:
-                    sink.put(metrics, step)
+                for backend in self.buffered:
+                    backend.put(metrics, step)
             with self._cond:
                 self._moving = False
                 self._cond.notify_all()
 
     def _handed_off(self, deadline: float) -> bool:
-        """Wait until the dispatcher has given every logged step to the sinks."""
+        """Wait until the dispatcher has given every logged step to the backends."""
         with self._cond:
             while self._queue or self._moving:
                 left = deadline - time.monotonic()
@@ -229,9 +235,9 @@ class FanOut:
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every backend has written every step handed to it (bounded). True if all did."""
         deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
-        drained = self._handed_off(deadline) and all([sink.drain(deadline) for sink in self.sinks])
-        for sink in self.sinks:
-            sink.flush_backend()
+        drained = self._handed_off(deadline) and all([backend.drain(deadline) for backend in self.buffered])
+        for backend in self.buffered:
+            backend.flush_backend()
         return drained
 
     def close(self, timeout_s: float | None = None) -> None:
@@ -239,19 +245,33 @@ class FanOut:
         if self.closed:
             return
         self.closed = True
+        process_wide.forget(self.close)
         deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
         self._handed_off(deadline)
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         # Drain all, then close all at once: a hung backend delays no other backend's close.
-        drained = [sink.drain(deadline) for sink in self.sinks]
-        for sink in self.sinks:
-            sink.request_close()
-        for sink, done in zip(self.sinks, drained):
-            sink.close(deadline, done)
+        drained = [backend.drain(deadline) for backend in self.buffered]
+        for backend in self.buffered:
+            backend.request_close()
+        for backend, done in zip(self.buffered, drained):
+            backend.close(deadline, done)
 
     def stats(self) -> dict:
         """Per backend: written, pending, dropped, failures (after the pending hand-off)."""
         self._handed_off(time.monotonic() + 5)
-        return {sink.name: sink.stats() for sink in self.sinks}
+        return {backend.name: backend.stats() for backend in self.buffered}
+
+
+def open_thread_fanout(settings, names: list[str], params: dict, secrets: list[str], *,
+                       closes_with_process: bool = True) -> ThreadFanOut:
+    """The backends ``names`` (of base.CONFIGURED), each opened lazily in a thread of this
+    process behind its own buffer of ``settings.writer_buffer_steps``."""
+    buffered = [BufferedBackend(name, _opener(name, settings, params, secrets), settings.writer_buffer_steps, secrets)
+                for name in names]
+    return ThreadFanOut(buffered, settings.writer_close_timeout_s, closes_with_process=closes_with_process)
+
+
+def _opener(name: str, settings, params: dict, secrets: list[str]):
+    return lambda: backend_module(name).open_backend(settings, params, secrets)

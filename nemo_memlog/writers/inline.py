@@ -12,21 +12,29 @@ still get the step, and the failure is warned about once per backend and kind.
 
 from __future__ import annotations
 
-import warnings
+from ..warn import WarnOnce
 
 
 class InlineFanOut:
-    """``log(metrics, step)`` to every adopted backend, synchronously, failures isolated."""
+    """The writers over adopted open loggers: ``log(metrics, step)`` to every backend,
+    synchronously, failures isolated. ``backends``: (name, backend) pairs."""
 
     def __init__(self, backends: list[tuple[str, object]]):
         self.backends = backends
-        self.sinks = [name for name, _ in backends]  # what "is any writer configured?" reads
+        self.backend_names = [name for name, _ in backends]
         self.failures: dict[str, int] = {}
-        self._warned: set = set()
+        self._written = dict.fromkeys(self.backend_names, 0)
+        self._warn_once = WarnOnce()
+
+    @property
+    def sinks(self) -> list[str]:
+        """Transitional alias of ``backend_names`` for callers not yet renamed (monitor.py)."""
+        return self.backend_names
 
     def log(self, metrics: dict, step: int) -> None:
         for name, backend in self.backends:
-            self._call(name, "log", backend.log, metrics, step)
+            if self._call(name, "log", backend.log, metrics, step):
+                self._written[name] += 1
 
     def flush(self, timeout_s: float | None = None) -> bool:
         return all([self._call(name, "flush", backend.flush) for name, backend in self.backends])
@@ -34,14 +42,17 @@ class InlineFanOut:
     def close(self, timeout_s: float | None = None) -> None:
         self.flush()  # the framework that opened them closes them
 
+    def stats(self) -> dict:
+        """Per backend: written, and failures (nothing is buffered here: pending and dropped are 0)."""
+        return {name: {"written": self._written[name], "pending": 0, "dropped": 0,
+                       "failures": self.failures.get(name, 0)} for name in self._written}
+
     def _call(self, name: str, what: str, fn, *args) -> bool:
         try:
             fn(*args)
             return True
         except Exception as error:  # isolation: a backend never raises into training
             self.failures[name] = self.failures.get(name, 0) + 1
-            if (name, what, type(error).__name__) not in self._warned:
-                self._warned.add((name, what, type(error).__name__))
-                warnings.warn(f"nemo_memlog: {name} backend: {what} failed with {type(error).__name__}: "
-                              f"{error}; this step is not in {name}", RuntimeWarning, stacklevel=3)
+            self._warn_once((name, what, type(error).__name__), f"{name} backend: {what} failed with "
+                            f"{type(error).__name__}: {error}; this step is not in {name}", stacklevel=3)
             return False

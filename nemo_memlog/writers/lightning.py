@@ -1,26 +1,18 @@
 """Lightning loggers: anything implementing Lightning's ``Logger`` (TensorBoard, CSV, W&B,
 MLflow, Comet, a user's own), from ``lightning.pytorch`` or ``pytorch_lightning``.
 
-Adopted only, never opened from a config: the ``Trainer`` owns its loggers, and
-``nemo_memlog.lightning.MemoryLogCallback`` hands them over on global rank 0, where their
-``log_metrics`` writes (it is rank-zero-only: elsewhere it does nothing). Each step goes
-through the logger's own ``log_metrics(metrics, step)`` and then ``save()``, as Lightning's
-logger connector writes its own metrics, so each logger stores it its own way and with
-its own names (MLFlowLogger keeps ``/``; WandbLogger adds ``trainer/global_step``).
+Adopted only, never opened from a config (in base.ADOPTABLE, not CONFIGURED): the ``Trainer``
+owns its loggers, and ``nemo_memlog.lightning.MemoryLogCallback`` hands them over on global
+rank 0, where their ``log_metrics`` writes (it is rank-zero-only: elsewhere it does nothing).
+Each step goes through the logger's own ``log_metrics(metrics, step)`` and then ``save()``, as
+Lightning's logger connector writes its own metrics, so each logger stores it its own way and
+with its own names (MLFlowLogger keeps ``/``; WandbLogger adds ``trainer/global_step``).
 """
 
 from __future__ import annotations
 
 #: Where Lightning's ``Logger`` base class lives, in either package.
 _LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
-
-
-def enabled(logger) -> bool:
-    return False  # no config field opens one: only a Trainer's loggers are written (adopt)
-
-
-def open_backend(logger, params: dict, secrets: list[str]):
-    raise NotImplementedError("Lightning loggers are opened by the Trainer, and adopted (see adopt)")
 
 
 def adopt(obj) -> "LightningLoggerBackend | None":

@@ -22,7 +22,7 @@ import re
 import time
 import zlib
 
-from ..config import scrubbed, setting
+from ..config import scrubbed
 
 MAX_NAME = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 MAX_PARAM_VALUE = 6000  # MAX_PARAM_VAL_LENGTH
@@ -50,19 +50,19 @@ def _bounded(name: str, key: str) -> str:
     return name
 
 
-def enabled(logger) -> bool:
-    return bool(setting(logger, "mlflow_experiment"))
+def enabled(settings) -> bool:
+    return bool(settings.mlflow_experiment)
 
 
-def open_backend(logger, params: dict, secrets: list[str]) -> "MlflowBackend":
+def open_backend(settings, params: dict, secrets: list[str]) -> "MlflowBackend":
     """A run named ``mlflow_run_name`` (tags ``mlflow_tags``) in ``mlflow_experiment``,
     created if missing, with ``params`` as its params (strings, secrets scrubbed)."""
     from mlflow.entities import Param
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=setting(logger, "mlflow_tracking_uri"))
-    name = setting(logger, "mlflow_experiment")
+    client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
+    name = settings.mlflow_experiment
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         experiment_id = experiment.experiment_id
@@ -71,14 +71,13 @@ def open_backend(logger, params: dict, secrets: list[str]) -> "MlflowBackend":
             experiment_id = client.create_experiment(name)
         except MlflowException:  # another process created it first
             experiment_id = client.get_experiment_by_name(name).experiment_id
-    tags = {mlflow_name(str(k)): scrubbed(str(v), secrets) for k, v in (setting(logger, "mlflow_tags") or {}).items()}
-    run = client.create_run(experiment_id, run_name=setting(logger, "mlflow_run_name"), tags=tags)
+    tags = {mlflow_name(str(k)): scrubbed(str(v), secrets) for k, v in (settings.mlflow_tags or {}).items()}
+    run = client.create_run(experiment_id, run_name=settings.mlflow_run_name, tags=tags)
     run_id = run.info.run_id
     values = [Param(mlflow_name(k), scrubbed(str(v), secrets)[:MAX_PARAM_VALUE]) for k, v in params.items()]
     for start in range(0, len(values), PARAMS_PER_BATCH):
         client.log_batch(run_id, params=values[start:start + PARAMS_PER_BATCH], synchronous=True)
     return MlflowBackend(client, run_id)
-
 
 
 def adopt(obj, spell=None) -> "MlflowBackend | None":

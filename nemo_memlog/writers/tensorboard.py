@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import json
 
-from ..config import scrubbed, setting
+from ..config import scrubbed
 
 #: The text summary holding the run config; TensorBoard stores it as "<tag>/text_summary".
 CONFIG_TAG = "config"
 CONFIG_TENSOR_TAG = CONFIG_TAG + "/text_summary"
 
 
-def enabled(logger) -> bool:
-    return bool(setting(logger, "tensorboard_dir"))
+def enabled(settings) -> bool:
+    return bool(settings.tensorboard_dir)
 
 
-def open_backend(logger, params: dict, secrets: list[str]) -> "TensorBoardBackend":
+def open_backend(settings, params: dict, secrets: list[str]) -> "TensorBoardBackend":
     """A SummaryWriter on ``tensorboard_dir``, with ``params`` recorded once as the "config" text."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(
-        log_dir=setting(logger, "tensorboard_dir"),
-        max_queue=setting(logger, "tensorboard_queue_size"),
+        log_dir=settings.tensorboard_dir,
+        max_queue=settings.tensorboard_queue_size,
     )
     writer.add_text(CONFIG_TAG, config_text(params, secrets), 0)
     return TensorBoardBackend(writer)

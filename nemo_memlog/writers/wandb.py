@@ -17,7 +17,7 @@ arguments), the code, git state and installed packages.
 
 from __future__ import annotations
 
-from ..config import scrubbed, setting
+from ..config import scrubbed
 
 RUN_SETTINGS = dict(
     # The metadata record holds sys.argv (verified: the secret reached the .wandb file
@@ -35,25 +35,24 @@ RUN_SETTINGS = dict(
 )
 
 
-def enabled(logger) -> bool:
-    return bool(setting(logger, "wandb_project"))
+def enabled(settings) -> bool:
+    return bool(settings.wandb_project)
 
 
-def open_backend(logger, params: dict, secrets: list[str]) -> "WandbBackend":
+def open_backend(settings, params: dict, secrets: list[str]) -> "WandbBackend":
     """A W&B run in ``wandb_project`` with ``params`` as its config (``secrets`` scrubbed
     from its values again, in case one hid in a field not named like a secret)."""
     import wandb
 
     run = wandb.init(
-        project=setting(logger, "wandb_project"),
-        name=setting(logger, "wandb_exp_name"),
-        entity=setting(logger, "wandb_entity"),
-        dir=setting(logger, "wandb_save_dir"),  # None: wandb's default (./wandb); created if missing
+        project=settings.wandb_project,
+        name=settings.wandb_exp_name,
+        entity=settings.wandb_entity,
+        dir=settings.wandb_save_dir,  # None: wandb's default (./wandb); created if missing
         config={key: scrubbed(value, secrets) for key, value in params.items()},
         settings=wandb.Settings(**RUN_SETTINGS),
     )
     return WandbBackend(run)
-
 
 
 def adopt(obj) -> "WandbBackend | None":

@@ -1,6 +1,9 @@
 """The steps every backend test writes: ints, floats, a name MLflow rejects, NaN and +-inf."""
 
 import math
+import types
+
+from nemo_memlog.config import resolve
 
 SECRET = "SECRET-TOKEN-123"
 STEPS = {
@@ -11,6 +14,10 @@ STEPS = {
          "memory/pp_stage_0/peak_host_rss_gb": 1.75, "memory/weird key*(1)": 0.25,
          "memory/nan_gb": math.nan, "memory/inf_gb": math.inf, "memory/neg_inf_gb": -math.inf},
 }
+
+#: The settings of a config object that has none of the backends' fields (Megatron-Bridge's
+#: LoggerConfig may lack some): each backend field takes our default, None.
+LACKING_FIELDS = resolve(types.SimpleNamespace(log_memory_to_tensorboard=True))
 
 
 def write_steps(backend) -> None:

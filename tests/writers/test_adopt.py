@@ -17,7 +17,7 @@ def test_a_comet_experiment_opened_elsewhere_gets_every_step_and_stays_open(tmp_
     experiment = comet_ml.OfflineExperiment(offline_directory=str(tmp_path), project_name="bridge-run",
                                             **comet.NO_CAPTURE)
     writers = adopt_writers([None, object(), "not a logger", experiment])
-    assert writers.sinks == ["comet"], "only the experiment is recognised; None and strangers are skipped"
+    assert writers.backend_names == ["comet"], "only the experiment is recognised; None and strangers are skipped"
     write_steps(writers)
     writers.close()  # ours to flush, the opener's to end
     assert experiment.alive, "close() must not end an experiment it did not open"
@@ -53,7 +53,7 @@ def test_a_failing_adopted_logger_is_isolated_and_warned_once(tmp_path):
     experiment = comet_ml.OfflineExperiment(offline_directory=str(tmp_path), project_name="bridge-run",
                                             **comet.NO_CAPTURE)
     writers = adopt_writers([Broken(), experiment])
-    assert writers.sinks == ["tensorboard", "comet"]
+    assert writers.backend_names == ["tensorboard", "comet"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step, metrics in STEPS.items():

@@ -15,7 +15,7 @@ import pytest
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import comet
 
-from tests.writers.sample import SECRET, STEPS, write_steps
+from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def read_archive(archive):
 def test_enabled_only_with_a_project():
     assert comet.enabled(LoggerConfig(comet_project="p"))
     assert not comet.enabled(LoggerConfig())
-    assert not comet.enabled(object())
+    assert not comet.enabled(LACKING_FIELDS)
 
 
 def test_metrics_read_back_with_ints_as_ints_and_non_finite_as_comet_strings(run):

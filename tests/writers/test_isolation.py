@@ -2,7 +2,7 @@
 warns once per kind, and a backend that comes back gets every buffered step.
 
 Each runs in the writer process (the default), and the cheap ones in thread mode too: the
-same sinks, in the training process."""
+same backends, in the training process."""
 
 import os
 import signal
@@ -125,7 +125,7 @@ class MlflowServer:
 
 
 def test_mlflow_server_killed_and_restarted_loses_nothing(tmp_path, monkeypatch):
-    # Fail fast per attempt: our sink does the retrying, with backoff, from its buffer.
+    # Fail fast per attempt: our BufferedBackend does the retrying, with backoff, from its buffer.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
     server = MlflowServer(tmp_path / "server.db", free_port())

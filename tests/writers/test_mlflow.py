@@ -9,7 +9,7 @@ import pytest
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import mlflow as mlflow_writer
 
-from tests.writers.sample import SECRET, STEPS, write_steps
+from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 DBL_MAX = sys.float_info.max
 
@@ -37,7 +37,7 @@ def run(tmp_path_factory):
 def test_enabled_only_with_an_experiment():
     assert mlflow_writer.enabled(LoggerConfig(mlflow_experiment="e", mlflow_run_name="r"))
     assert not mlflow_writer.enabled(LoggerConfig())
-    assert not mlflow_writer.enabled(object())
+    assert not mlflow_writer.enabled(LACKING_FIELDS)
 
 
 def test_names_mlflow_rejects_are_mapped_not_dropped():

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from nemo_memlog import LoggerConfig, build_writers
-from nemo_memlog.writers import process
+from nemo_memlog.writers import parent
 from nemo_memlog.testing.cluster import free_port
 from tests.readback import stored_steps, tensorboard_steps, wandb_finished
 
@@ -154,7 +154,7 @@ def test_no_secret_in_the_writer_process_command_line_or_environment(tmp_path, m
             argv, environ = cmdline.read(), env.read()
     finally:
         fanout.close()
-    assert argv.split(b"\0")[1:3] == [b"-m", b"nemo_memlog.writers.process"]
+    assert argv.split(b"\0")[1:3] == [b"-m", b"nemo_memlog.writers.child"]
     assert SECRET.encode() not in argv and SECRET.encode() not in environ
     names = {entry.split(b"=", 1)[0] for entry in environ.split(b"\0")}
     assert b"PATH" in names and b"COMET_API_KEY" not in names and b"DEPLOY_NOTE" not in names
@@ -162,14 +162,14 @@ def test_no_secret_in_the_writer_process_command_line_or_environment(tmp_path, m
 
 
 def test_secret_variables_go_through_the_socket():
-    public, private = process.split_environment(
+    public, private = parent.split_environment(
         {"PATH": "/bin", "WANDB_API_KEY": "k1", "MLFLOW_TRACKING_TOKEN": "k2", "NOTE": f"x{SECRET}y"}, [SECRET])
     assert public == {"PATH": "/bin"}
     assert private == {"WANDB_API_KEY": "k1", "MLFLOW_TRACKING_TOKEN": "k2", "NOTE": f"x{SECRET}y"}
 
 
 def test_a_stopped_or_killed_writer_process_never_holds_up_training(tmp_path, monkeypatch):
-    monkeypatch.setattr(process, "SEND_BUFFER", 64 * 1024)  # a small socket fills in fewer steps
+    monkeypatch.setattr(parent, "SEND_BUFFER", 64 * 1024)  # a small socket fills in fewer steps
     cfg = LoggerConfig(tensorboard_dir=str(tmp_path / "tb"), writer_buffer_steps=10)
     padding = {f"pad/{i}": 0.0 for i in range(40)}
     with warnings.catch_warnings(record=True) as caught:
@@ -215,6 +215,6 @@ def test_where_no_process_can_start_the_backends_run_in_threads(tmp_path, monkey
         fanout = build_writers(LoggerConfig(tensorboard_dir=str(tmp_path / "tensorboard")))
         fanout.log({"memory/peak_host_rss_gb": 1.5}, 3)
         fanout.close()
-    assert not isinstance(fanout, process.ProcessFanOut)
+    assert not isinstance(fanout, parent.ProcessFanOut)
     assert len([w for w in caught if "could not start the writer process" in str(w.message)]) == 1
     assert tensorboard_steps(tmp_path) == {3}

@@ -8,7 +8,7 @@ import pytest
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import tensorboard
 
-from tests.writers.sample import SECRET, STEPS, write_steps
+from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def run(tmp_path_factory):
 
 def test_enabled_only_with_a_directory():
     assert not tensorboard.enabled(LoggerConfig())
-    assert not tensorboard.enabled(object())  # objects lacking the field: our default (None)
+    assert not tensorboard.enabled(LACKING_FIELDS)  # objects lacking the field: our default (None)
 
 
 def test_every_metric_reads_back_at_its_step(run):

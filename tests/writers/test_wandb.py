@@ -15,7 +15,7 @@ import pytest
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import wandb as wandb_writer
 
-from tests.writers.sample import SECRET, STEPS, write_steps
+from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def run(tmp_path_factory):
 def test_enabled_only_with_a_project():
     assert wandb_writer.enabled(LoggerConfig(wandb_project="p"))
     assert not wandb_writer.enabled(LoggerConfig())
-    assert not wandb_writer.enabled(object())
+    assert not wandb_writer.enabled(LACKING_FIELDS)
 
 
 def test_summary_keeps_ints_and_non_finite_values(run):

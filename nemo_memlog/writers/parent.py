@@ -1,11 +1,10 @@
-"""The writer process: the backends run in a process of their own, fed through a socket.
+"""The writer process, the training process's side: ``ProcessFanOut``.
 
-``ProcessFanOut`` (in the training process) has FanOut's methods. It starts
-``python -m nemo_memlog.writers.process FD`` (a fresh interpreter: no fork, no user
-``__main__``, nothing secret on its command line) and sends it every message over one
-AF_UNIX SOCK_SEQPACKET socket pair. That process runs an ordinary ``FanOut`` (a thread
-and a bounded, retrying buffer per backend), so isolation, retries, drop counting and
-once-per-kind warnings work as in thread mode; its warnings come back over the socket
+``ProcessFanOut`` has ThreadFanOut's methods. It starts ``python -m nemo_memlog.writers.child
+FD`` (a fresh interpreter: no fork, no user ``__main__``, nothing secret on its command
+line) and sends it every message (wire.py) over one AF_UNIX SOCK_SEQPACKET socket pair. That
+process runs an ordinary ``ThreadFanOut`` (child.py), so isolation, retries, drop counting
+and once-per-kind warnings work as in thread mode; its warnings come back over the socket
 and are re-raised here, so they reach the user's console, filters and logs as before.
 
 Hand-off. ``log`` pickles the step and sends it with one non-blocking ``send``: a
@@ -16,15 +15,11 @@ behind) does it wait in a bounded backlog here (``writer_buffer_steps``; oldest 
 and counted), which a feeder thread sends as the socket drains; a SIGKILL loses that
 backlog. The training thread never waits for the writer process.
 
-Ending. ``close`` sends the close budget, then shuts the socket for writing; a dead
-training process (SIGKILL, segfault, ``os._exit``) closes it too. Either way the
-writer process reads what is left, closes every backend within the budget
-(``writer_close_timeout_s`` when the trainer died), says goodbye with its final
-counts, and exits; a watchdog ends it half a second after the budget whatever a
-backend does, so it never outlives its job. It also polls its parent, in case a forked
-child of the trainer still holds the socket. It ignores SIGINT and SIGTERM, which a
-terminal or a scheduler sends to the whole process group: the trainer's own handler
-(process_wide.py) or its death decides when the writer process closes. It runs at nice +10.
+Ending. ``close`` (also at interpreter exit and on SIGTERM, through process_wide.py) sends
+the close budget, then shuts the socket for writing; a dead training process (SIGKILL,
+segfault, ``os._exit``) closes it too: child.py says what the writer process does then. A
+forked child of this process (a data-loader worker) lets go of the socket at once, so the
+writer process still sees this process's death.
 
 Secrets travel through the socket only. The writer process's environment is this
 process's, less every variable whose name looks like a secret or whose value holds a
@@ -38,59 +33,23 @@ from __future__ import annotations
 import collections
 import itertools
 import os
-import pickle
 import select
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import types
 import warnings
-import weakref
 
 from .. import process_wide
-from ..config import SECRET_NAME, plain_settings, scrubbed, setting
+from ..config import SECRET_NAME
+from ..warn import WarnOnce
+from . import wire
 
-CHILD_MODULE = "nemo_memlog.writers.process"
-CHUNK = 32 * 1024  # bytes of pickle per socket message; a larger message is sent in several
-_MORE, _LAST = b"\x01", b"\x00"
+CHILD_MODULE = "nemo_memlog.writers.child"
 SEND_BUFFER = 8 << 20  # asked for; the kernel caps it at net.core.wmem_max (x2)
 REPLY_GRACE_S = 2.0  # a reply may take this much longer than the budget it answers for
 STATS_WAIT_S = 10.0
-PARENT_POLL_S = 0.5
-EXIT_GRACE_S = 0.5
-WRITER_NICE = 10  # when CPU is short, training goes first; an idle core still runs the writer at full speed
-_EOF = object()
-_live: "weakref.WeakSet[ProcessFanOut]" = weakref.WeakSet()
-
-
-def encode(message) -> list[bytes]:
-    """``message`` pickled, as socket messages of at most CHUNK + 1 bytes (a flag byte each)."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    if len(data) <= CHUNK:
-        return [_LAST + data]
-    parts = [data[start:start + CHUNK] for start in range(0, len(data), CHUNK)]
-    return [_MORE + part for part in parts[:-1]] + [_LAST + parts[-1]]
-
-
-class Receiver:
-    """Whole messages from a SEQPACKET socket: ``receive()`` returns one, or _EOF."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self._parts: list[bytes] = []
-
-    def receive(self):
-        while True:
-            chunk = self.sock.recv(CHUNK + 1)  # raises socket.timeout / BlockingIOError as the socket is set
-            if not chunk:
-                return _EOF
-            self._parts.append(chunk[1:])
-            if chunk[:1] == _LAST:
-                data, self._parts = b"".join(self._parts), []
-                return pickle.loads(data)
 
 
 def split_environment(environ, secrets: list[str]) -> tuple[dict, dict]:
@@ -103,21 +62,19 @@ def split_environment(environ, secrets: list[str]) -> tuple[dict, dict]:
     return public, private
 
 
-# --------------------------------------------------------------------------------------------
-# The training process's side.
-
-
 class ProcessFanOut:
-    """FanOut's interface, with the backends in a writer process. ``sinks`` are the backend
-    names (truthy when any writer is configured); ``pid`` is the writer process's."""
+    """The writers, in a writer process: ThreadFanOut's interface. ``pid`` is the writer
+    process's. Raises (OSError, ...) when no process can be started here."""
 
-    def __init__(self, logger, names: list[str], params: dict, secrets: list[str]):
-        self.sinks = list(names)
-        self.close_timeout_s = setting(logger, "writer_close_timeout_s")
+    def __init__(self, settings, names: list[str], params: dict, secrets: list[str]):
+        """The backends ``names`` (of base.CONFIGURED) for ``settings`` (a config.Settings),
+        recording ``params``; ``secrets`` are scrubbed from every warning and kept off the
+        writer process's command line and environment."""
+        self.backend_names = list(names)
+        self.close_timeout_s = settings.writer_close_timeout_s
         self.closed = False
         self.dropped = 0  # steps that never reached the writer process
-        self._limit = setting(logger, "writer_buffer_steps")
-        self._secrets = secrets
+        self._limit = settings.writer_buffer_steps
         self._lock = threading.Lock()
         self._sendable = threading.Condition(self._lock)  # the backlog changed
         self._backlog: collections.deque = collections.deque()  # [chunks, droppable]
@@ -129,7 +86,7 @@ class ProcessFanOut:
         self._ids = itertools.count()
         self._goodbye = None  # the writer process's final counts
         self._ended = threading.Event()  # goodbye received, or the writer process gone
-        self._warned: set = set()
+        self._warn_once = WarnOnce(secrets=secrets)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
@@ -144,29 +101,37 @@ class ProcessFanOut:
             theirs.close()
         self.pid = self.process.pid
         self._sock = ours
-        _live.add(self)
+        process_wide.on_fork_child(self._forget_after_fork)
+        process_wide.on_exit(self.close)
+        process_wide.on_sigterm(self.close)
         threading.Thread(target=self._read, name="nemo_memlog-writer-replies", daemon=True).start()
-        self._send(("start", plain_settings(logger), self.sinks, params, secrets, private), droppable=False)
+        start = wire.Start(wire.VERSION, settings.to_plain(), self.backend_names, params, secrets, private)
+        self._send(start, droppable=False)
+
+    @property
+    def sinks(self) -> list[str]:
+        """Transitional alias of ``backend_names`` for callers not yet renamed (monitor.py)."""
+        return self.backend_names
 
     # --- the training thread's side ---
     def log(self, metrics: dict, step: int) -> None:
         """Hand ``metrics`` at ``step`` to the writer process. Never blocks on it, never raises."""
-        self._send(("log", metrics, step), droppable=True)
+        self._send(wire.Log(metrics, step), droppable=True)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every backend has written every step handed to it (bounded). True if all did."""
         timeout = self.close_timeout_s if timeout_s is None else timeout_s
-        return self._request("flush", timeout, wait_s=timeout + REPLY_GRACE_S) is True
+        return self._request(lambda ident: wire.Flush(ident, timeout), wait_s=timeout + REPLY_GRACE_S) is True
 
     def stats(self) -> dict:
         """Per backend: written, pending, dropped, failures; ``dropped`` includes the steps
         that never reached the writer process."""
-        counts = self._goodbye if self.closed else self._request("stats", wait_s=STATS_WAIT_S)
+        counts = self._goodbye if self.closed else self._request(wire.Stats, wait_s=STATS_WAIT_S)
         if counts is None:
             counts = self._goodbye or {}
         zero = {"written": 0, "pending": 0, "dropped": 0, "failures": 0}
         return {name: {**zero, **counts.get(name, {}), "dropped": counts.get(name, zero)["dropped"] + self.dropped}
-                for name in self.sinks}
+                for name in self.backend_names}
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain and close every backend within ``timeout_s`` (+ REPLY_GRACE_S), and reap the
@@ -174,13 +139,15 @@ class ProcessFanOut:
         if self.closed:
             return
         self.closed = True
+        process_wide.forget(self.close)
+        process_wide.forget(self._forget_after_fork)
         budget = self.close_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
         # A signal handler (SIGTERM) that interrupted this very thread inside _send must not
         # take the lock this thread holds (a deadlock). Ending the stream needs no lock.
         reentered = self._sending_thread == threading.get_ident()
         if not reentered:
-            self._send(("close", budget), droppable=False)
+            self._send(wire.Close(budget), droppable=False)
             self._wait_for_backlog(deadline)
         self._stop_sending(reentered)
         final = deadline + REPLY_GRACE_S
@@ -189,7 +156,7 @@ class ProcessFanOut:
             self.process.wait(max(0.0, final - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass  # its watchdog ends it; nothing here waits any longer
-        if self._goodbye is None and "gone" not in self._warned:
+        if self._goodbye is None and not self._warn_once.seen("gone"):
             self._warn_once("no-goodbye", f"the writer process did not confirm closing the backends within {budget} s")
         if self.dropped:
             warnings.warn(f"nemo_memlog: {self.dropped} logged steps never reached the writer process", RuntimeWarning)
@@ -199,7 +166,7 @@ class ProcessFanOut:
     # --- sending: ordered, never blocking the caller ---
     def _send(self, message, droppable: bool) -> bool:
         try:
-            chunks = encode(message)
+            chunks = wire.encode(message)
         except Exception as error:  # e.g. a metric value that cannot be pickled: never raise into training
             self._warn_once(("pickle", type(error).__name__), f"a step could not be sent to the writer process "
                             f"({type(error).__name__}: {error}); such steps are dropped and counted")
@@ -317,11 +284,12 @@ class ProcessFanOut:
             self._sock.close()
 
     # --- replies and warnings from the writer process ---
-    def _request(self, kind: str, *args, wait_s: float):
+    def _request(self, message_for, wait_s: float):
+        """The value of the Reply to ``message_for(ident)``, or None (no reply within ``wait_s``)."""
         ident = next(self._ids)
         slot = self._replies[ident] = [threading.Event(), None]
         try:
-            if self._ended.is_set() or not self._send((kind, ident, *args), droppable=False):
+            if self._ended.is_set() or not self._send(message_for(ident), droppable=False):
                 return None
             slot[0].wait(wait_s)
             return slot[1]
@@ -329,24 +297,23 @@ class ProcessFanOut:
             self._replies.pop(ident, None)
 
     def _read(self) -> None:
-        receiver = Receiver(self._sock)
+        receiver = wire.Receiver(self._sock)
         while True:
             try:
                 message = receiver.receive()
             except OSError:
-                message = _EOF
-            if message is _EOF:
+                message = wire.EOF
+            if message is wire.EOF:
                 break
-            kind = message[0]
-            if kind == "warning":
-                warnings.warn(message[2], _warning_category(message[1]), stacklevel=1)
-            elif kind == "reply":
-                slot = self._replies.get(message[1])
+            if isinstance(message, wire.Warned):
+                warnings.warn(message.text, _warning_category(message.category), stacklevel=1)
+            elif isinstance(message, wire.Reply):
+                slot = self._replies.get(message.ident)
                 if slot is not None:  # else its caller stopped waiting
-                    slot[1] = message[2]
+                    slot[1] = message.value
                     slot[0].set()
-            elif kind == "goodbye":
-                self._goodbye = message[1]
+            elif isinstance(message, wire.Goodbye):
+                self._goodbye = message.stats
         self._shut = True
         self._ended.set()
         for slot in list(self._replies.values()):
@@ -359,13 +326,9 @@ class ProcessFanOut:
             self._warn_once("gone", f"the writer process ended unexpectedly (exit code {code}); "
                             f"later steps are dropped and counted")
 
-    def _warn_once(self, kind: str, text: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            warnings.warn(f"nemo_memlog: {scrubbed(text, self._secrets)}", RuntimeWarning, stacklevel=3)
-
-    def _forget(self) -> None:
-        """In a forked child of the training process: let go of the socket, send nothing."""
+    def _forget_after_fork(self) -> None:
+        """In a forked child of the training process (a data-loader worker, say): let go of
+        the socket and send nothing, so the writer process still sees the trainer's death."""
         self.closed = self._shut = True
         self._lock = threading.Lock()  # another thread may have held it at the fork
         self._sendable = threading.Condition(self._lock)
@@ -391,124 +354,3 @@ def _with_package_path(environ: dict) -> dict:
     paths = [root] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
     return {**environ, "PYTHONPATH": os.pathsep.join(paths)}
 
-
-def _after_fork_in_child() -> None:
-    # A fork of the training process (a data-loader worker, say) must not keep the
-    # writer process's socket open: the writer process would miss the trainer's death.
-    for fanout in list(_live):
-        fanout._forget()
-
-
-process_wide.on_fork_child(_after_fork_in_child)
-
-
-# --------------------------------------------------------------------------------------------
-# The writer process's side.
-
-
-class _Link:
-    """Messages to the training process, from any thread; False once it is gone."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self._lock = threading.Lock()
-        self.open = True
-
-    def send(self, message) -> bool:
-        with self._lock:
-            if not self.open:
-                return False
-            try:
-                for chunk in encode(message):  # one chunk: replies and warnings are small
-                    self.sock.sendall(chunk)
-                return True
-            except socket.timeout:  # the training process is not reading (stopped?): this one is not sent
-                return False
-            except OSError:
-                self.open = False
-                return False
-
-
-def _messages(sock: socket.socket, parent: int):
-    """The training process's messages, until its end of the socket closes or it dies."""
-    receiver = Receiver(sock)
-    sock.settimeout(PARENT_POLL_S)
-    while True:
-        try:
-            message = receiver.receive()
-        except socket.timeout:
-            if os.getppid() == parent:
-                continue
-            sock.setblocking(False)  # the trainer died, yet a fork of it holds the socket: take what is there
-            try:
-                while (message := receiver.receive()) is not _EOF:
-                    yield message
-            except OSError:
-                pass
-            return
-        except OSError:
-            return
-        if message is _EOF:
-            return
-        yield message
-
-
-def _forward_warnings(link: _Link) -> None:
-    """Our warnings go to the training process (re-raised there); others, or any once it is
-    gone, to this process's stderr, which is the training process's."""
-    show = warnings.showwarning
-
-    def forward(message, category, filename, lineno, file=None, line=None):
-        text = str(message)[:8192]
-        if not (text.startswith("nemo_memlog") and link.send(("warning", category.__name__, text))):
-            show(message, category, filename, lineno, file, line)
-
-    warnings.showwarning = forward
-    warnings.filterwarnings("always", message="nemo_memlog")  # the training process's filters decide
-
-
-def serve(sock: socket.socket, parent: int) -> None:
-    """Run the backends for the training process on the other end of ``sock``."""
-    from . import thread_fanout
-
-    link = _Link(sock)
-    messages = _messages(sock, parent)
-    start = next(messages, None)
-    if start is None or start[0] != "start":
-        return
-    _, fields, names, params, secrets, private_environ = start
-    os.environ.update(private_environ)
-    _forward_warnings(link)
-    fanout = thread_fanout(types.SimpleNamespace(**fields), names, params, secrets)
-    budget = fields["writer_close_timeout_s"]
-    for message in messages:
-        kind = message[0]
-        if kind == "log":
-            fanout.log(message[1], message[2])
-        elif kind == "flush":
-            link.send(("reply", message[1], fanout.flush(message[2])))
-        elif kind == "stats":
-            link.send(("reply", message[1], fanout.stats()))
-        elif kind == "close":
-            budget = message[1]
-            break
-    watchdog = threading.Timer(budget + EXIT_GRACE_S, os._exit, args=(3,))
-    watchdog.daemon = True
-    watchdog.start()
-    fanout.close(budget)
-    link.send(("goodbye", fanout.stats()))
-
-
-def main(argv: list[str]) -> int:
-    try:
-        os.nice(WRITER_NICE)
-    except OSError:
-        pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    serve(socket.socket(fileno=int(argv[1])), os.getppid())
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv))

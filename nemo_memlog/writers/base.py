@@ -1,0 +1,66 @@
+"""The backend interface, the module contract, and the registry of backend modules.
+
+A **backend** writes one store (``Backend``). Each backend module in this package has:
+
+- ``adopt(obj) -> Backend | None``: wrap an *open logger* of its kind (one a framework
+  opened: Bridge's TensorBoard writer, a Lightning ``Logger``), recognised without importing
+  its library; None for any other object;
+
+and, for the stores a Settings can open (``CONFIGURED``):
+
+- ``enabled(settings) -> bool``: whether ``settings`` asks for this backend;
+- ``open_backend(settings, params, secrets) -> Backend``: open it, recording ``params``
+  once, with ``secrets`` scrubbed from anything it echoes.
+
+The registry is these two tuples: a module is imported only when asked for, so an
+uninstalled backend costs nothing, and no backend library is named outside its module.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Protocol, runtime_checkable
+
+#: Backend modules a Settings can open, in the order they are fanned out to.
+CONFIGURED = ("tensorboard", "wandb", "mlflow", "comet")
+#: Backend modules that can adopt an open logger, in the order they are tried.
+ADOPTABLE = CONFIGURED + ("lightning",)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One store. ``log`` reads ``metrics`` and never mutates it; any call may raise (the
+    fan-out isolates it)."""
+
+    def log(self, metrics: dict, step: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class Writers(Protocol):
+    """What a run hands its steps to: every fan-out (thread, process, inline) has this."""
+
+    backend_names: list[str]
+    """The backends written, one name each (empty: no backend, nothing is written)."""
+
+    def log(self, metrics: dict, step: int) -> None: ...
+
+    def flush(self, timeout_s: float | None = None) -> bool: ...
+
+    def close(self, timeout_s: float | None = None) -> None: ...
+
+    def stats(self) -> dict: ...
+
+
+def backend_module(name: str):
+    """The module of backend ``name`` (one of ADOPTABLE), imported now."""
+    if name not in ADOPTABLE:
+        raise ValueError(f"no writer backend {name!r}; known: {', '.join(ADOPTABLE)}")
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def enabled_backends(settings) -> list[str]:
+    """The names of the CONFIGURED backends ``settings`` enables."""
+    return [name for name in CONFIGURED if backend_module(name).enabled(settings)]

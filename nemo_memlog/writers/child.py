@@ -1,0 +1,150 @@
+"""The writer process, its own side: ``python -m nemo_memlog.writers.child FD``.
+
+Started by parent.py's ``ProcessFanOut``, with its end of the socket as file descriptor FD.
+It reads a ``wire.Start`` (refused unless its version is wire.VERSION), puts the private
+environment it carries into ``os.environ``, rebuilds the Settings (``config.from_plain``)
+and runs an ordinary ``ThreadFanOut`` over the backends named, then serves Log, Flush,
+Stats and Close until the stream ends.
+
+Ending. After a Close, or when the training process's end of the socket closes (the
+trainer died: SIGKILL, segfault, ``os._exit``), it closes every backend within the budget
+(``writer_close_timeout_s`` when the trainer died), says Goodbye with its final counts, and
+exits; a watchdog ends it half a second after the budget whatever a backend does, so it
+never outlives its job. It also polls its parent, in case a forked child of the trainer
+still holds the socket. It ignores SIGINT and SIGTERM, which a terminal or a scheduler
+sends to the whole process group: the trainer's own handler (process_wide.py) or its death
+decides when the writer process closes. It runs at nice +10.
+
+Warnings. Ours (``nemo_memlog: ...``) go back to the training process as ``wire.Warned``,
+to be re-raised there; any other, or any once the trainer is gone, to this process's
+stderr, which is the training process's.
+
+Imports only config, wire and fanout (and the backends fanout opens), never the package's
+``writers/__init__``'s factories.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import warnings
+
+from ..config import from_plain
+from . import wire
+from .fanout import open_thread_fanout
+
+PARENT_POLL_S = 0.5
+EXIT_GRACE_S = 0.5
+WRITER_NICE = 10  # when CPU is short, training goes first; an idle core still runs the writer at full speed
+
+
+class Link:
+    """Messages to the training process, from any thread; False once it is gone."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._lock = threading.Lock()
+        self.open = True
+
+    def send(self, message) -> bool:
+        with self._lock:
+            if not self.open:
+                return False
+            try:
+                for chunk in wire.encode(message):  # one chunk: replies and warnings are small
+                    self.sock.sendall(chunk)
+                return True
+            except socket.timeout:  # the training process is not reading (stopped?): this one is not sent
+                return False
+            except OSError:
+                self.open = False
+                return False
+
+
+def messages(sock: socket.socket, parent: int):
+    """The training process's messages, until its end of the socket closes or it dies."""
+    receiver = wire.Receiver(sock)
+    sock.settimeout(PARENT_POLL_S)
+    while True:
+        try:
+            message = receiver.receive()
+        except socket.timeout:
+            if os.getppid() == parent:
+                continue
+            sock.setblocking(False)  # the trainer died, yet a fork of it holds the socket: take what is there
+            try:
+                while (message := receiver.receive()) is not wire.EOF:
+                    yield message
+            except OSError:
+                pass
+            return
+        except OSError:
+            return
+        if message is wire.EOF:
+            return
+        yield message
+
+
+def forward_warnings(link: Link) -> None:
+    """Our warnings go to the training process (re-raised there); others, or any once it is
+    gone, to this process's stderr, which is the training process's."""
+    show = warnings.showwarning
+
+    def forward(message, category, filename, lineno, file=None, line=None):
+        text = str(message)[:8192]
+        if not (text.startswith("nemo_memlog") and link.send(wire.Warned(category.__name__, text))):
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = forward
+    warnings.filterwarnings("always", message="nemo_memlog")  # the training process's filters decide
+
+
+def serve(sock: socket.socket, parent: int) -> None:
+    """Run the backends for the training process on the other end of ``sock``."""
+    link = Link(sock)
+    stream = messages(sock, parent)
+    try:
+        start = next(stream, None)
+    except Exception:  # a Start this version cannot even unpickle: another nemo_memlog sent it
+        return
+    if not isinstance(start, wire.Start) or start.version != wire.VERSION:
+        return
+    os.environ.update(start.private_environ)
+    forward_warnings(link)
+    settings = from_plain(start.settings)
+    fanout = open_thread_fanout(settings, start.backend_names, start.params, start.secrets,
+                                closes_with_process=False)
+    budget = settings.writer_close_timeout_s
+    for message in stream:
+        if isinstance(message, wire.Log):
+            fanout.log(message.metrics, message.step)
+        elif isinstance(message, wire.Flush):
+            link.send(wire.Reply(message.ident, fanout.flush(message.timeout_s)))
+        elif isinstance(message, wire.Stats):
+            link.send(wire.Reply(message.ident, fanout.stats()))
+        elif isinstance(message, wire.Close):
+            budget = message.budget_s
+            break
+    watchdog = threading.Timer(budget + EXIT_GRACE_S, os._exit, args=(3,))
+    watchdog.daemon = True
+    watchdog.start()
+    fanout.close(budget)
+    link.send(wire.Goodbye(fanout.stats()))
+
+
+def main(argv: list[str]) -> int:
+    try:
+        os.nice(WRITER_NICE)
+    except OSError:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    serve(socket.socket(fileno=int(argv[1])), os.getppid())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
