@@ -381,14 +381,8 @@ def redacted(value: Any, name: str = "") -> Any:
     return str(value)
 
 
-def plain_settings(logger) -> dict[str, Any]:
-    """Every LoggerConfig field of ``logger`` (our default where it lacks one), as plain
-    dicts, lists and scalars: picklable into a process that lacks the config's classes.
-    Secrets are kept: this is for the writer process, never for a record."""
-    return {name: _plain(setting(logger, name)) for name in _OURS}
-
-
 def _plain(value):
+    """``value`` as plain dicts, lists and scalars (picklable where the config's classes are not)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if hasattr(value, "items"):

@@ -137,7 +137,7 @@ class MemoryMonitor:
             from .writers import build_writers
 
             self.writers = build_writers(self.settings, run_config=self.config)
-            if not self.writers.sinks:
+            if not self.writers.backend_names:
                 self.warn_once(("no-writer",), "log_memory_to_tensorboard is on but no writer is configured "
                                "(set tensorboard_dir, wandb_project, mlflow_experiment or comet_project); "
                                "training_log still returns the metrics")

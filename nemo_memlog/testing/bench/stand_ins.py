@@ -78,7 +78,7 @@ class NullBackend:
 
 
 def null_fanout():
-    """A thread-mode FanOut of one NullBackend sink per benchmark backend (real buffers and threads)."""
-    from nemo_memlog.writers.fanout import FanOut, Sink
+    """A thread-mode fan-out of one buffered NullBackend per benchmark backend (real buffers and threads)."""
+    from nemo_memlog.writers.fanout import BufferedBackend, ThreadFanOut
 
-    return FanOut([Sink(name, NullBackend, 10000, []) for name in BACKENDS])
+    return ThreadFanOut([BufferedBackend(name, NullBackend, 10000, []) for name in BACKENDS])

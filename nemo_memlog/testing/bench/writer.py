@@ -12,7 +12,6 @@ contention are included.
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import time
@@ -81,8 +80,9 @@ def writer_part(metrics: dict, steps: int, backends: tuple, root: str, work_ms: 
 
 def _open(metrics: dict, backends: tuple, root: str) -> tuple[dict, list]:
     """Each mode's fan-out and the synchronous backends, opened, each having logged step 0."""
-    from nemo_memlog.config import flat_params
+    from nemo_memlog.config import flat_params, resolve
     from nemo_memlog.writers import build_writers
+    from nemo_memlog.writers.base import backend_module
 
     for name in ("sync",) + MODES:
         os.makedirs(f"{root}/{name}", exist_ok=True)
@@ -92,7 +92,7 @@ def _open(metrics: dict, backends: tuple, root: str) -> tuple[dict, list]:
     sync_cfg = backend_config(root, "sync", backends)
     params = flat_params(sync_cfg)
     synchronous_backends = [
-        importlib.import_module(f"nemo_memlog.writers.{backend}").open_backend(sync_cfg, params, [])
+        backend_module(backend).open_backend(resolve(sync_cfg), params, [])
         for backend in backends
     ]
     for mode, fanout in fanouts.items():
