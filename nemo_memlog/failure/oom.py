@@ -31,11 +31,6 @@ from .. import process_wide
 #: Snapshots written per recorder: a loop that catches OOMs and retries must not fill the disk.
 MAX_SNAPSHOTS = 3
 
-# Per process: the allocator's alloc/free history is one switch for the whole process, so it
-# is started at most once, whichever recorder asks first.
-_history_on = False
-
-
 class Target(Protocol):
     """What ``record`` needs of a recorder (FlightRecorder has it)."""
 
@@ -83,12 +78,13 @@ def _attached(attached: bool, warn) -> bool:
 
 
 def _record_history(torch, warn) -> None:
-    global _history_on
-    if _history_on:
+    # The allocator's alloc/free history is one switch for the whole process: started at most
+    # once, whichever recorder asks first.
+    if process_wide.known("cuda_memory_history"):
         return
     try:
         torch.cuda.memory._record_memory_history(max_entries=100_000)
-        _history_on = True
+        process_wide.remember("cuda_memory_history")
     except Exception as error:  # an allocator built without it (e.g. cudaMallocAsync)
         warn("history", f"memory_record_history=True could not start the allocator's history ({error})")
 
