@@ -303,6 +303,21 @@ def _close_what_bridge_leaves_open(state) -> None:
         state._mlflow_logger.end_run()
 
 
+def end_runs() -> None:
+    """Close what the runs left open in this rank (the runs training_log started, W&B's
+    service), while every rank is still alive; left to interpreter exit, each rank waited
+    seconds there for peers that had already gone (a module's cluster took 10-15 s to close)."""
+    import gc
+    import sys
+
+    from nemo_memlog import close_writers
+
+    close_writers()
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
+    gc.collect()
+
+
 def bridge_mlflow_names(keys: list[str]) -> dict[str, str]:
     """{key: name} as this Bridge's own ``_sanitize_mlflow_metrics`` spells its report
     dicts (memory included) for MLflow: the test's expected names."""

@@ -19,7 +19,7 @@ import pytest
 
 from tests.bridge_env import bridge_version
 from tests.bridge_harness import (RunSpec, bench_off_interval, bridge_logger_names, bridge_mlflow_names,
-                                  callback_mlflow_names, exit_early_then_train_again, train)
+                                  callback_mlflow_names, end_runs, exit_early_then_train_again, train)
 from tests.bridge_readback import mlflow_experiments, mlflow_runs, tensorboard_events, wandb_run
 from nemo_memlog.testing.cluster import Cluster
 from nemo_memlog.testing.collectives import GATHER
@@ -79,6 +79,7 @@ def _run(cluster, root, **spec_fields):
 def pp2():
     with Cluster(world=2, pp=2) as cluster:
         yield cluster
+        cluster.run(end_runs)
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,7 @@ def pp2dp2_bridge():
     """Its own PP 2 x DP 2 cluster: these ranks import Bridge and hold a ballast."""
     with Cluster(world=4, pp=2) as cluster:
         yield cluster
+        cluster.run(end_runs)
 
 
 @pytest.fixture(scope="module")
