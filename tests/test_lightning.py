@@ -1,6 +1,6 @@
 """MemoryLogCallback in a real Lightning Trainer: strategy="ddp" on CPU (gloo), 2 and 4 ranks.
 
-One job per world size (tests/lightning_job.py, started as a user starts a training
+One job per world size, both started at once (tests/lightning_job.py, started as a user starts a training
 script; Lightning's launcher starts the other ranks), running several fits in the same
 processes. Every rank holds a ballast of a known size, the largest on PEAK_RANK (neither
 rank 0, where Lightning's loggers write, nor the last rank, where the core writes by
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from nemo_memlog.testing.collectives import GATHER
-from tests.lightning_job import run_job
+from tests.lightning_job import Job
 from tests.lightning_readback import BACKENDS, runs, series
 
 LOGGING_STEPS = [1, 3, 5, 7]
@@ -40,11 +40,24 @@ FITS = {
 }
 
 
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """Both jobs, started at once on first use: each waits much of its time (its launcher
+    starting ranks, the backends' services), and the other's work fills it."""
+    jobs = {}
+    try:
+        for world in (2, 4):
+            jobs[world] = Job({"world": world, "ballast_mb": BALLAST_MB[world], "fits": FITS[world]},
+                              tmp_path_factory.mktemp(f"lightning_world{world}"))
+        yield jobs
+    finally:
+        for started_job in jobs.values():
+            started_job.stop()
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def job(request, tmp_path_factory):
-    world = request.param
-    return run_job({"world": world, "ballast_mb": BALLAST_MB[world], "fits": FITS[world]},
-                   tmp_path_factory.mktemp(f"lightning_world{world}"))
+def job(request, started):
+    return started[request.param].result()
 
 
 def memory_names(stored) -> list[str]:
