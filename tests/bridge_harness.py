@@ -358,10 +358,11 @@ def bridge_logger_names() -> list[str]:
                   and isinstance(getattr(GlobalState, name), property))
 
 
-def bench_off_interval(calls: int) -> dict:
+def bench_off_interval(calls: int, record_dir: str) -> dict:
     """Median microseconds of an off-interval ``on_train_step_end`` (the callback alone,
     called as Bridge's manager calls it) and of ``nemo_memlog.training_log`` off-interval,
-    interleaved, alternating which goes first; and the collectives both issued (none)."""
+    interleaved, alternating which goes first; and the collectives both issued (none).
+    Both record their flight records in ``record_dir`` (not the working directory's)."""
     bridge_env.load()
     import statistics
     from time import perf_counter_ns
@@ -380,13 +381,14 @@ def bench_off_interval(calls: int) -> dict:
     state = GlobalState()
     state.cfg = _config(spec, ps.get_pipeline_model_parallel_world_size())
     model = [torch.nn.Linear(8, 8)]
-    callback = MemoryLogCallback(memory_reduce_timeout_s=60)
+    callback = MemoryLogCallback(memory_reduce_timeout_s=60, memory_record_dir=record_dir)
     manager = normalize_callbacks([callback])
     manager.fire("on_train_start", CallbackContext(state=state, model=model, user_state=manager.user_state))
     state.train_state.step = 1  # logged at step 2: off-interval
     context = CallbackContext(state=state, model=model, user_state=manager.user_state, loss_dict={},
                               grad_norm=1.0, skipped_iter=False)
-    hook_config = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1000)
+    hook_config = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1000,
+                               memory_record_dir=record_dir)
     step_end = callback.on_train_step_end
     timings = {"callback": [], "training_log": [], "empty": []}
     with count_collectives() as collectives:

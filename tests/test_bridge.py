@@ -378,8 +378,8 @@ def test_should_exit_path_hands_the_flag_back_for_the_next_run_of_the_same_confi
 # --- cost of an off-interval step (measured, not asserted on time) ------------------------------------
 
 
-def test_off_interval_step_end_cost_on_every_rank(pp2dp2_bridge):
-    results = pp2dp2_bridge.run_ok(bench_off_interval, 2000, timeout=RUN_TIMEOUT_S)
+def test_off_interval_step_end_cost_on_every_rank(pp2dp2_bridge, tmp_path):
+    results = pp2dp2_bridge.run_ok(bench_off_interval, 2000, str(tmp_path), timeout=RUN_TIMEOUT_S)
     for result in results:
         assert result["collectives"] == [], "off-interval: no collective"
     callback = statistics.median(r["callback_us"] for r in results)
