@@ -263,20 +263,26 @@ def test_a_lightning_logger_is_adopted_and_written_through_its_own_log_metrics(t
     assert own_csv.read_text().splitlines()[1:] == ["1.5,3,7"], "saved at once, as Lightning saves its own"
 
 
-def _writer_flags(writer_rank):
+def _writer_flags(writer_rank, record_dir):
     from nemo_memlog.config import LoggerConfig
     from nemo_memlog.monitor import MemoryMonitor
 
-    monitor = MemoryMonitor(LoggerConfig(log_memory_to_tensorboard=True), writer_rank=writer_rank, writers=[])
+    config = LoggerConfig(log_memory_to_tensorboard=True, memory_record_dir=record_dir)
+    monitor = MemoryMonitor(config, writer_rank=writer_rank, writers=[])
     try:
         monitor.place()
     except ValueError as error:
         return str(error)
+    finally:
+        monitor.end_record()  # in record_dir: the shared cluster's ranks live on
     return monitor.is_writer_rank
 
 
-def test_the_monitor_writes_on_the_writer_rank_it_is_given(pp2dp2):
-    assert pp2dp2.run_ok(_writer_flags, None) == [False, False, False, True], "default: the last rank"
-    assert pp2dp2.run_ok(_writer_flags, 0) == [True, False, False, False], "Lightning's: global rank 0"
-    errors = pp2dp2.run_ok(_writer_flags, 4)
+def test_the_monitor_writes_on_the_writer_rank_it_is_given(pp2dp2, tmp_path):
+    def flags(writer_rank):
+        return pp2dp2.run_ok(_writer_flags, writer_rank, str(tmp_path / f"records_{writer_rank}"))
+
+    assert flags(None) == [False, False, False, True], "default: the last rank"
+    assert flags(0) == [True, False, False, False], "Lightning's: global rank 0"
+    errors = flags(4)
     assert all("writer_rank=4 is not a rank of this job (world size 4)" in e for e in errors), errors
