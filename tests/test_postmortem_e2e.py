@@ -11,7 +11,7 @@ then reads the folder they left.
   tests/test_sigterm.py SIGTERMs the demo under torchrun and runs the post-mortem on it.
 
 This file is also the rank script: ``torchrun tests/test_postmortem_e2e.py SCENARIO ROOT``.
-One torchrun launch per scenario; the two launched here run at once.
+One torchrun launch per scenario.
 """
 
 import json
@@ -74,26 +74,28 @@ def rank_main(scenario: str, root: str) -> int:
 # ---- the tests ------------------------------------------------------------------------------
 
 
-def start(root: Path, scenario: str, log) -> subprocess.Popen:
-    """torchrun with WORLD ranks of this script, in a process group of its own, its output to
-    the file ``log`` (not a pipe: one nobody reads while the other launch is awaited fills up)."""
+def launch(root: Path, scenario: str, *, until=None):
+    """torchrun with WORLD ranks of this script; ``until(root)`` true: SIGTERM the process group."""
     from nemo_memlog.testing.cluster import free_port
 
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
                "--master-port", str(free_port()), "--monitor-interval", "2", __file__, scenario, str(root)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def finish(proc: subprocess.Popen, log: Path) -> tuple[int, str]:
-    """(exit status, output) of a started torchrun; killed whole if it outlives LAUNCH_TIMEOUT_S."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        if until is not None:
+            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+            while not until(root) and proc.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert proc.poll() is None, "the ranks ended before the signal"
+            os.killpg(proc.pid, signal.SIGTERM)  # like SLURM: torchrun and every rank at once
+        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, log.read_text(errors="replace")
+            proc.communicate()
+    return proc.returncode, output
 
 
 def postmortem(run_dir: Path) -> tuple[int, dict]:
@@ -104,25 +106,10 @@ def postmortem(run_dir: Path) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory):
-    """{scenario: (root, exit status, output)} of the sigkill and clean launches, run at once:
-    much of each is waiting (the victim's stall, the reduce timeout, torchrun's monitor), and
-    the other's start-up fills it."""
-    roots = {scenario: tmp_path_factory.mktemp(scenario) for scenario in ("sigkill", "clean")}
-    logs = {scenario: tmp_path_factory.mktemp("logs") / f"{scenario}.log" for scenario in roots}
-    procs = {}
-    try:
-        for scenario, root in roots.items():
-            with open(logs[scenario], "w") as log:
-                procs[scenario] = start(root, scenario, log)
-    finally:  # a launch that failed to start must not leave the other running
-        results = {scenario: (roots[scenario], *finish(proc, logs[scenario])) for scenario, proc in procs.items()}
-    return results
-
-
-@pytest.fixture(scope="module")
-def killed(launched):
-    return launched["sigkill"]
+def killed(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sigkill")
+    returncode, output = launch(root, "sigkill")
+    return root, returncode, output
 
 
 def test_sigkill_names_the_killed_rank_first(killed):
@@ -161,10 +148,10 @@ def test_sigkill_survivors_kept_beating_while_blocked(killed):
     assert len(waited) == WORLD - 1 and min(waited) >= HANG_S / 2, waited
 
 
-def test_clean_exit_every_rank_closed(launched):
-    root, returncode, output = launched["clean"]
+def test_clean_exit_every_rank_closed(tmp_path):
+    returncode, output = launch(tmp_path, "clean")
     assert returncode == 0, output
-    status, found = postmortem(root / "memory_records")
+    status, found = postmortem(tmp_path / "memory_records")
     assert status == 0 and found["first_failure"] is None, found
     assert [(r["rank"], r["status"], r["last_iteration"]) for r in found["ranks"]] == [
         (rank, "closed", STEPS) for rank in range(WORLD)]
