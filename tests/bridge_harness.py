@@ -303,6 +303,24 @@ def _close_what_bridge_leaves_open(state) -> None:
         state._mlflow_logger.end_run()
 
 
+def end_runs() -> None:
+    """The last task of a module's cluster: close what the runs left open (the runs
+    training_log started, W&B's service) while every rank is still alive, and have the rank
+    leave at once when its cluster sends it off. Left to interpreter exit, the ranks of a
+    cluster that ran Bridge sat 10-17 s in native teardown, after every Python exit hook."""
+    import atexit
+    import sys
+
+    from nemo_memlog import close_writers
+
+    close_writers()
+    if "wandb" in sys.modules:
+        sys.modules["wandb"].teardown()
+    # Registered last, so it runs first at exit: after multiprocessing has flushed the
+    # results queue (that happens before exit hooks run), before the native teardown.
+    atexit.register(os._exit, 0)
+
+
 def bridge_mlflow_names(keys: list[str]) -> dict[str, str]:
     """{key: name} as this Bridge's own ``_sanitize_mlflow_metrics`` spells its report
     dicts (memory included) for MLflow: the test's expected names."""
@@ -340,10 +358,11 @@ def bridge_logger_names() -> list[str]:
                   and isinstance(getattr(GlobalState, name), property))
 
 
-def bench_off_interval(calls: int) -> dict:
+def bench_off_interval(calls: int, record_dir: str) -> dict:
     """Median microseconds of an off-interval ``on_train_step_end`` (the callback alone,
     called as Bridge's manager calls it) and of ``nemo_memlog.training_log`` off-interval,
-    interleaved, alternating which goes first; and the collectives both issued (none)."""
+    interleaved, alternating which goes first; and the collectives both issued (none).
+    Both record their flight records in ``record_dir`` (not the working directory's)."""
     bridge_env.load()
     import statistics
     from time import perf_counter_ns
@@ -362,13 +381,14 @@ def bench_off_interval(calls: int) -> dict:
     state = GlobalState()
     state.cfg = _config(spec, ps.get_pipeline_model_parallel_world_size())
     model = [torch.nn.Linear(8, 8)]
-    callback = MemoryLogCallback(memory_reduce_timeout_s=60)
+    callback = MemoryLogCallback(memory_reduce_timeout_s=60, memory_record_dir=record_dir)
     manager = normalize_callbacks([callback])
     manager.fire("on_train_start", CallbackContext(state=state, model=model, user_state=manager.user_state))
     state.train_state.step = 1  # logged at step 2: off-interval
     context = CallbackContext(state=state, model=model, user_state=manager.user_state, loss_dict={},
                               grad_norm=1.0, skipped_iter=False)
-    hook_config = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1000)
+    hook_config = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1000,
+                               memory_record_dir=record_dir)
     step_end = callback.on_train_step_end
     timings = {"callback": [], "training_log": [], "empty": []}
     with count_collectives() as collectives:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -248,24 +249,46 @@ class Fit:
         return event["peak_before"] <= value <= event["peak_after"]
 
 
+class Job:
+    """A started job: ``result()`` waits for it and returns each fit's Fit by name."""
+
+    def __init__(self, spec: dict, out: Path):
+        self.world, self.fits, self.out = spec["world"], spec["fits"], out
+        spec = {**spec, "out": str(out)}
+        spec_path = out / "spec.json"
+        out.mkdir(parents=True, exist_ok=True)
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "WANDB_MODE": "offline", "COMET_START_ONLINE": "false", "OMP_NUM_THREADS": "1",
+               "WANDB_DIR": str(out), "WANDB_CACHE_DIR": str(out / "wandb_cache"),
+               "WANDB_CONFIG_DIR": str(out / "wandb_config")}
+        self.start = time.monotonic()
+        # Files, not pipes: a job nobody reads while another is awaited must not block on a full pipe.
+        with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.lightning_job", str(spec_path)], cwd=out,
+                                         env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+
+    def result(self) -> dict[str, Fit]:
+        try:
+            self.proc.wait(timeout=max(1.0, JOB_TIMEOUT_S - (time.monotonic() - self.start)))
+        finally:
+            self.stop()
+        stdout, stderr = ((self.out / name).read_text(errors="replace") for name in ("stdout.log", "stderr.log"))
+        assert self.proc.returncode == 0, f"world {self.world} job failed:\n{stdout[-5000:]}\n{stderr[-10000:]}"
+        fits = [line for line in stderr.splitlines() if line.startswith("lightning_job:")]
+        print(f"\nLightning job, world {self.world}: {time.monotonic() - self.start:.1f} s in all; {fits}")
+        return {fit["name"]: Fit(self.out / fit["name"], self.world, fit["loggers"]) for fit in self.fits}
+
+    def stop(self) -> None:
+        """Kill the job's every process (its ranks too), if it still runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
 def run_job(spec: dict, out: Path) -> dict[str, Fit]:
     """Run tests/lightning_job.py on ``spec`` (its ``out`` set to ``out``); each fit's Fit by name."""
-    world = spec["world"]
-    spec = {**spec, "out": str(out)}
-    spec_path = out / "spec.json"
-    out.mkdir(parents=True, exist_ok=True)
-    spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "WANDB_MODE": "offline", "COMET_START_ONLINE": "false", "OMP_NUM_THREADS": "1",
-           "WANDB_DIR": str(out), "WANDB_CACHE_DIR": str(out / "wandb_cache"),
-           "WANDB_CONFIG_DIR": str(out / "wandb_config")}
-    start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "tests.lightning_job", str(spec_path)], cwd=out, env=env,
-                          capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
-    assert done.returncode == 0, f"world {world} job failed:\n{done.stdout[-5000:]}\n{done.stderr[-10000:]}"
-    fits = [line for line in done.stderr.splitlines() if line.startswith("lightning_job:")]
-    print(f"\nLightning job, world {world}: {time.monotonic() - start:.1f} s in all; {fits}")
-    return {fit["name"]: Fit(out / fit["name"], world, fit["loggers"]) for fit in spec["fits"]}
+    return Job(spec, out).result()
 
 
 if __name__ == "__main__":

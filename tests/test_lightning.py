@@ -1,6 +1,6 @@
 """MemoryLogCallback in a real Lightning Trainer: strategy="ddp" on CPU (gloo), 2 and 4 ranks.
 
-One job per world size (tests/lightning_job.py, started as a user starts a training
+One job per world size, both started at once (tests/lightning_job.py, started as a user starts a training
 script; Lightning's launcher starts the other ranks), running several fits in the same
 processes. Every rank holds a ballast of a known size, the largest on PEAK_RANK (neither
 rank 0, where Lightning's loggers write, nor the last rank, where the core writes by
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from nemo_memlog.testing.collectives import GATHER
-from tests.lightning_job import run_job
+from tests.lightning_job import Job
 from tests.lightning_readback import BACKENDS, runs, series
 
 LOGGING_STEPS = [1, 3, 5, 7]
@@ -40,11 +40,24 @@ FITS = {
 }
 
 
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """Both jobs, started at once on first use: each waits much of its time (its launcher
+    starting ranks, the backends' services), and the other's work fills it."""
+    jobs = {}
+    try:
+        for world in (2, 4):
+            jobs[world] = Job({"world": world, "ballast_mb": BALLAST_MB[world], "fits": FITS[world]},
+                              tmp_path_factory.mktemp(f"lightning_world{world}"))
+        yield jobs
+    finally:
+        for started_job in jobs.values():
+            started_job.stop()
+
+
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def job(request, tmp_path_factory):
-    world = request.param
-    return run_job({"world": world, "ballast_mb": BALLAST_MB[world], "fits": FITS[world]},
-                   tmp_path_factory.mktemp(f"lightning_world{world}"))
+def job(request, started):
+    return started[request.param].result()
 
 
 def memory_names(stored) -> list[str]:
@@ -250,20 +263,26 @@ def test_a_lightning_logger_is_adopted_and_written_through_its_own_log_metrics(t
     assert own_csv.read_text().splitlines()[1:] == ["1.5,3,7"], "saved at once, as Lightning saves its own"
 
 
-def _writer_flags(writer_rank):
+def _writer_flags(writer_rank, record_dir):
     from nemo_memlog.config import LoggerConfig
     from nemo_memlog.monitor import MemoryMonitor
 
-    monitor = MemoryMonitor(LoggerConfig(log_memory_to_tensorboard=True), writer_rank=writer_rank, writers=[])
+    config = LoggerConfig(log_memory_to_tensorboard=True, memory_record_dir=record_dir)
+    monitor = MemoryMonitor(config, writer_rank=writer_rank, writers=[])
     try:
         monitor.place()
     except ValueError as error:
         return str(error)
+    finally:
+        monitor.end_record()  # in record_dir: the shared cluster's ranks live on
     return monitor.is_writer_rank
 
 
-def test_the_monitor_writes_on_the_writer_rank_it_is_given(pp2dp2):
-    assert pp2dp2.run_ok(_writer_flags, None) == [False, False, False, True], "default: the last rank"
-    assert pp2dp2.run_ok(_writer_flags, 0) == [True, False, False, False], "Lightning's: global rank 0"
-    errors = pp2dp2.run_ok(_writer_flags, 4)
+def test_the_monitor_writes_on_the_writer_rank_it_is_given(pp2dp2, tmp_path):
+    def flags(writer_rank):
+        return pp2dp2.run_ok(_writer_flags, writer_rank, str(tmp_path / f"records_{writer_rank}"))
+
+    assert flags(None) == [False, False, False, True], "default: the last rank"
+    assert flags(0) == [True, False, False, False], "Lightning's: global rank 0"
+    errors = flags(4)
     assert all("writer_rank=4 is not a rank of this job (world size 4)" in e for e in errors), errors
