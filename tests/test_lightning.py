@@ -253,7 +253,7 @@ def test_a_lightning_logger_is_adopted_and_written_through_its_own_log_metrics(t
         pass
 
     writers = adopt_writers([object(), CSVLogger(str(tmp_path), name="csv"), OwnLogger(str(tmp_path), name="own")])
-    assert writers.sinks == ["lightning", "lightning"], "both Lightning loggers, nothing else"
+    assert writers.backend_names == ["lightning", "lightning"], "both Lightning loggers, nothing else"
     metrics = {"memory/peak_host_rss_gb": 1.5, "memory/peak_rank/peak_host_rss_gb": 3}
     writers.log(metrics, 7)  # no flush or close: log_metrics is followed by save(), as Lightning does
     assert metrics == {"memory/peak_host_rss_gb": 1.5, "memory/peak_rank/peak_host_rss_gb": 3}, "not mutated"

@@ -193,11 +193,6 @@ class ThreadFanOut:
             process_wide.on_exit(self.close)
             process_wide.on_sigterm(self.close)
 
-    @property
-    def sinks(self) -> list[str]:
-        """Transitional alias of ``backend_names`` for callers not yet renamed (monitor.py)."""
-        return self.backend_names
-
     def log(self, metrics: dict, step: int) -> None:
         """Hand ``metrics`` (not copied: callers must not mutate it afterwards) to every backend."""
         if self.buffered:

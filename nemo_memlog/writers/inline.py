@@ -26,11 +26,6 @@ class InlineFanOut:
         self._written = dict.fromkeys(self.backend_names, 0)
         self._warn_once = WarnOnce()
 
-    @property
-    def sinks(self) -> list[str]:
-        """Transitional alias of ``backend_names`` for callers not yet renamed (monitor.py)."""
-        return self.backend_names
-
     def log(self, metrics: dict, step: int) -> None:
         for name, backend in self.backends:
             if self._call(name, "log", backend.log, metrics, step):

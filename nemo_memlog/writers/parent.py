@@ -108,11 +108,6 @@ class ProcessFanOut:
         start = wire.Start(wire.VERSION, settings.to_plain(), self.backend_names, params, secrets, private)
         self._send(start, droppable=False)
 
-    @property
-    def sinks(self) -> list[str]:
-        """Transitional alias of ``backend_names`` for callers not yet renamed (monitor.py)."""
-        return self.backend_names
-
     # --- the training thread's side ---
     def log(self, metrics: dict, step: int) -> None:
         """Hand ``metrics`` at ``step`` to the writer process. Never blocks on it, never raises."""
