@@ -66,12 +66,20 @@ def _headroom(keys, per_rank) -> dict:
     # Memory outside the allocator (CUDA context, NCCL, other processes) is not free for it.
     other = _column(keys, per_rank, "device_other_gb") or [None] * len(per_rank)
     if totals and reserved:
-        stages = [(t - (o or 0.0) - r, stage, r / t) for stage, (t, r, o) in enumerate(zip(totals, reserved, other))
-                  if t is not None and r is not None and t > 0]
+        stages = [
+            (t - (o or 0.0) - r, stage, r / t)
+            for stage, (t, r, o) in enumerate(zip(totals, reserved, other))
+            if t is not None and r is not None and t > 0
+        ]
         if stages:
             headroom, stage, used = min(stages)
-            out.update({PREFIX + "headroom_gb": headroom, PREFIX + "headroom_stage": stage,
-                        PREFIX + "peak_reserved_pct": 100.0 * used})
+            out.update(
+                {
+                    PREFIX + "headroom_gb": headroom,
+                    PREFIX + "headroom_stage": stage,
+                    PREFIX + "peak_reserved_pct": 100.0 * used,
+                }
+            )
     available = _column(keys, per_rank, "host_available_gb")
     if available and any(a is not None for a in available):
         headroom, stage = min((a, s) for s, a in enumerate(available) if a is not None)
@@ -87,12 +95,22 @@ def _headroom(keys, per_rank) -> dict:
 
 # kind, headroom key, capacity key, stage key, how to say it
 _HEADROOM_KINDS = (
-    ("device", "headroom_gb", "device_total_gb", "headroom_stage",
-     "pipeline stage {stage} has {left:.2f} GB of device memory left ({pct:.1f}% of {total:.1f} GB): "
-     "close to CUDA OOM"),
-    ("host", "host_headroom_gb", "host_total_gb", "host_headroom_stage",
-     "pipeline stage {stage}'s node has {left:.2f} GB of RAM available ({pct:.1f}% of {total:.1f} GB): "
-     "close to the OOM killer (SIGKILL)"),
+    (
+        "device",
+        "headroom_gb",
+        "device_total_gb",
+        "headroom_stage",
+        "pipeline stage {stage} has {left:.2f} GB of device memory left ({pct:.1f}% of {total:.1f} GB): "
+        "close to CUDA OOM",
+    ),
+    (
+        "host",
+        "host_headroom_gb",
+        "host_total_gb",
+        "host_headroom_stage",
+        "pipeline stage {stage}'s node has {left:.2f} GB of RAM available ({pct:.1f}% of {total:.1f} GB): "
+        "close to the OOM killer (SIGKILL)",
+    ),
 )
 
 

@@ -44,14 +44,15 @@ from .monitor import MemoryMonitor
 
 #: Our settings that Bridge's LoggerConfig lacks: the callback's keyword arguments.
 BRIDGE_FIELDS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memory_keys")
-OWN_SETTINGS = tuple(f.name for f in dataclasses.fields(LoggerConfig)
-                     if f.name.startswith("memory_") and f.name not in BRIDGE_FIELDS)
+OWN_SETTINGS = tuple(
+    f.name for f in dataclasses.fields(LoggerConfig) if f.name.startswith("memory_") and f.name not in BRIDGE_FIELDS
+)
 #: Per process, by nature: the callbacks holding a recipe's flag whose run has not ended.
 #: On Bridge's should_exit path ``sys.exit`` comes between a callback's on_train_start and its
 #: on_train_end, so the one left to hand the flag back is the next on_train_start over the same
 #: ``cfg.logger`` in this process, from this callback or another (see _end_training). Strong
 #: references: after a caught SystemExit nothing else may keep the callback alive.
-_holding: "set[MemoryLogCallback]" = set()
+_holding: set[MemoryLogCallback] = set()
 
 
 class MemoryLogCallback(Callback):
@@ -59,8 +60,11 @@ class MemoryLogCallback(Callback):
 
     def __init__(self, **settings):
         self.settings = checked_settings(
-            "MemoryLogCallback", settings, OWN_SETTINGS,
-            " (log_memory_to_tensorboard, tensorboard_log_interval and memory_keys come from the recipe's cfg.logger)")
+            "MemoryLogCallback",
+            settings,
+            OWN_SETTINGS,
+            " (log_memory_to_tensorboard, tensorboard_log_interval and memory_keys come from the recipe's cfg.logger)",
+        )
         self.monitor: MemoryMonitor | None = None
         self._bridge_logger = None
 
@@ -71,14 +75,18 @@ class MemoryLogCallback(Callback):
         if not bridge_logger.log_memory_to_tensorboard:
             return
         # The flight records' default folder is beside the recipe's own logs (its tensorboard_dir).
-        settings = {**self.settings,
-                    "memory_record_dir": self.settings.get("memory_record_dir") or memory_record_dir(bridge_logger)}
-        run_settings = resolve(LoggerConfig(
-            log_memory_to_tensorboard=True,
-            tensorboard_log_interval=bridge_logger.tensorboard_log_interval,
-            memory_keys=bridge_memory_keys(getattr(bridge_logger, "memory_keys", None)),
-            **settings,
-        ))
+        settings = {
+            **self.settings,
+            "memory_record_dir": self.settings.get("memory_record_dir") or memory_record_dir(bridge_logger),
+        }
+        run_settings = resolve(
+            LoggerConfig(
+                log_memory_to_tensorboard=True,
+                tensorboard_log_interval=bridge_logger.tensorboard_log_interval,
+                memory_keys=bridge_memory_keys(getattr(bridge_logger, "memory_keys", None)),
+                **settings,
+            )
+        )
         monitor = MemoryMonitor(run_settings, pg_collection=_pg_collection(context.model))
         monitor.place()
         if monitor.is_writer_rank:
@@ -121,8 +129,7 @@ def bridge_memory_keys(memory_keys: dict | None) -> dict | None:
     the per-stage defaults key on; docs/bridge.md maps Bridge's default names to them."""
     if not memory_keys:
         return None
-    return {stat: name.replace("bytes", "gigabytes") if "bytes" in stat else name
-            for stat, name in memory_keys.items()}
+    return {stat: name.replace("bytes", "gigabytes") if "bytes" in stat else name for stat, name in memory_keys.items()}
 
 
 def _pg_collection(model):
@@ -139,8 +146,11 @@ def _adopt_open_loggers(state):
     (opened on first access, on the last rank only), whatever backends this Bridge has."""
     from .writers import adopt_writers
 
-    names = sorted(name for name in dir(type(state)) if name.endswith("_logger")
-                   and isinstance(getattr(type(state), name), property))
+    names = sorted(
+        name
+        for name in dir(type(state))
+        if name.endswith("_logger") and isinstance(getattr(type(state), name), property)
+    )
     return adopt_writers((getattr(state, name) for name in names), spellings={"mlflow": bridge_mlflow_spelling()})
 
 
@@ -173,4 +183,3 @@ def _spelling_from_0_4(key: str) -> str:
         first, rest = name.split("/", 1)
         name = first + "/" + rest.replace("/", "_")
     return re.sub(r"[^/\w.\- :]", "_", name)
-

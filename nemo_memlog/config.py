@@ -11,7 +11,7 @@ import functools
 import os
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any
 
 SECRET_NAME = re.compile(r"api[_-]?key|token|password|passwd|secret|credential|auth", re.IGNORECASE)
 REDACTED = "***redacted***"
@@ -31,36 +31,35 @@ class LoggerConfig:
     """Turn memory logging on: report, reduce across the pipeline, write."""
     tensorboard_log_interval: int = 1
     """Log memory every this many iterations (iteration % interval == 0)."""
-    memory_keys: Optional[Dict[str, str]] = None
+    memory_keys: dict[str, str] | None = None
     """torch.cuda.memory_stats() name -> logged name; None: DEFAULT_MEMORY_KEYS."""
-    tensorboard_dir: Optional[str] = None
+    tensorboard_dir: str | None = None
     """TensorBoard event directory; None: no TensorBoard writer."""
     tensorboard_queue_size: int = 1000
     """SummaryWriter's own event queue length."""
-    wandb_project: Optional[str] = None
+    wandb_project: str | None = None
     """W&B project; None: no W&B writer. WANDB_MODE=offline is honoured."""
-    wandb_exp_name: Optional[str] = None
-    wandb_save_dir: Optional[str] = None
-    wandb_entity: Optional[str] = None
-    mlflow_experiment: Optional[str] = None
+    wandb_exp_name: str | None = None
+    wandb_save_dir: str | None = None
+    wandb_entity: str | None = None
+    mlflow_experiment: str | None = None
     """MLflow experiment name; None: no MLflow writer. Needs mlflow_run_name."""
-    mlflow_run_name: Optional[str] = None
-    mlflow_tracking_uri: Optional[str] = None
+    mlflow_run_name: str | None = None
+    mlflow_tracking_uri: str | None = None
     """e.g. sqlite:///runs/x/mlflow.db or http://host:5000; None: MLflow's default."""
-    mlflow_tags: Optional[Dict[str, str]] = None
-    comet_project: Optional[str] = None
+    mlflow_tags: dict[str, str] | None = None
+    comet_project: str | None = None
     """Comet project; None: no Comet writer."""
-    comet_experiment_name: Optional[str] = None
-    comet_workspace: Optional[str] = None
-    comet_api_key: Optional[str] = field(default=None, repr=False)
+    comet_experiment_name: str | None = None
+    comet_workspace: str | None = None
+    comet_api_key: str | None = field(default=None, repr=False)
     """Secret: never recorded, printed or written. Falls back to COMET_API_KEY."""
-    comet_tags: Optional[List[str]] = None
+    comet_tags: list[str] | None = None
 
     # --- nemo_memlog's own ---
-    comet_offline_directory: Optional[str] = None
+    comet_offline_directory: str | None = None
     """Write a Comet offline archive here; also used when no API key is available."""
-    memory_per_stage_keys: List[str] = field(
-        default_factory=lambda: ["peak_*", "device_used_gb", "device_other_gb"])
+    memory_per_stage_keys: list[str] = field(default_factory=lambda: ["peak_*", "device_used_gb", "device_other_gb"])
     """Logged names (fnmatch patterns) that also get memory/pp_stage_{i}/<name>."""
     memory_peak_window: str = "run"
     """What each ``peak_*`` value (CUDA allocator peaks and the host's VmHWM) covers.
@@ -95,7 +94,7 @@ class LoggerConfig:
     "thread": they run in threads of the training process (where no process can be
     started). Loggers another framework opened in this process (Megatron-Bridge's, through
     nemo_memlog.bridge) are written on its training thread, in neither mode."""
-    memory_record_dir: Optional[str] = None
+    memory_record_dir: str | None = None
     """The memory flight recorder's folder: every rank keeps its last logging steps (and a
     CUDA OOM, and how it ended) in ``rank-<rank>.memrec`` there, for ``nemo-memlog
     postmortem`` after a failure. On whenever log_memory_to_tensorboard is on. None: beside
@@ -124,14 +123,17 @@ def did_you_mean(name: str, known) -> str:
 def _refuse_unknown_fields(init):
     """Wrap the dataclass __init__: an unknown keyword raises a TypeError that names the
     closest field, instead of Python's bare "unexpected keyword argument"."""
+
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
         unknown = [name for name in kwargs if name not in _OURS]
         if unknown:
             name = unknown[0]
-            raise TypeError(f"LoggerConfig has no field {name!r}{did_you_mean(name, _OURS)}; "
-                            f"fields: {', '.join(_OURS)}")
+            raise TypeError(
+                f"LoggerConfig has no field {name!r}{did_you_mean(name, _OURS)}; fields: {', '.join(_OURS)}"
+            )
         init(self, *args, **kwargs)
+
     return checked_init
 
 
@@ -153,12 +155,12 @@ def logger_section(config):
         return config
     if hasattr(getattr(config, "logger", None), "log_memory_to_tensorboard"):
         return config.logger
-    hint = (" A plain dict is not read: pass nemo_memlog.LoggerConfig(**your_dict)."
-            if isinstance(config, dict) else "")
+    hint = " A plain dict is not read: pass nemo_memlog.LoggerConfig(**your_dict)." if isinstance(config, dict) else ""
     raise TypeError(
         f"expected a config with log_memory_to_tensorboard: a nemo_memlog.LoggerConfig (e.g. "
         f"from_overrides(...)), Megatron-Bridge's LoggerConfig, or a container whose .logger is one "
-        f"(Megatron-Bridge's ConfigContainer); got {type(config).__name__}.{hint}")
+        f"(Megatron-Bridge's ConfigContainer); got {type(config).__name__}.{hint}"
+    )
 
 
 def setting(logger, name: str):
@@ -185,13 +187,17 @@ def check_logger_fields(logger) -> None:
         raise ValueError(f"logger.memory_reduce_scope must be 'pp' or 'world'; got {scope!r}")
     reduce_backend = setting(logger, "memory_reduce_backend")
     if reduce_backend not in REDUCE_BACKENDS:
-        raise ValueError(f"logger.memory_reduce_backend must be one of {', '.join(map(repr, REDUCE_BACKENDS))} "
-                         f"(auto: gloo for the pp scope on NCCL jobs; gloo; group: the group's own backend); "
-                         f"got {reduce_backend!r}")
+        raise ValueError(
+            f"logger.memory_reduce_backend must be one of {', '.join(map(repr, REDUCE_BACKENDS))} "
+            f"(auto: gloo for the pp scope on NCCL jobs; gloo; group: the group's own backend); "
+            f"got {reduce_backend!r}"
+        )
     window = setting(logger, "memory_peak_window")
     if window not in PEAK_WINDOWS:
-        raise ValueError(f"logger.memory_peak_window must be one of {', '.join(map(repr, PEAK_WINDOWS))} "
-                         f"(peak since the process started, or since the previous logging step); got {window!r}")
+        raise ValueError(
+            f"logger.memory_peak_window must be one of {', '.join(map(repr, PEAK_WINDOWS))} "
+            f"(peak since the process started, or since the previous logging step); got {window!r}"
+        )
     fraction = setting(logger, "memory_headroom_warn_fraction")
     if not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
         raise ValueError(f"logger.memory_headroom_warn_fraction must be in [0, 1); got {fraction!r}")
@@ -204,8 +210,10 @@ def check_logger_fields(logger) -> None:
         raise ValueError(f"logger.writer_mode must be one of {', '.join(map(repr, WRITER_MODES))}; got {mode!r}")
     record_dir = setting(logger, "memory_record_dir")
     if record_dir is not None and (not isinstance(record_dir, (str, os.PathLike)) or not os.fspath(record_dir)):
-        raise ValueError(f"logger.memory_record_dir must be a folder path, {RECORD_OFF!r} (no recording) or None "
-                         f"(beside the run's logs); got {record_dir!r}")
+        raise ValueError(
+            f"logger.memory_record_dir must be a folder path, {RECORD_OFF!r} (no recording) or None "
+            f"(beside the run's logs); got {record_dir!r}"
+        )
     history = setting(logger, "memory_record_history")
     if not isinstance(history, bool):
         raise ValueError(f"logger.memory_record_history must be true or false; got {history!r}")
@@ -228,7 +236,7 @@ EXPECTED_FORM = "expected logger.key=value, e.g. logger.log_memory_to_tensorboar
 
 
 def _settings_methods():
-    def record_dir(self) -> Optional[str]:
+    def record_dir(self) -> str | None:
         """The flight recorder's folder (absolute), or None when it is off: see
         LoggerConfig.memory_record_dir."""
         return memory_record_dir(self)
@@ -248,21 +256,26 @@ def _settings_methods():
         shown = ", ".join(f"{name}={getattr(self, name)!r}" for name in _OURS if _OURS[name].repr)
         return f"Settings({shown})"
 
-    return {"record_dir": property(record_dir), "world_scope": property(world_scope),
-            "interval_peaks": property(interval_peaks), "to_plain": to_plain, "__repr__": __repr__,
-            "__doc__": """Every LoggerConfig field, resolved once from a config (``resolve``), then frozen.
+    return {
+        "record_dir": property(record_dir),
+        "world_scope": property(world_scope),
+        "interval_peaks": property(interval_peaks),
+        "to_plain": to_plain,
+        "__repr__": __repr__,
+        "__doc__": """Every LoggerConfig field, resolved once from a config (``resolve``), then frozen.
 
     The one object the run, the reduction, the recorder and the writers read their settings
     from, as attributes named as LoggerConfig's fields (documented there), plus ``record_dir``,
     ``world_scope`` and ``interval_peaks``. Equal settings compare equal, whatever object
     they came from. Mappings and lists are copies: changing the config afterwards changes
-    nothing here. ``comet_api_key`` is left out of its repr."""}
+    nothing here. ``comet_api_key`` is left out of its repr.""",
+    }
 
 
 if TYPE_CHECKING:  # type checkers see LoggerConfig's typed fields, read-only at run time
 
     class Settings(LoggerConfig):
-        record_dir: Optional[str]
+        record_dir: str | None
         world_scope: bool
         interval_peaks: bool
 
@@ -271,7 +284,10 @@ else:
     Settings = dataclasses.make_dataclass(
         "Settings",
         [(f.name, f.type, field(default=None, repr=f.repr)) for f in dataclasses.fields(LoggerConfig)],
-        namespace=_settings_methods(), frozen=True, repr=False)
+        namespace=_settings_methods(),
+        frozen=True,
+        repr=False,
+    )
     Settings.__module__ = __name__
 
 
@@ -303,7 +319,7 @@ def _copied(value):
     return value
 
 
-def memory_record_dir(logger) -> Optional[str]:
+def memory_record_dir(logger) -> str | None:
     """The flight recorder's folder for these settings (absolute), or None when it is off:
     memory logging off, or ``memory_record_dir="off"``. See LoggerConfig.memory_record_dir."""
     chosen = setting(logger, "memory_record_dir")
@@ -329,7 +345,7 @@ def checked_settings(owner: str, settings: dict, valid, hint: str = "") -> dict:
     return settings
 
 
-def from_overrides(overrides: list[str], base: Optional[LoggerConfig] = None) -> LoggerConfig:
+def from_overrides(overrides: list[str], base: LoggerConfig | None = None) -> LoggerConfig:
     """Build a LoggerConfig from dotted overrides, as recipes take them on the command line:
     ``["logger.log_memory_to_tensorboard=true", "logger.tensorboard_log_interval=10"]``.
     The ``logger.`` prefix is optional; overrides for other sections (``train.iters=5``)
@@ -344,16 +360,20 @@ def from_overrides(overrides: list[str], base: Optional[LoggerConfig] = None) ->
     for item in overrides:
         key = item.split("=", 1)[0]
         if "=" not in item or not key or key.startswith("-"):
-            raise ValueError(f"from_overrides: {item!r} is not an override: {EXPECTED_FORM} "
-                             f"(pass only the overrides, not the script's own arguments)")
+            raise ValueError(
+                f"from_overrides: {item!r} is not an override: {EXPECTED_FORM} "
+                f"(pass only the overrides, not the script's own arguments)"
+            )
         if key.startswith("logger."):
             key = key.removeprefix("logger.")
         elif "." in key:
             continue  # another section's override
         name = key.split(".", 1)[0]
         if name not in _OURS:
-            raise ValueError(f"from_overrides: {item!r}: LoggerConfig has no field {name!r}"
-                             f"{did_you_mean(name, _OURS)}; {EXPECTED_FORM}.\nKnown logger fields: {', '.join(_OURS)}")
+            raise ValueError(
+                f"from_overrides: {item!r}: LoggerConfig has no field {name!r}"
+                f"{did_you_mean(name, _OURS)}; {EXPECTED_FORM}.\nKnown logger fields: {', '.join(_OURS)}"
+            )
         ours.append(item.removeprefix("logger."))
     schema = OmegaConf.structured(base or LoggerConfig())
     try:

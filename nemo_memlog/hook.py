@@ -52,8 +52,9 @@ _by_object: dict = {}  # id(config), or (id(config), id(writers)) -> the _Entry 
 _warnings = WarnOnce()  # per process
 
 
-def training_log(iteration: int, config, *, pg_collection=None, pp_group=None, writers=None,
-                 metrics: dict | None = None) -> dict | None:
+def training_log(
+    iteration: int, config, *, pg_collection=None, pp_group=None, writers=None, metrics: dict | None = None
+) -> dict | None:
     """Log pipeline-wide memory (and ``metrics``) every ``tensorboard_log_interval`` iterations.
 
     ``config`` is a LoggerConfig, any object with its field names, or a container with
@@ -84,9 +85,12 @@ def _entry_for(config, writers, key, pg_collection, pp_group) -> _Entry:
                 f"training_log has started {len(_entries) + 1} runs in this process, one for each config whose "
                 f"settings differ from every earlier one's; each run has its own writers (a writer process), "
                 f"flight record and gloo group. Build the config once and pass the same settings at every call "
-                f"(or call close_writers() when a run ends).", stacklevel=3)
-        run = MemoryMonitor(settings, run_config=config, pg_collection=pg_collection, pp_group=pp_group,
-                            writers=writers)
+                f"(or call close_writers() when a run ends).",
+                stacklevel=3,
+            )
+        run = MemoryMonitor(
+            settings, run_config=config, pg_collection=pg_collection, pp_group=pp_group, writers=writers
+        )
         entry = _Entry(run, writers, config, key)
         _entries.append(entry)
     else:

@@ -39,7 +39,8 @@ from .writers import adopt_writers
 #: The keyword arguments: LoggerConfig's fields that concern what is measured and when.
 #: Not the writer fields (tensorboard_dir, wandb_project, ...): the trainer's loggers are the writers.
 SETTINGS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memory_keys") + tuple(
-    f.name for f in dataclasses.fields(LoggerConfig) if f.name.startswith("memory_"))
+    f.name for f in dataclasses.fields(LoggerConfig) if f.name.startswith("memory_")
+)
 #: Lightning's loggers write on global rank 0 only.
 WRITER_RANK = 0
 
@@ -54,8 +55,10 @@ def _callback_bases() -> tuple:
         except ImportError:
             continue
     if not bases:
-        raise ImportError("nemo_memlog.lightning needs Lightning: pip install 'nemo_memlog[lightning]' "
-                          "(the lightning package), or pytorch_lightning")
+        raise ImportError(
+            "nemo_memlog.lightning needs Lightning: pip install 'nemo_memlog[lightning]' "
+            "(the lightning package), or pytorch_lightning"
+        )
     return tuple(bases)
 
 
@@ -74,8 +77,11 @@ class MemoryLogCallback(*_callback_bases()):
         # None means "the default" for our settings; an unknown name raises whatever its value.
         given = {name: value for name, value in settings.items() if value is not None or name not in SETTINGS}
         self.settings = checked_settings(
-            "MemoryLogCallback", {"log_memory_to_tensorboard": True, **given}, SETTINGS,
-            ". It writes into the Trainer's own loggers: add one there (Trainer(logger=...)), not a writer setting")
+            "MemoryLogCallback",
+            {"log_memory_to_tensorboard": True, **given},
+            SETTINGS,
+            ". It writes into the Trainer's own loggers: add one there (Trainer(logger=...)), not a writer setting",
+        )
         self.monitor: MemoryMonitor | None = None
         self.interval: int | None = None
 
@@ -85,14 +91,22 @@ class MemoryLogCallback(*_callback_bases()):
         if not settings["log_memory_to_tensorboard"] or not interval:
             return  # off, or log_every_n_steps=0 (Lightning logs nothing while training): no collective
         if not trainer.loggers:  # the same on every rank, so all skip the gather alike
-            warnings.warn("nemo_memlog: MemoryLogCallback has no logger to write to (Trainer(logger=False)); "
-                          "memory is not logged", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "nemo_memlog: MemoryLogCallback has no logger to write to (Trainer(logger=False)); "
+                "memory is not logged",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return
         scope = settings.pop("memory_reduce_scope", None) or _scope()
         if scope == "pp" and megatron.pipeline_group() is None:
-            warnings.warn("nemo_memlog: memory_reduce_scope='pp' but megatron-core's parallel_state is not "
-                          "initialised, so there is no pipeline group: rank 0 logs its own memory only. Leave "
-                          "memory_reduce_scope unset for every rank's", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                "nemo_memlog: memory_reduce_scope='pp' but megatron-core's parallel_state is not "
+                "initialised, so there is no pipeline group: rank 0 logs its own memory only. Leave "
+                "memory_reduce_scope unset for every rank's",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         run_settings = resolve(LoggerConfig(tensorboard_log_interval=interval, memory_reduce_scope=scope, **settings))
         monitor = MemoryMonitor(run_settings, writer_rank=WRITER_RANK)
         monitor.place()

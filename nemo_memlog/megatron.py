@@ -26,9 +26,11 @@ def coordinates(pp_group=None, pg_collection=None) -> dict[str, int]:
     parallel_state = _parallel_state()
     initialised = parallel_state is not None and parallel_state.model_parallel_is_initialized()
     groups["tp"] = getattr(pg_collection, "tp", None) or (
-        parallel_state.get_tensor_model_parallel_group() if initialised else None)
+        parallel_state.get_tensor_model_parallel_group() if initialised else None
+    )
     groups["dp"] = getattr(pg_collection, "dp", None) or (
-        parallel_state.get_data_parallel_group() if initialised else None)
+        parallel_state.get_data_parallel_group() if initialised else None
+    )
     return {name: (dist.get_rank(group) if group is not None else 0) for name, group in groups.items()}
 
 

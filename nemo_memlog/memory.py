@@ -11,7 +11,7 @@ import math
 import os
 import re
 import warnings
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import torch
 
@@ -196,8 +196,10 @@ def reset_peaks() -> None:
     problem = reset_host_peak()
     if problem is not None:
         process_warnings(
-            "host peak reset", f"memory_peak_window='interval' cannot reset the host peak here: {problem}. "
-            "peak_host_rss_gb stays the process's lifetime peak; CUDA peaks (if any) are still reset.")
+            "host peak reset",
+            f"memory_peak_window='interval' cannot reset the host peak here: {problem}. "
+            "peak_host_rss_gb stays the process's lifetime peak; CUDA peaks (if any) are still reset.",
+        )
 
 
 def reset_host_peak() -> str | None:
@@ -235,8 +237,9 @@ def _plan(keys: tuple[tuple[str, str], ...]) -> tuple[tuple[str, tuple[str, ...]
                 stacklevel=3,
             )
         if logged_name in HOST_KEYS + DEVICE_KEYS:
-            raise ValueError(f"memory_keys: {logged_name!r} is reserved for host and device memory; "
-                             f"choose another name")
+            raise ValueError(
+                f"memory_keys: {logged_name!r} is reserved for host and device memory; choose another name"
+            )
     return tuple((logged_name, tuple(stat_name.split(".")), "bytes" in stat_name) for stat_name, logged_name in keys)
 
 
@@ -277,7 +280,7 @@ def device_total_bytes() -> int | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def _device_total(device: int) -> int:
     return torch.cuda.get_device_properties(device).total_memory
 

@@ -34,8 +34,16 @@ class MemoryMonitor:
     ``writer_rank``: the global rank that writes (None: the last, where Megatron logs;
     a framework whose loggers live elsewhere, such as Lightning's on rank 0, names its own)."""
 
-    def __init__(self, config, *, pg_collection=None, pp_group=None, writers=None, writer_rank: int | None = None,
-                 run_config=None):
+    def __init__(
+        self,
+        config,
+        *,
+        pg_collection=None,
+        pp_group=None,
+        writers=None,
+        writer_rank: int | None = None,
+        run_config=None,
+    ):
         self.settings = resolve(config)  # raises, naming the field and what to change
         self.config = config if run_config is None else run_config  # recorded by the writers as the run config
         # The gate, read on every rank at every iteration: two attribute reads.
@@ -72,8 +80,9 @@ class MemoryMonitor:
         if settings.world_scope:
             report.update(self._coordinates)
         if takes_part(report, self.group):
-            gathered = self.reduction.gather(report, self.group, iteration=iteration,
-                                             timeout_s=settings.memory_reduce_timeout_s)
+            gathered = self.reduction.gather(
+                report, self.group, iteration=iteration, timeout_s=settings.memory_reduce_timeout_s
+            )
         else:
             gathered = self.reduction.single_rank(report)
         if settings.world_scope:
@@ -97,21 +106,33 @@ class MemoryMonitor:
         if settings.world_scope:
             self.group = dist.group.WORLD if distributed else None
             coords = megatron.coordinates(pp_group, pg_collection)
-            self._coordinates = {"rank": dist.get_rank() if distributed else 0, "pp_rank": coords["pp"],
-                                 "tp_rank": coords["tp"], "dp_rank": coords["dp"]}
+            self._coordinates = {
+                "rank": dist.get_rank() if distributed else 0,
+                "pp_rank": coords["pp"],
+                "tp_rank": coords["tp"],
+                "dp_rank": coords["dp"],
+            }
         else:
             self.group = megatron.pipeline_group(pp_group, pg_collection)
         # On NCCL jobs, by default, a gloo group of the same ranks: memory logging off the GPU stream.
-        self.group = self.reduction.group_for(self.group, backend=settings.memory_reduce_backend,
-                                              world_scope=settings.world_scope,
-                                              timeout_s=settings.memory_reduce_timeout_s)
+        self.group = self.reduction.group_for(
+            self.group,
+            backend=settings.memory_reduce_backend,
+            world_scope=settings.world_scope,
+            timeout_s=settings.memory_reduce_timeout_s,
+        )
         self.is_writer_rank = not distributed or dist.get_rank() == self._writer_rank(dist.get_world_size())
         if self.record_dir is not None and self.recorder is None:
             from .failure.recorder import open_recorder
 
-            self.recorder = open_recorder(self.record_dir, pp_group=pp_group, pg_collection=pg_collection,
-                                          report=self._report, record_history=settings.memory_record_history,
-                                          warn=self.warnings)  # the run's one set of once-only warnings
+            self.recorder = open_recorder(
+                self.record_dir,
+                pp_group=pp_group,
+                pg_collection=pg_collection,
+                report=self._report,
+                record_history=settings.memory_record_history,
+                warn=self.warnings,
+            )  # the run's one set of once-only warnings
         self._placed = True
 
     def _report(self) -> dict:
@@ -138,9 +159,12 @@ class MemoryMonitor:
 
             self.writers = build_writers(self.settings, run_config=self.config)
             if not self.writers.backend_names:
-                self.warn_once(("no-writer",), "log_memory_to_tensorboard is on but no writer is configured "
-                               "(set tensorboard_dir, wandb_project, mlflow_experiment or comet_project); "
-                               "training_log still returns the metrics")
+                self.warn_once(
+                    ("no-writer",),
+                    "log_memory_to_tensorboard is on but no writer is configured "
+                    "(set tensorboard_dir, wandb_project, mlflow_experiment or comet_project); "
+                    "training_log still returns the metrics",
+                )
         return self.writers
 
     def _merge(self, metrics: dict | None, logged: dict) -> dict:
@@ -151,8 +175,9 @@ class MemoryMonitor:
         for key, value in metrics.items():
             clean, kind, problem = scalar(value)
             if problem is not None:
-                self.warn_once(("metric", key, problem),
-                               f"metrics[{key!r}]: {problem}" + ("" if kind else "; it is not logged"))
+                self.warn_once(
+                    ("metric", key, problem), f"metrics[{key!r}]: {problem}" + ("" if kind else "; it is not logged")
+                )
             if kind is None and clean is None:
                 continue  # not a number: warned above, nothing a scalar store could hold
             unified[key] = value if kind is None else clean  # NaN stays NaN: a NaN loss is news
@@ -164,7 +189,7 @@ class MemoryMonitor:
     def _warn_low_headroom(self, unified: dict) -> None:
         # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
         # least can flip from step to step, and a warning per flip would be noise.
-        for kind, stage, sentence in attribution.low_headroom(unified, self.settings.memory_headroom_warn_fraction):
+        for kind, _stage, sentence in attribution.low_headroom(unified, self.settings.memory_headroom_warn_fraction):
             self.warn_once(("headroom", kind), sentence)
 
     def warn_once(self, key, text: str) -> None:

@@ -16,10 +16,10 @@ collective's buffer, so the per-call Python cost stays in microseconds.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 import struct
-import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
@@ -33,7 +33,7 @@ NOT_CHECKED = -1
 
 
 @lru_cache(maxsize=64)
-def layout_of(keys: tuple[str, ...]) -> "Layout":
+def layout_of(keys: tuple[str, ...]) -> Layout:
     """The packing layout of a key tuple (cached: computed once per key set)."""
     mask_words = max(1, -(-len(keys) // MASK_BITS))
     # 63 bits of a cryptographic hash: two different key lists share a fingerprint with
@@ -111,16 +111,20 @@ def unpack(layout: Layout, buffer, ranks: int) -> list[RankReport]:
     count = len(layout.keys)
     fields = HEADER_WORDS + 2 * layout.mask_words
     heads = _heads_struct(fields, count, ranks).unpack_from(buffer)  # every rank's header + masks
-    masks = [_masks(heads[start + HEADER_WORDS : start + fields], layout.mask_words)
-             for start in range(0, ranks * fields, fields)]
+    masks = [
+        _masks(heads[start + HEADER_WORDS : start + fields], layout.mask_words)
+        for start in range(0, ranks * fields, fields)
+    ]
     if masks.count(masks[0]) == ranks:  # the usual case: one int/float/missing pattern on every rank
         int_mask, missing_mask = masks[0]
         flat = _all_values_struct(fields, count, ranks, int_mask | missing_mask).unpack_from(buffer)
         rows = [list(flat[start : start + count]) for start in range(0, ranks * count, count)]
     else:
         stride = layout.words * 8
-        rows = [list(_values_struct(count, int_mask | missing_mask).unpack_from(buffer, rank * stride + fields * 8))
-                for rank, (int_mask, missing_mask) in enumerate(masks)]
+        rows = [
+            list(_values_struct(count, int_mask | missing_mask).unpack_from(buffer, rank * stride + fields * 8))
+            for rank, (int_mask, missing_mask) in enumerate(masks)
+        ]
     reports = []
     for rank, values in enumerate(rows):
         for slot in _set_bits(masks[rank][1]):

@@ -64,8 +64,9 @@ class GatheredMemory:
 DEFAULT_TIMEOUT_S = default_of("memory_reduce_timeout_s")
 
 
-def reduce_max_memory_across_pp_group(memory_report: dict, pp_group, *,
-                                      timeout_s: float | None = DEFAULT_TIMEOUT_S) -> dict:
+def reduce_max_memory_across_pp_group(
+    memory_report: dict, pp_group, *, timeout_s: float | None = DEFAULT_TIMEOUT_S
+) -> dict:
     """Per-key MAX of ``memory_report`` across ``pp_group``, on every rank of the group.
 
     Megatron-Bridge's contract, kept: returns ``memory_report`` itself, with no
@@ -208,8 +209,9 @@ def _agree_on_layout(channel, layout, group, iteration, timeout_s) -> None:
     padded = torch.zeros(width, dtype=torch.uint8)
     padded[: len(names)] = torch.tensor(list(names), dtype=torch.uint8)
     everyone = channel.gather_small(padded, group, iteration, timeout_s)
-    key_lists = [bytes(everyone[r * width : r * width + n]).decode().split("\x1f") if n else []
-                 for r, n in enumerate(lengths)]
+    key_lists = [
+        bytes(everyone[r * width : r * width + n]).decode().split("\x1f") if n else [] for r, n in enumerate(lengths)
+    ]
     raise MemoryReduceError(_key_mismatch_message(key_lists, group))
 
 
@@ -225,7 +227,7 @@ def _key_mismatch_message(key_lists: list, group) -> str:
     return (
         f"memory reduction over {_describe(group)}: ranks report different keys, so values cannot be "
         f"lined up.\n" + "\n".join(lines) + "\nGive every rank the same memory_keys (and the same "
-        f"report keys in the same order); use NaN for a statistic one rank lacks."
+        "report keys in the same order); use NaN for a statistic one rank lacks."
     )
 
 
@@ -251,8 +253,9 @@ class Reduction:
         self._created: list = []  # the gloo groups this Reduction created, destroyed at close
         _open[:] = [ref for ref in _open if ref() is not None] + [weakref.ref(self)]
 
-    def gather(self, memory_report: dict, group, *, iteration: int | None = None,
-               timeout_s: float | None = None) -> GatheredMemory:
+    def gather(
+        self, memory_report: dict, group, *, iteration: int | None = None, timeout_s: float | None = None
+    ) -> GatheredMemory:
         """``gather_memory`` through this Reduction's channel for ``group``."""
         layout = payload.layout_of(tuple(memory_report))
         channel = self.channel(group)
@@ -313,8 +316,12 @@ class Reduction:
 
     def warn_value(self, key: str, why: str) -> None:
         """Warn once that ``key``'s value cannot be sent as a number (``payload``'s callback)."""
-        self.warn(("value", key, why), f"memory report value for {key!r}: {why}; this rank reports it as missing",
-                  category=UserWarning, stacklevel=4)
+        self.warn(
+            ("value", key, why),
+            f"memory report value for {key!r}: {why}; this rank reports it as missing",
+            category=UserWarning,
+            stacklevel=4,
+        )
 
     def close(self) -> None:
         """Drop every channel and twin, and destroy the gloo groups this Reduction created.

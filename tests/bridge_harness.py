@@ -117,8 +117,17 @@ def _config(spec: RunSpec, pp: int):
         logger.mlflow_tracking_uri = spec.mlflow_uri
     cfg = bc.ConfigContainer(
         train=bc.TrainingConfig(micro_batch_size=1, global_batch_size=4, train_iters=spec.train_iters),
-        model=GPTModelProvider(num_layers=2, hidden_size=8, num_attention_heads=2, kv_channels=4, num_query_groups=2,
-                               ffn_hidden_size=32, seq_length=16, vocab_size=64, pipeline_model_parallel_size=pp),
+        model=GPTModelProvider(
+            num_layers=2,
+            hidden_size=8,
+            num_attention_heads=2,
+            kv_channels=4,
+            num_query_groups=2,
+            ffn_hidden_size=32,
+            seq_length=16,
+            vocab_size=64,
+            pipeline_model_parallel_size=pp,
+        ),
         optimizer=bc.OptimizerConfig(lr=1e-3),
         scheduler=bc.SchedulerConfig(),
         dataset=bc.MockGPTDatasetConfig(random_seed=1, seq_length=16),
@@ -175,8 +184,9 @@ def train(spec: RunSpec) -> RankRecord:
     from megatron.core import parallel_state as ps
 
     _environment(spec)
-    record = RankRecord(rank=dist.get_rank(), pp_stage=ps.get_pipeline_model_parallel_rank(),
-                        dp_rank=ps.get_data_parallel_rank())
+    record = RankRecord(
+        rank=dist.get_rank(), pp_stage=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank()
+    )
     cfg = _config(spec, ps.get_pipeline_model_parallel_world_size())
     _run(spec, cfg, _callbacks(spec), record)
     return record
@@ -197,8 +207,12 @@ def exit_early_then_train_again(spec: RunSpec, exit_interval: int) -> tuple[Rank
     _environment(spec)
     cfg = _config(spec, ps.get_pipeline_model_parallel_world_size())
     cfg.checkpoint.save = None  # the exit path saves a checkpoint if asked: not on a CPU
-    records = [RankRecord(rank=dist.get_rank(), pp_stage=ps.get_pipeline_model_parallel_rank(),
-                          dp_rank=ps.get_data_parallel_rank()) for _ in range(2)]
+    records = [
+        RankRecord(
+            rank=dist.get_rank(), pp_stage=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank()
+        )
+        for _ in range(2)
+    ]
     cfg.train.exit_interval = exit_interval
     try:
         _run(spec, cfg, _callbacks(spec), records[0])
@@ -231,14 +245,18 @@ def _run(spec: RunSpec, cfg, manager, record: RankRecord) -> None:
     from megatron.bridge.training.utils.train_utils import training_log
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import (
-        destroy_num_microbatches_calculator, get_num_microbatches, init_num_microbatches_calculator)
+        destroy_num_microbatches_calculator,
+        get_num_microbatches,
+        init_num_microbatches_calculator,
+    )
 
     stage = ps.get_pipeline_model_parallel_rank()
     state = GlobalState()
     assert state.cfg is None, "GlobalState must be fresh per run"
     state.cfg = cfg
-    init_num_microbatches_calculator(record.rank, None, cfg.train.global_batch_size,
-                                     cfg.train.micro_batch_size, cfg.data_parallel_size)
+    init_num_microbatches_calculator(
+        record.rank, None, cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.data_parallel_size
+    )
     model = [torch.nn.Linear(8, 8)]
     optimizer = torch.optim.SGD(model[0].parameters(), lr=1e-3)
     for group in optimizer.param_groups:
@@ -256,24 +274,53 @@ def _run(spec: RunSpec, cfg, manager, record: RankRecord) -> None:
                 iteration = state.train_state.step
                 _fire(manager, "on_train_step_start", record, f"on_train_step_start@{iteration + 1}", **events)
                 loss_dict, skipped_iter, grad_norm, num_zeros = _train_step(
-                    model, optimizer, stage, ps.is_pipeline_last_stage(), iteration, spec)
+                    model, optimizer, stage, ps.is_pipeline_last_stage(), iteration, spec
+                )
                 peak_before = _host_peak_gb()
-                _fire(manager, "on_train_step_end", record, f"on_train_step_end@{iteration + 1}", **events,
-                      loss_dict=loss_dict, grad_norm=grad_norm, skipped_iter=bool(skipped_iter))
+                _fire(
+                    manager,
+                    "on_train_step_end",
+                    record,
+                    f"on_train_step_end@{iteration + 1}",
+                    **events,
+                    loss_dict=loss_dict,
+                    grad_norm=grad_norm,
+                    skipped_iter=bool(skipped_iter),
+                )
                 peak_after = _host_peak_gb()
                 state.train_state.step += 1
                 batch_size = ps.get_data_parallel_world_size() * cfg.train.micro_batch_size * get_num_microbatches()
                 state.train_state.consumed_train_samples += batch_size
                 learning_rate = optimizer.param_groups[0]["lr"]
-                record.steps.append(StepRecord(
-                    step=state.train_state.step, learning_rate=learning_rate,
-                    loss=float(loss_dict["lm loss"]) if loss_dict else None, grad_norm=grad_norm,
-                    batch_size=batch_size, consumed_train_samples=state.train_state.consumed_train_samples,
-                    peak_before=peak_before, peak_after=peak_after,
-                    flag_seen_by_training_log=cfg.logger.log_memory_to_tensorboard))
+                record.steps.append(
+                    StepRecord(
+                        step=state.train_state.step,
+                        learning_rate=learning_rate,
+                        loss=float(loss_dict["lm loss"]) if loss_dict else None,
+                        grad_norm=grad_norm,
+                        batch_size=batch_size,
+                        consumed_train_samples=state.train_state.consumed_train_samples,
+                        peak_before=peak_before,
+                        peak_after=peak_after,
+                        flag_seen_by_training_log=cfg.logger.log_memory_to_tensorboard,
+                    )
+                )
                 report_memory_flag = training_log(
-                    loss_dict, total_loss_dict, learning_rate, None, 1.0, report_memory_flag, skipped_iter,
-                    grad_norm, None, num_zeros, cfg, state, None, model)  # keyword-only after model from 0.6
+                    loss_dict,
+                    total_loss_dict,
+                    learning_rate,
+                    None,
+                    1.0,
+                    report_memory_flag,
+                    skipped_iter,
+                    grad_norm,
+                    None,
+                    num_zeros,
+                    cfg,
+                    state,
+                    None,
+                    model,
+                )  # keyword-only after model from 0.6
                 if cfg.train.exit_interval:  # Bridge's own decision (its checkpoint manager/context: unused)
                     from megatron.bridge.training.train import checkpoint_and_decide_exit  # imports ModelOpt: slow
 
@@ -354,8 +401,11 @@ def bridge_logger_names() -> list[str]:
     bridge_env.load()
     from megatron.bridge.training.state import GlobalState
 
-    return sorted(name for name in dir(GlobalState) if name.endswith("_logger")
-                  and isinstance(getattr(GlobalState, name), property))
+    return sorted(
+        name
+        for name in dir(GlobalState)
+        if name.endswith("_logger") and isinstance(getattr(GlobalState, name), property)
+    )
 
 
 def bench_off_interval(calls: int, record_dir: str) -> dict:
@@ -374,7 +424,6 @@ def bench_off_interval(calls: int, record_dir: str) -> dict:
 
     from nemo_memlog import LoggerConfig, training_log
     from nemo_memlog.bridge import MemoryLogCallback
-
     from nemo_memlog.testing.collectives import count_collectives
 
     spec = RunSpec(root="/nonexistent", backends=(), tensorboard_log_interval=1000)
@@ -385,15 +434,17 @@ def bench_off_interval(calls: int, record_dir: str) -> dict:
     manager = normalize_callbacks([callback])
     manager.fire("on_train_start", CallbackContext(state=state, model=model, user_state=manager.user_state))
     state.train_state.step = 1  # logged at step 2: off-interval
-    context = CallbackContext(state=state, model=model, user_state=manager.user_state, loss_dict={},
-                              grad_norm=1.0, skipped_iter=False)
-    hook_config = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1000,
-                               memory_record_dir=record_dir)
+    context = CallbackContext(
+        state=state, model=model, user_state=manager.user_state, loss_dict={}, grad_norm=1.0, skipped_iter=False
+    )
+    hook_config = LoggerConfig(
+        log_memory_to_tensorboard=True, tensorboard_log_interval=1000, memory_record_dir=record_dir
+    )
     step_end = callback.on_train_step_end
     timings = {"callback": [], "training_log": [], "empty": []}
     with count_collectives() as collectives:
         for i in range(calls):
-            for name in (("callback", "training_log") if i % 2 else ("training_log", "callback")):
+            for name in ("callback", "training_log") if i % 2 else ("training_log", "callback"):
                 start = perf_counter_ns()
                 if name == "callback":
                     step_end(context)

@@ -42,8 +42,9 @@ def wandb_run(root) -> tuple[list[Path], dict[int, dict], dict]:
         for record in wandb_records(log):
             kind = record.WhichOneof("record_type")
             if kind == "history":
-                row = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                       for item in record.history.item}
+                row = {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
+                }
                 step = int(row["_step"])
                 assert step not in history, f"two W&B history rows at step {step}"
                 history[step] = row
@@ -62,8 +63,10 @@ def mlflow_runs(uri: str, experiment: str) -> list[dict]:
         return []
     runs = []
     for run in client.search_runs([found.experiment_id]):
-        metrics = {name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
-                   for name in run.data.metrics}
+        metrics = {
+            name: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, name))
+            for name in run.data.metrics
+        }
         runs.append({"status": run.info.status, "params": dict(run.data.params), "metrics": metrics})
     return runs
 

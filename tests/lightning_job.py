@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from nemo_memlog import memory
-
 from nemo_memlog.testing.collectives import count_collectives
 
 MB = 2**20
@@ -78,11 +77,19 @@ def run_fit(spec: dict, fit: dict, rank: int):
         callbacks.insert(0, MegatronGroups(pl, fit["pp"]))
     pl.seed_everything(0)
     trainer = pl.Trainer(
-        accelerator=spec.get("accelerator", "cpu"), strategy=spec.get("strategy", "ddp"), devices=spec["world"],
-        max_steps=fit.get("max_steps", 8), accumulate_grad_batches=fit.get("accumulate", 1),
-        log_every_n_steps=fit.get("log_every_n_steps", 2), logger=make_loggers(pl, fit["loggers"], out),
-        callbacks=callbacks, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, deterministic=True,
+        accelerator=spec.get("accelerator", "cpu"),
+        strategy=spec.get("strategy", "ddp"),
+        devices=spec["world"],
+        max_steps=fit.get("max_steps", 8),
+        accumulate_grad_batches=fit.get("accumulate", 1),
+        log_every_n_steps=fit.get("log_every_n_steps", 2),
+        logger=make_loggers(pl, fit["loggers"], out),
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        deterministic=True,
     )
     trainer.fit(make_module(pl))
     if trainer.global_rank == 0:
@@ -93,8 +100,9 @@ def run_fit(spec: dict, fit: dict, rank: int):
                 logger.experiment.finish()  # else the next fit's WandbLogger reuses this run
     records = out / "records"
     records.mkdir(parents=True, exist_ok=True)
-    (records / f"rank{trainer.global_rank}.json").write_text(json.dumps(
-        {"rank": trainer.global_rank, "events": probe.events}))
+    (records / f"rank{trainer.global_rank}.json").write_text(
+        json.dumps({"rank": trainer.global_rank, "events": probe.events})
+    )
     trainer.strategy.barrier()  # every rank's record is written before the next fit or the exit
     return trainer.strategy.launcher
 
@@ -122,8 +130,9 @@ def _loggers(pl, names: list[str], out: Path) -> list:
         elif name == "csv":
             made.append(loggers.CSVLogger(str(out), name="csv"))
         elif name == "mlflow":
-            made.append(loggers.MLFlowLogger(experiment_name="memlog-lightning",
-                                             tracking_uri=f"sqlite:///{out}/mlflow.db"))
+            made.append(
+                loggers.MLFlowLogger(experiment_name="memlog-lightning", tracking_uri=f"sqlite:///{out}/mlflow.db")
+            )
         elif name == "wandb":
             made.append(loggers.WandbLogger(project="memlog-lightning", save_dir=str(out), offline=True))
         elif name == "comet":
@@ -172,8 +181,12 @@ class Probe:
         if opening:
             self._counting = count_collectives()
             self._calls = self._counting.__enter__()
-            self._event = {"hook": name, "step": trainer.fit_loop.epoch_loop._batches_that_stepped,
-                           "global_step": trainer.global_step, **peaks_gb("before")}
+            self._event = {
+                "hook": name,
+                "step": trainer.fit_loop.epoch_loop._batches_that_stepped,
+                "global_step": trainer.global_step,
+                **peaks_gb("before"),
+            }
             if outputs is not None:
                 self._event["loss"] = float(outputs["loss"])
             return
@@ -258,15 +271,27 @@ class Job:
         spec_path = out / "spec.json"
         out.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "WANDB_MODE": "offline", "COMET_START_ONLINE": "false", "OMP_NUM_THREADS": "1",
-               "WANDB_DIR": str(out), "WANDB_CACHE_DIR": str(out / "wandb_cache"),
-               "WANDB_CONFIG_DIR": str(out / "wandb_config")}
+        env = {
+            **os.environ,
+            "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            "WANDB_MODE": "offline",
+            "COMET_START_ONLINE": "false",
+            "OMP_NUM_THREADS": "1",
+            "WANDB_DIR": str(out),
+            "WANDB_CACHE_DIR": str(out / "wandb_cache"),
+            "WANDB_CONFIG_DIR": str(out / "wandb_config"),
+        }
         self.start = time.monotonic()
         # Files, not pipes: a job nobody reads while another is awaited must not block on a full pipe.
         with open(out / "stdout.log", "w") as stdout, open(out / "stderr.log", "w") as stderr:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.lightning_job", str(spec_path)], cwd=out,
-                                         env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.lightning_job", str(spec_path)],
+                cwd=out,
+                env=env,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=True,
+            )
 
     def result(self) -> dict[str, Fit]:
         try:

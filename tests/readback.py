@@ -16,8 +16,12 @@ TAG = "memory/peak_host_rss_gb"
 
 def stored_steps(run) -> dict[str, set[int]]:
     """Backend name -> the steps at which TAG is stored there."""
-    return {"tensorboard": tensorboard_steps(run), "mlflow": mlflow_steps(run), "wandb": wandb_steps(run),
-            "comet": comet_steps(run)}
+    return {
+        "tensorboard": tensorboard_steps(run),
+        "mlflow": mlflow_steps(run),
+        "wandb": wandb_steps(run),
+        "comet": comet_steps(run),
+    }
 
 
 def tensorboard_steps(run):
@@ -66,5 +70,6 @@ def comet_steps(run):
 def wandb_finished(run) -> bool:
     """Every W&B run under ``run`` was finished: its log ends the run with an exit record."""
     logs = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
-    return bool(logs) and all(any(record.WhichOneof("record_type") == "exit" for record in wandb_records(log))
-                              for log in logs)
+    return bool(logs) and all(
+        any(record.WhichOneof("record_type") == "exit" for record in wandb_records(log)) for log in logs
+    )

@@ -3,10 +3,20 @@
 from nemo_memlog.attribution import low_headroom, memory_metrics
 from nemo_memlog.reduce import GatheredMemory
 
-KEYS = ("peak_reserved_gb", "alloc_retries", "device_total_gb", "host_total_gb", "host_available_gb",
-        "peak_host_rss_gb")
+KEYS = (
+    "peak_reserved_gb",
+    "alloc_retries",
+    "device_total_gb",
+    "host_total_gb",
+    "host_available_gb",
+    "peak_host_rss_gb",
+)
 # Stage 0 holds the most reserved memory (GPU-like numbers: this machine has no GPU).
-PER_STAGE = [[70.0, 1, 80.0, 500.0, 40.0, 20.0], [50.0, 3, 80.0, 500.0, 45.0, 25.0], [30.0, None, 80.0, 500.0, 60.0, 10.0]]
+PER_STAGE = [
+    [70.0, 1, 80.0, 500.0, 40.0, 20.0],
+    [50.0, 3, 80.0, 500.0, 45.0, 25.0],
+    [30.0, None, 80.0, 500.0, 60.0, 10.0],
+]
 
 
 def _gathered():
@@ -41,8 +51,9 @@ def test_memory_outside_the_allocator_counts_against_device_headroom():
     per_stage = [[70.0, 80.0, 72.0, 2.0], [60.0, 80.0, 70.0, 15.0]]
     maximum = {key: max(v[i] for v in per_stage) for i, key in enumerate(keys)}
     peak = {key: max(range(2), key=lambda r: (per_stage[r][i], -r)) for i, key in enumerate(keys)}
-    logged = memory_metrics(GatheredMemory(keys, per_stage, maximum, peak),
-                            ("peak_*", "device_used_gb", "device_other_gb"))
+    logged = memory_metrics(
+        GatheredMemory(keys, per_stage, maximum, peak), ("peak_*", "device_used_gb", "device_other_gb")
+    )
     assert logged["memory/headroom_gb"] == 5.0 and logged["memory/headroom_stage"] == 1  # 80 - 15 - 60
     assert logged["memory/peak_reserved_pct"] == 75.0  # 60 / 80: the allocator's share, as before
     assert logged["memory/device_other_gb"] == 15.0 and logged["memory/peak_stage/device_other_gb"] == 1

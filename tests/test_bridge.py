@@ -18,12 +18,20 @@ import statistics
 import numpy as np
 import pytest
 
-from tests.bridge_env import bridge_version
-from tests.bridge_harness import (RunSpec, bench_off_interval, bridge_logger_names, bridge_mlflow_names,
-                                  callback_mlflow_names, end_runs, exit_early_then_train_again, train)
-from tests.bridge_readback import mlflow_experiments, mlflow_runs, tensorboard_events, wandb_run
 from nemo_memlog.testing.cluster import Cluster
 from nemo_memlog.testing.collectives import GATHER
+from tests.bridge_env import bridge_version
+from tests.bridge_harness import (
+    RunSpec,
+    bench_off_interval,
+    bridge_logger_names,
+    bridge_mlflow_names,
+    callback_mlflow_names,
+    end_runs,
+    exit_early_then_train_again,
+    train,
+)
+from tests.bridge_readback import mlflow_experiments, mlflow_runs, tensorboard_events, wandb_run
 
 CALLBACK = {"memory_reduce_scope": "pp", "memory_per_stage_keys": ["peak_*"], "memory_reduce_timeout_s": 60}
 LOGGING_STEPS = [2, 4, 6]
@@ -36,9 +44,14 @@ RUN_TIMEOUT_S = 240  # a loaded 2-core machine: imports, W&B's service, MLflow's
 
 #: Every memory series the callback must write on this CPU machine (host memory only).
 REQUIRED_MEMORY = [
-    "memory/host_rss_gb", "memory/peak_host_rss_gb", "memory/peak_stage/peak_host_rss_gb",
-    "memory/pp_stage_0/peak_host_rss_gb", "memory/pp_stage_1/peak_host_rss_gb",
-    "memory/host_headroom_gb", "memory/host_headroom_stage", "memory/peak_host_rss_pct",
+    "memory/host_rss_gb",
+    "memory/peak_host_rss_gb",
+    "memory/peak_stage/peak_host_rss_gb",
+    "memory/pp_stage_0/peak_host_rss_gb",
+    "memory/pp_stage_1/peak_host_rss_gb",
+    "memory/host_headroom_gb",
+    "memory/host_headroom_stage",
+    "memory/peak_host_rss_pct",
 ]
 BRIDGE = bridge_version()
 #: From 0.5 Bridge max-reduces its own memory report over the PP group (before: the last stage's).
@@ -67,8 +80,14 @@ class Run:
         """What the loop handed Bridge's training_log for the iteration logged at ``step``."""
         s = self.at(self.writer, step)
         # Bridge max-reduces the learning rate over the model-parallel group as a float32 tensor.
-        return {"learning-rate": f32(s.learning_rate), "batch-size": s.batch_size, "lm loss": s.loss,
-                "loss-scale": 1.0, "grad-norm": s.grad_norm, "samples vs steps": s.consumed_train_samples}
+        return {
+            "learning-rate": f32(s.learning_rate),
+            "batch-size": s.batch_size,
+            "lm loss": s.loss,
+            "loss-scale": 1.0,
+            "grad-norm": s.grad_norm,
+            "samples vs steps": s.consumed_train_samples,
+        }
 
 
 def _run(cluster, root, **spec_fields):
@@ -140,8 +159,9 @@ def check_bridge_metrics(run, tb, history, mlflow_metrics):
         expected = [(s, f32(run.bridge_values(s)[tag])) for s in LOGGING_STEPS]
         assert tb[tag] == expected, tag
     for tag, base in zip(BRIDGE_TB_VS_SAMPLES, BRIDGE_TB):
-        expected = [(run.at(run.writer, s).consumed_train_samples, f32(run.bridge_values(s)[base]))
-                    for s in LOGGING_STEPS]
+        expected = [
+            (run.at(run.writer, s).consumed_train_samples, f32(run.bridge_values(s)[base])) for s in LOGGING_STEPS
+        ]
         assert tb[tag] == expected, tag
     assert [s for s, _ in tb[BRIDGE_EVERY_STEP]] == ALL_STEPS
     assert sorted(history) == ALL_STEPS, "one W&B row per step Bridge logs at"
@@ -177,12 +197,16 @@ def test_bridge_alone_logs_its_own_memory_into_all_three_backends(bridge_alone, 
         last, first = run.at(run.writer, step), run.at(run.first_stage, step)
         reported, other = (first, last) if BRIDGE_PP_MAX else (last, first)
         # Bridge rounds to 5 significant digits, and reads a little after the harness did.
-        assert value == pytest.approx(reported.peak_after, rel=1e-3), f"Bridge {BRIDGE} reports stage {reported.pp_stage}"
+        assert value == pytest.approx(reported.peak_after, rel=1e-3), (
+            f"Bridge {BRIDGE} reports stage {reported.pp_stage}"
+        )
         assert abs(other.peak_after - value) > CLEAR_GB, "the stages differ by the ballast"
         assert history[step][peak] == pytest.approx(value, rel=1e-6)
     # In MLflow under the name its own sanitiser gives (the callback's names are checked against it).
     (spelled,) = set(bridge_mlflow_names_on(pp2, [peak]).values())
-    assert spelled == ("memory/mem-max-allocated-gigabytes" if BRIDGE >= (0, 4) else "memory_mem-max-allocated-gigabytes")
+    assert spelled == (
+        "memory/mem-max-allocated-gigabytes" if BRIDGE >= (0, 4) else "memory_mem-max-allocated-gigabytes"
+    )
     assert [s for s, _ in mlflow_run["metrics"][spelled]] == LOGGING_STEPS
     # ... and nothing pipeline-wide exists without the callback.
     assert not any("pp_stage" in name or "peak_stage" in name for name in tb)
@@ -194,8 +218,16 @@ def bridge_mlflow_names_on(cluster, keys):
 
 
 #: Names that tell Bridge's MLflow spellings apart (0.4+: the first '/' kept, '@' -> '_at_', ':' kept).
-SPELLING_KEYS = ["memory/peak_reserved_gb", "memory/pp_stage_0/peak_host_rss_gb", "memory//a///b", "x@y/z@w",
-                 "memory/rank:3", "memory/weird key*(1)", "plain-name", "memory/mem-max-allocated-gigabytes"]
+SPELLING_KEYS = [
+    "memory/peak_reserved_gb",
+    "memory/pp_stage_0/peak_host_rss_gb",
+    "memory//a///b",
+    "x@y/z@w",
+    "memory/rank:3",
+    "memory/weird key*(1)",
+    "plain-name",
+    "memory/mem-max-allocated-gigabytes",
+]
 
 
 def test_callback_spells_mlflow_names_as_bridge_with_or_without_its_sanitiser(pp2):
@@ -203,7 +235,9 @@ def test_callback_spells_mlflow_names_as_bridge_with_or_without_its_sanitiser(pp
     spelled = pp2.run_ok(callback_mlflow_names, SPELLING_KEYS)[-1]
     assert spelled["importable"] == expected, "Bridge's own sanitiser"
     assert spelled["rule"] == expected, f"the rule for Bridge {BRIDGE}, where its sanitiser cannot be imported"
-    assert (expected["memory/pp_stage_0/peak_host_rss_gb"] == "memory/pp_stage_0_peak_host_rss_gb") == (BRIDGE >= (0, 4))
+    assert (expected["memory/pp_stage_0/peak_host_rss_gb"] == "memory/pp_stage_0_peak_host_rss_gb") == (
+        BRIDGE >= (0, 4)
+    )
 
 
 def test_bridge_opens_comet_from_0_4(pp2):
@@ -247,7 +281,8 @@ def test_flight_records_beside_the_recipes_logs_ended_at_on_train_end(with_callb
     status, found = postmortem(folder)
     assert status == 0 and found["first_failure"] is None and not found["ignored_runs"], found
     assert [(r["status"], r["end_reason"], r["last_iteration"]) for r in found["ranks"]] == [
-        ("closed", "close", LOGGING_STEPS[-1])] * len(found["ranks"]), found
+        ("closed", "close", LOGGING_STEPS[-1])
+    ] * len(found["ranks"]), found
     assert len(found["ranks"]) == found["world_size"] >= 2
 
 
@@ -300,11 +335,13 @@ def test_mlflow_one_run_bridge_spelling_first_stage_peak_and_recorded_flag(with_
     assert len(runs) == 1, f"one MLflow run (Bridge's), got {len(runs)}"
     metrics, params = runs[0]["metrics"], runs[0]["params"]
     _, tb = tensorboard_events(run.spec.root)
-    spelled = bridge_mlflow_names_on(pp2, set(memory_names(tb)) | set(REQUIRED_MEMORY)
-                                     | {"memory/pp_stage_2/peak_host_rss_gb"})
+    spelled = bridge_mlflow_names_on(
+        pp2, set(memory_names(tb)) | set(REQUIRED_MEMORY) | {"memory/pp_stage_2/peak_host_rss_gb"}
+    )
     check_required_memory(metrics, spell=spelled.__getitem__)
-    assert memory_names(metrics) == sorted(spelled[name] for name in memory_names(tb)), \
+    assert memory_names(metrics) == sorted(spelled[name] for name in memory_names(tb)), (
         f"every memory series, spelled as Bridge {BRIDGE} spells its own MLflow names"
+    )
     for name in memory_names(metrics):
         assert [s for s, _ in metrics[name]] == LOGGING_STEPS, f"{name}: once per Bridge logging step"
     peak = spelled["memory/peak_host_rss_gb"]
@@ -314,8 +351,9 @@ def test_mlflow_one_run_bridge_spelling_first_stage_peak_and_recorded_flag(with_
         assert dict(metrics[spelled["memory/pp_stage_0/peak_host_rss_gb"]])[step] == value
     assert [v for _, v in metrics[spelled["memory/peak_stage/peak_host_rss_gb"]]] == [0, 0, 0]
     alone = mlflow_runs(bridge_alone.spec.mlflow_uri, "memlog-bridge")[0]["metrics"]
-    assert sorted(n for n in metrics if not n.startswith("memory")) == \
-        sorted(n for n in alone if not n.startswith("memory")), "Bridge's own MLflow series all there"
+    assert sorted(n for n in metrics if not n.startswith("memory")) == sorted(
+        n for n in alone if not n.startswith("memory")
+    ), "Bridge's own MLflow series all there"
     assert params["logger.log_memory_to_tensorboard"] == "True", "the recorded config shows the user's setting"
 
 
@@ -325,8 +363,9 @@ def test_mlflow_one_run_bridge_spelling_first_stage_peak_and_recorded_flag(with_
 def test_takeover_flag_and_one_gather_per_logging_step_on_every_rank(with_callback):
     run = with_callback
     for record in run.records:
-        assert [s.flag_seen_by_training_log for s in record.steps] == [False] * 6, \
+        assert [s.flag_seen_by_training_log for s in record.steps] == [False] * 6, (
             f"rank {record.rank}: Bridge's training_log must not write memory itself"
+        )
         assert record.flag_after_run is True, f"rank {record.rank}: the flag is restored at on_train_end"
         for step in range(1, 7):
             calls = record.collectives[f"on_train_step_end@{step}"]
@@ -341,8 +380,9 @@ def test_flag_off_costs_no_collective_and_writes_no_memory(flag_off):
     run = flag_off
     for record in run.records:
         fired = sorted(record.collectives)
-        assert fired == sorted(["on_train_start", "on_train_end"] + [f"on_train_step_end@{s}" for s in ALL_STEPS]), \
+        assert fired == sorted(["on_train_start", "on_train_end"] + [f"on_train_step_end@{s}" for s in ALL_STEPS]), (
             "every event the callback handles fired (and was counted)"
+        )
         assert all(calls == [] for calls in record.collectives.values()), (record.rank, record.collectives)
         assert [s.flag_seen_by_training_log for s in record.steps] == [False] * 6
         assert record.flag_after_run is False
@@ -366,8 +406,9 @@ def test_should_exit_path_hands_the_flag_back_for_the_next_run_of_the_same_confi
         assert [s.step for s in again.steps] == ALL_STEPS
         assert [s.flag_seen_by_training_log for s in again.steps] == [False] * 6
         for step in LOGGING_STEPS:
-            assert GATHER in again.collectives[f"on_train_step_end@{step}"], \
+            assert GATHER in again.collectives[f"on_train_step_end@{step}"], (
                 f"rank {again.rank}: the second run's callback found the flag on and logs step {step}"
+            )
         assert again.flag_after_run is True
     files, tb = tensorboard_events(spec.root)
     assert len(files) == 2, "one events file per run"
@@ -384,6 +425,8 @@ def test_off_interval_step_end_cost_on_every_rank(pp2dp2_bridge, tmp_path):
         assert result["collectives"] == [], "off-interval: no collective"
     callback = statistics.median(r["callback_us"] for r in results)
     hook = statistics.median(r["training_log_us"] for r in results)
-    print(f"\noff-interval cost, median per rank (us): callback on_train_step_end "
-          f"{[round(r['callback_us'], 2) for r in results]}, nemo_memlog.training_log "
-          f"{[round(r['training_log_us'], 2) for r in results]}; medians {callback:.2f} vs {hook:.2f}")
+    print(
+        f"\noff-interval cost, median per rank (us): callback on_train_step_end "
+        f"{[round(r['callback_us'], 2) for r in results]}, nemo_memlog.training_log "
+        f"{[round(r['training_log_us'], 2) for r in results]}; medians {callback:.2f} vs {hook:.2f}"
+    )

@@ -30,8 +30,14 @@ SECRET = "SECRET-DEMO-KEY"
 def run_demo(*overrides, timeout=240):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), *overrides], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "demo.py"), *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +45,15 @@ def demo(tmp_path_factory):
     """(result, run folder, scalars) of the demo with no run.name: the first of two_runs below."""
     root = tmp_path_factory.mktemp("runs")
     result = run_demo(
-        f"run.root={root}", f"train.iters={ITERS}", f"logger.tensorboard_log_interval={INTERVAL}",
-        "train.micro_batch_size=32", f"model.vocab={VOCAB}", "logger.memory_peak_window=interval",
-        "logger.wandb_project=null", "logger.mlflow_experiment=null", "logger.comet_project=null",
+        f"run.root={root}",
+        f"train.iters={ITERS}",
+        f"logger.tensorboard_log_interval={INTERVAL}",
+        "train.micro_batch_size=32",
+        f"model.vocab={VOCAB}",
+        "logger.memory_peak_window=interval",
+        "logger.wandb_project=null",
+        "logger.mlflow_experiment=null",
+        "logger.comet_project=null",
         f"logger.comet_api_key={SECRET}",  # recorded with the run config: must come out redacted
     )
     assert result.returncode == 0, f"demo failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
@@ -49,8 +61,9 @@ def demo(tmp_path_factory):
     assert run.parent == root
     accumulator = EventAccumulator(str(run / "tensorboard"))
     accumulator.Reload()
-    scalars = {tag: {event.step: event.value for event in accumulator.Scalars(tag)}
-               for tag in accumulator.Tags()["scalars"]}
+    scalars = {
+        tag: {event.step: event.value for event in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]
+    }
     return result, run, scalars
 
 
@@ -119,6 +132,7 @@ def test_an_unknown_override_is_refused_before_any_process_starts(monkeypatch, c
     assert demo_script.main(["train.iterz=3"]) == 2
     assert "'iterz' not in 'TrainConfig'" in capsys.readouterr().err
 
+
 def test_a_secret_on_the_command_line_is_written_nowhere(demo):
     result, run, _ = demo
     written = [path for path in run.rglob("*") if path.is_file()]
@@ -139,8 +153,13 @@ def test_a_secret_on_the_command_line_is_written_nowhere(demo):
 def two_runs(demo):
     """(the runs' root, first run's stdout, second run's result)."""
     first, first_run, _ = demo
-    second = run_demo(f"run.root={first_run.parent}", "train.iters=2", "train.micro_batch_size=16",
-                      "train.seq_len=32", f"model.vocab={VOCAB}")
+    second = run_demo(
+        f"run.root={first_run.parent}",
+        "train.iters=2",
+        "train.micro_batch_size=16",
+        "train.seq_len=32",
+        f"model.vocab={VOCAB}",
+    )
     assert second.returncode == 0, f"demo failed:\n{second.stdout[-3000:]}\n{second.stderr[-3000:]}"
     return first_run.parent, first.stdout, second
 
@@ -150,7 +169,7 @@ def command_after(stdout: str, heading: str) -> list[str]:
     lines = stdout.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(heading))
     commands = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith("  "):
             break
         commands.append(line.strip())
@@ -253,15 +272,18 @@ def test_run_folders_are_claimed_once_and_overwrite_starts_again(demo_script, tm
     assert list((tmp_path / first).iterdir()) == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["train.foo=1"], "Key 'foo' not in 'TrainConfig'; train keys: iters, micro_batches, micro_batch_size"),
-    (["model.hiden=8"], "(did you mean 'hidden'?); model keys: hidden, layers_per_stage, vocab, heads"),
-    (["parallel.p=2"], "parallel keys: pp"),
-    (["run.nam=x"], "(did you mean 'name'?); run keys: name, root, overwrite"),
-    (["trian.iters=1"], "no section 'trian' (did you mean 'train'?)"),
-    (["logger.tensorboard_log_intervall=2"], "(did you mean 'tensorboard_log_interval'?)"),
-    (["parallel.pp=3"], "choose parallel.pp among 1, 2, 4, or start the demo on N processes yourself"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train.foo=1"], "Key 'foo' not in 'TrainConfig'; train keys: iters, micro_batches, micro_batch_size"),
+        (["model.hiden=8"], "(did you mean 'hidden'?); model keys: hidden, layers_per_stage, vocab, heads"),
+        (["parallel.p=2"], "parallel keys: pp"),
+        (["run.nam=x"], "(did you mean 'name'?); run keys: name, root, overwrite"),
+        (["trian.iters=1"], "no section 'trian' (did you mean 'train'?)"),
+        (["logger.tensorboard_log_intervall=2"], "(did you mean 'tensorboard_log_interval'?)"),
+        (["parallel.pp=3"], "choose parallel.pp among 1, 2, 4, or start the demo on N processes yourself"),
+    ],
+)
 def test_bad_overrides_name_the_valid_keys(demo_script, argv, message):
     with pytest.raises(demo_script.ConfigError) as error:
         demo_script.load_config(argv)

@@ -55,7 +55,7 @@ def stage2_holds_most(pp4):
 def test_pipeline_max_and_attribution_on_every_rank(pp4, stage2_holds_most):
     results = pp4.run_ok(log_iterations, [1, 2, 3, 4], tensorboard_log_interval=2)
     unified = {}
-    for (rank, stage, _), steps, messages in results:
+    for (rank, _stage, _), steps, messages in results:
         by_iter = {it: (res, calls) for it, res, calls in steps}
         assert by_iter[1] == (None, []) and by_iter[3] == (None, []), "off-interval steps do nothing"
         logged, calls = by_iter[4]
@@ -97,7 +97,7 @@ def log_with(container_kind):
 @pytest.mark.parametrize("kind", ["container", "pg_collection", "pp_group"])
 def test_config_and_group_sources(pp2dp2, kind):
     results = pp2dp2.run_ok(log_with, kind)
-    for rank, logged in enumerate(results):
+    for _rank, logged in enumerate(results):
         stages = sorted(k for k in logged if k.startswith("memory/pp_stage_") and k.endswith("peak_host_rss_gb"))
         assert stages == ["memory/pp_stage_0/peak_host_rss_gb", "memory/pp_stage_1/peak_host_rss_gb"]
     # PP groups {0,2} and {1,3} reduce separately: each group's dicts agree with each other.
@@ -182,8 +182,16 @@ def test_caller_metrics_bad_input_is_named_and_numbers_are_kept():
     import torch
 
     cfg = LoggerConfig(log_memory_to_tensorboard=True)
-    metrics = {"loss": float("nan"), "grad_norm": float("inf"), "skipped": True, "tokens": 2**60 + 1,
-               "lr": torch.tensor(0.5), "note": "warmup", "nothing": None, "vec": torch.ones(3)}
+    metrics = {
+        "loss": float("nan"),
+        "grad_norm": float("inf"),
+        "skipped": True,
+        "tokens": 2**60 + 1,
+        "lr": torch.tensor(0.5),
+        "note": "warmup",
+        "nothing": None,
+        "vec": torch.ones(3),
+    }
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         logged = training_log(1, cfg, metrics=metrics)
@@ -208,11 +216,14 @@ def test_low_headroom_warning_names_the_stage_on_the_writer_rank_only(pp4):
             assert warned == []
 
 
-@pytest.mark.parametrize("config, hint", [
-    (None, "got NoneType"),
-    ({"log_memory_to_tensorboard": True}, "A plain dict is not read: pass nemo_memlog.LoggerConfig(**your_dict)"),
-    ("logger.log_memory_to_tensorboard=true", "got str"),
-])
+@pytest.mark.parametrize(
+    "config, hint",
+    [
+        (None, "got NoneType"),
+        ({"log_memory_to_tensorboard": True}, "A plain dict is not read: pass nemo_memlog.LoggerConfig(**your_dict)"),
+        ("logger.log_memory_to_tensorboard=true", "got str"),
+    ],
+)
 def test_a_config_it_cannot_read_raises_instead_of_logging_nothing(config, hint):
     # Read with every default, these logged nothing, silently (flag off).
     with pytest.raises(TypeError, match="expected a config with log_memory_to_tensorboard") as error:
@@ -240,8 +251,9 @@ def test_a_config_rebuilt_at_every_call_with_equal_settings_reuses_one_run(tmp_p
     close_writers()  # the runs earlier tests left open in this process
 
     def rebuilt():
-        return LoggerConfig(log_memory_to_tensorboard=True, tensorboard_dir=str(tmp_path / "tb"),
-                            memory_record_dir="off")
+        return LoggerConfig(
+            log_memory_to_tensorboard=True, tensorboard_dir=str(tmp_path / "tb"), memory_record_dir="off"
+        )
 
     fanouts = []
     for iteration in range(1, 5):
@@ -261,8 +273,9 @@ def test_settings_that_change_at_every_call_make_new_runs_and_warn_once():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for interval in range(2, 2 * MANY_RUNS + 2):  # iteration 1: off-interval, nothing logged
-            assert training_log(1, LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=interval)) \
-                is None
+            assert (
+                training_log(1, LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=interval)) is None
+            )
     made = runs()
     close_writers()
     assert len(made) == 2 * MANY_RUNS and len({id(run) for run in made}) == len(made), "a run for each settings"

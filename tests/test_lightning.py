@@ -31,12 +31,13 @@ PEAK_RANK = {2: 1, 4: 2}
 BALLAST_MB = {2: [40, 700], 4: [40, 80, 700, 120]}
 CHEAP = ["tensorboard", "csv"]  # Lightning's own: no client library, no service, no archive
 FITS = {
-    2: [{"name": "main", "loggers": list(BACKENDS)},
+    2: [
+        {"name": "main", "loggers": list(BACKENDS)},
         {"name": "off", "loggers": CHEAP, "callback": {"log_memory_to_tensorboard": False}},
         {"name": "pl", "package": "pytorch_lightning", "loggers": ["csv"], "callback": {"tensorboard_log_interval": 3}},
-        {"name": "accumulate", "loggers": ["csv"], "accumulate": 2}],
-    4: [{"name": "main", "loggers": CHEAP},
-        {"name": "pp", "loggers": CHEAP, "pp": 2}],
+        {"name": "accumulate", "loggers": ["csv"], "accumulate": 2},
+    ],
+    4: [{"name": "main", "loggers": CHEAP}, {"name": "pp", "loggers": CHEAP, "pp": 2}],
 }
 
 
@@ -47,8 +48,10 @@ def started(tmp_path_factory):
     jobs = {}
     try:
         for world in (2, 4):
-            jobs[world] = Job({"world": world, "ballast_mb": BALLAST_MB[world], "fits": FITS[world]},
-                              tmp_path_factory.mktemp(f"lightning_world{world}"))
+            jobs[world] = Job(
+                {"world": world, "ballast_mb": BALLAST_MB[world], "fits": FITS[world]},
+                tmp_path_factory.mktemp(f"lightning_world{world}"),
+            )
         yield jobs
     finally:
         for started_job in jobs.values():
@@ -104,8 +107,9 @@ def test_the_max_is_the_ballast_ranks_own_peak_and_its_rank_is_logged_beside_it(
         others = [fit.at(r, step)["peak_after"] for r in range(fit.world) if r != peak_rank]
         assert value > max(others) + 0.3, "the ballast rank stands clear of every other rank"
     assert [v for _, v in stored["memory/peak_rank/peak_host_rss_gb"]] == [peak_rank] * len(LOGGING_STEPS)
-    assert [v for _, v in stored["memory/peak_stage/peak_host_rss_gb"]] == [0] * len(LOGGING_STEPS), \
+    assert [v for _, v in stored["memory/peak_stage/peak_host_rss_gb"]] == [0] * len(LOGGING_STEPS), (
         "no pipeline: every rank is stage 0"
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -202,10 +206,16 @@ def test_pipeline_group_when_megatron_parallel_state_is_initialised(job):
             assert step in LOGGING_STEPS
             stage0 = dict(stored["memory/pp_stage_0/peak_host_rss_gb"])[step]
             stage1 = dict(stored["memory/pp_stage_1/peak_host_rss_gb"])[step]
-            assert as_stored(backend, fit.at(0, step)["peak_before"]) <= stage0 <= \
-                as_stored(backend, fit.at(0, step)["peak_after"])
-            assert as_stored(backend, fit.at(2, step)["peak_before"]) <= stage1 <= \
-                as_stored(backend, fit.at(2, step)["peak_after"])
+            assert (
+                as_stored(backend, fit.at(0, step)["peak_before"])
+                <= stage0
+                <= as_stored(backend, fit.at(0, step)["peak_after"])
+            )
+            assert (
+                as_stored(backend, fit.at(2, step)["peak_before"])
+                <= stage1
+                <= as_stored(backend, fit.at(2, step)["peak_after"])
+            )
             assert value == stage1 and stage1 > stage0 + 0.3, "the max is stage 1's (rank 2's ballast)"
             assert dict(stored["memory/peak_stage/peak_host_rss_gb"])[step] == 1
         assert [s for s, _ in stored["memory/peak_host_rss_gb"]] == LOGGING_STEPS
@@ -230,8 +240,9 @@ def test_settings_are_logger_config_names_unknown_ones_raise_listing_the_valid_o
     with pytest.raises(ValueError, match="tensorboard_log_interval must be an int >= 1"):
         MemoryLogCallback(tensorboard_log_interval=0)
     callback = MemoryLogCallback(tensorboard_log_interval=None, memory_peak_window="interval")
-    assert callback.settings == {"log_memory_to_tensorboard": True, "memory_peak_window": "interval"}, \
+    assert callback.settings == {"log_memory_to_tensorboard": True, "memory_peak_window": "interval"}, (
         "None: Lightning's log_every_n_steps"
+    )
 
 
 def test_the_callback_is_a_callback_of_both_lightning_packages():

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_memlog import DEFAULT_MEMORY_KEYS, report_memory
-from nemo_memlog import memory
+from nemo_memlog import DEFAULT_MEMORY_KEYS, memory, report_memory
 from nemo_memlog.memory import DEVICE_KEYS, capacity_report, host_rss_bytes, reset_host_peak, reset_peaks
 from nemo_memlog.warn import WarnOnce
 
@@ -51,8 +50,15 @@ def test_without_cuda_in_use_nothing_touches_cuda(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("CUDA was touched although this process never initialised it")
 
-    for name in ("reset_peak_memory_stats", "mem_get_info", "memory_stats", "memory_stats_as_nested_dict", "cudart",
-                 "init", "current_device"):
+    for name in (
+        "reset_peak_memory_stats",
+        "mem_get_info",
+        "memory_stats",
+        "memory_stats_as_nested_dict",
+        "cudart",
+        "init",
+        "current_device",
+    ):
         monkeypatch.setattr(torch.cuda, name, forbidden)
     reset_peaks()
     report = report_memory()
@@ -78,8 +84,11 @@ def test_device_keys_and_reset_with_cuda_in_use_simulated(monkeypatch):
     monkeypatch.setattr(memory, "_cuda_in_use", lambda: True)
     monkeypatch.setattr(memory, "_has_context", lambda device, stats: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(memory, "_read_allocator", lambda device: nested({"reserved_bytes.all.current": 30 * 10**9,
-                                                                          "reserved_bytes.all.peak": 50 * 10**9}))
+    monkeypatch.setattr(
+        memory,
+        "_read_allocator",
+        lambda device: nested({"reserved_bytes.all.current": 30 * 10**9, "reserved_bytes.all.peak": 50 * 10**9}),
+    )
     monkeypatch.setattr(memory, "_mem_get_info", lambda device: (45 * 10**9, 80 * 10**9))  # (free, total)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: calls.append("reset"))
     report = report_memory()

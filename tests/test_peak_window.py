@@ -44,8 +44,10 @@ def test_the_host_peak_of_the_next_interval_falls_back_only_with_interval(pp4, t
     results = pp4.run_ok(log_with_ballast_in_one_interval, window, str(tmp_path / "tb"))
     assert all(steps == results[0] for steps in results), "every rank returns the same dicts"
     before, during, after = results[0]
-    stage = {name: [d[f"memory/pp_stage_{s}/{PEAK}"] for s in range(4)] for name, d in
-             (("before", before), ("during", during), ("after", after))}
+    stage = {
+        name: [d[f"memory/pp_stage_{s}/{PEAK}"] for s in range(4)]
+        for name, d in (("before", before), ("during", during), ("after", after))
+    }
     print(window, {name: [round(v, 3) for v in values] for name, values in stage.items()})
     ballast_gb = BALLAST_MB * 2**20 / 1e9
     assert stage["during"][BALLAST_STAGE] - stage["before"][BALLAST_STAGE] > 0.8 * ballast_gb

@@ -16,14 +16,21 @@ from pathlib import Path
 
 import pytest
 
-from nemo_memlog.failure import records
 from nemo_memlog.cli import main
+from nemo_memlog.failure import records
 from nemo_memlog.testing.flight_sim import layout, write_rank, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = time.time() - 3600.0  # an hour ago: no "may still be running" note
-FRAGMENTED_OOM = {"device": 0, "bytes_requested": int(2.1e9), "device_limit": int(80e9), "device_free": int(1.3e9),
-                  "largest_free_block": int(0.4e9), "reserved_free": int(2.6e9), "snapshot": "rank-00012.oom-0.pickle"}
+FRAGMENTED_OOM = {
+    "device": 0,
+    "bytes_requested": int(2.1e9),
+    "device_limit": int(80e9),
+    "device_free": int(1.3e9),
+    "largest_free_block": int(0.4e9),
+    "reserved_free": int(2.6e9),
+    "snapshot": "rank-00012.oom-0.pickle",
+}
 
 
 def run_cli(*argv) -> tuple[int, str, str]:
@@ -65,9 +72,11 @@ def test_cuda_oom_is_the_first_failure_with_the_fragmentation_sentence(tmp_path)
     first = result["first_failure"]
     assert (first["rank"], first["status"], first["pp_rank"], first["host"]) == (12, "cuda_oom", 3, "node-003")
     assert first["fragmentation"] is True and first["ambiguous_with"] == []
-    expected = ("rank 12 (pp stage 3, tp 0, dp 0) on node-003 hit a CUDA OOM after iteration 30 (the last recorded) "
-                "asking for 2.1 GB with 1.3 GB free; 3.9 GB was free in total, but the largest free block was "
-                "0.4 GB, which is fragmentation: try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
+    expected = (
+        "rank 12 (pp stage 3, tp 0, dp 0) on node-003 hit a CUDA OOM after iteration 30 (the last recorded) "
+        "asking for 2.1 GB with 1.3 GB free; 3.9 GB was free in total, but the largest free block was "
+        "0.4 GB, which is fragmentation: try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+    )
     assert first["sentence"] == expected == result["sentence"]
     ranks_json = by_rank(result)
     assert ranks_json[12]["end_reason"] == "exception" and ranks_json[12]["oom"]["bytes_requested"] == int(2.1e9)
@@ -90,8 +99,10 @@ def test_not_fragmented_oom_says_the_working_set_does_not_fit(tmp_path):
     write_run(tmp_path, ranks)
     code, result = run_json(tmp_path)
     assert code == 1 and result["first_failure"]["fragmentation"] is False
-    assert "1.8 GB was free in total with the allocator's cache: the working set does not fit in 80 GB" \
+    assert (
+        "1.8 GB was free in total with the allocator's cache: the working set does not fit in 80 GB"
         in result["sentence"]
+    )
     assert "expandable_segments" not in result["sentence"]
 
 
@@ -138,8 +149,10 @@ def test_clock_skew_makes_close_failures_ambiguous(tmp_path):
     assert first["rank"] == 2
     assert [(a["rank"], a["allowance_s"]) for a in first["ambiguous_with"]] == [(1, 4.0)]  # two beats + skew
     code, text, _ = run_cli(tmp_path, "--no-png")
-    assert "cannot tell which of rank 2 and rank 1 failed first: they stopped 2.50 s apart on different hosts " \
-           "(node-002, node-001), within the 4.00 s allowance" in text
+    assert (
+        "cannot tell which of rank 2 and rank 1 failed first: they stopped 2.50 s apart on different hosts "
+        "(node-002, node-001), within the 4.00 s allowance" in text
+    )
     assert "the hosts' clocks may differ by 2 s (--clock-skew-s)" in text
 
     code, result = run_json(tmp_path, "--clock-skew-s", "0")
@@ -191,14 +204,39 @@ def test_json_schema(tmp_path):
     write_run(tmp_path, ranks)
     code, result = run_json(tmp_path)
     assert code == 1
-    assert set(result) >= {"run_id", "world_size", "sentence", "first_failure", "ranks", "missing_ranks",
-                           "unreadable_files", "ignored_runs", "failed_ranks", "png"}
+    assert set(result) >= {
+        "run_id",
+        "world_size",
+        "sentence",
+        "first_failure",
+        "ranks",
+        "missing_ranks",
+        "unreadable_files",
+        "ignored_runs",
+        "failed_ranks",
+        "png",
+    }
     assert result["run_id"] == "sim-run" and result["world_size"] == 4 and result["png"] is None
     assert [entry["rank"] for entry in result["ranks"]] == [0, 1, 2, 3]
     for entry in result["ranks"]:
-        assert set(entry) >= {"rank", "pp_rank", "tp_rank", "dp_rank", "host", "status", "last_iteration",
-                              "end_reason", "last_alive", "peak_reserved_gb", "headroom_gb", "host_rss_gb",
-                              "host_available_gb", "probable_host_oom_kill", "problems", "file"}
+        assert set(entry) >= {
+            "rank",
+            "pp_rank",
+            "tp_rank",
+            "dp_rank",
+            "host",
+            "status",
+            "last_iteration",
+            "end_reason",
+            "last_alive",
+            "peak_reserved_gb",
+            "headroom_gb",
+            "host_rss_gb",
+            "host_available_gb",
+            "probable_host_oom_kill",
+            "problems",
+            "file",
+        }
         assert entry["status"] in ("closed", "cuda_oom", "unfinished")
         assert isinstance(entry["last_iteration"], int) and isinstance(entry["pp_rank"], int)
     assert set(result["first_failure"]) >= {"rank", "status", "sentence", "time", "ambiguous_with"}
@@ -268,8 +306,10 @@ def test_torn_slots_truncated_and_garbage_files_are_named_and_the_other_ranks_re
     assert entries[1]["last_iteration"] == 30 and entries[1]["status"] == "closed"  # the end record survived
     assert entries[2]["problems"][0].startswith("liveness slot: ")
     assert entries[2]["last_alive"] == pytest.approx(T0 + 10.0)  # from its end record
-    assert entries[3]["problems"][0] == f"file truncated: {records.RECORDS_AT + 2 * slot + 100} of " \
-                                        f"{records.file_bytes(records.DEFAULT_SLOTS, slot)} bytes"
+    assert (
+        entries[3]["problems"][0] == f"file truncated: {records.RECORDS_AT + 2 * slot + 100} of "
+        f"{records.file_bytes(records.DEFAULT_SLOTS, slot)} bytes"
+    )
     assert "record slot 2: slot is truncated or its prefix is malformed" in entries[3]["problems"]
     assert entries[3]["last_iteration"] == 20  # its first two records are intact
     unreadable = {entry["rank"]: entry["error"] for entry in result["unreadable_files"]}
@@ -296,11 +336,12 @@ def test_records_of_two_runs_report_the_newest_and_name_the_other(tmp_path):
 
     code, result = run_json(tmp_path)
     assert code == 1 and result["run_id"] == "new-run" and len(result["ranks"]) == 4
-    assert [(run["run_id"], run["files"], run["dirs"]) for run in result["ignored_runs"]] == \
-        [("old-run", 2, [str(tmp_path / "records")])]
+    assert [(run["run_id"], run["files"], run["dirs"]) for run in result["ignored_runs"]] == [
+        ("old-run", 2, [str(tmp_path / "records")])
+    ]
     code, text, _ = run_cli(tmp_path, "--no-png")
     assert "ignored 2 record file(s) of 1 other run(s) in the same folder (reported: run new-run" in text
-    assert f"run old-run, started " in text and f"2 file(s) in {tmp_path / 'records'}" in text
+    assert "run old-run, started " in text and f"2 file(s) in {tmp_path / 'records'}" in text
 
     code, result = run_json(tmp_path, "--run-id", "old-run")
     assert code == 0 and result["run_id"] == "old-run" and result["first_failure"] is None
@@ -345,19 +386,29 @@ def test_report_command_mentions_the_post_mortem(tmp_path):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["report", str(tmp_path)])
     assert code == 2  # no TensorBoard events here
-    assert f"flight records found under {tmp_path / 'memory_records'}: `nemo-memlog postmortem {tmp_path}`" \
+    assert (
+        f"flight records found under {tmp_path / 'memory_records'}: `nemo-memlog postmortem {tmp_path}`"
         in err.getvalue()
+    )
 
 
 def test_the_command_imports_no_torch(tmp_path):
     ranks = closed_after(layout(pp=2, tp=1, dp=1), 10.0)
     ranks[0].stopped, ranks[0].end = T0, None
     write_run(tmp_path, ranks)
-    code = ("import sys, runpy; sys.argv = ['nemo-memlog', 'postmortem', sys.argv[1], '--json'];\n"
-            "try:\n    runpy.run_module('nemo_memlog.cli', run_name='__main__')\n"
-            "except SystemExit as e:\n    assert 'torch' not in sys.modules, 'torch imported'; raise")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    code = (
+        "import sys, runpy; sys.argv = ['nemo-memlog', 'postmortem', sys.argv[1], '--json'];\n"
+        "try:\n    runpy.run_module('nemo_memlog.cli', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert 'torch' not in sys.modules, 'torch imported'; raise"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 1, done.stderr
     assert json.loads(done.stdout)["first_failure"]["rank"] == 0
 
@@ -370,13 +421,21 @@ def test_ranks_that_all_stopped_together_are_called_a_stop_from_outside(tmp_path
     code, text, _ = run_cli(tmp_path, "--no-png")
     assert code == 1 and "FIRST FAILURE: rank 5 " in text
     assert "cannot tell which of rank 5 and rank 1 failed first: they stopped 0.10 s apart on different hosts" in text
-    assert "; 6 more failed rank(s) stopped within the same allowance. Most ranks stopped together: the job was " \
-           "probably stopped from outside (scheduler, node loss)" in text
+    assert (
+        "; 6 more failed rank(s) stopped within the same allowance. Most ranks stopped together: the job was "
+        "probably stopped from outside (scheduler, node loss)" in text
+    )
 
 
 def test_the_benchmark_still_runs():
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_postmortem.py"), "--smoke"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_postmortem.py"), "--smoke"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "wrote 64 record files for 64 ranks" in done.stdout
     assert "| 64 | " in done.stdout and "slowest run: " in done.stdout
@@ -394,12 +453,31 @@ def test_an_end_followed_by_records_does_not_count(tmp_path):
     assert by_rank(result)[0]["status"] == "closed" and result["first_failure"]["rank"] == 1
     with open(path, "r+b") as handle:  # rank 0: sigterm end at seq 3, then a step record at seq 4
         handle.seek(records.record_offset(3, slots, slot))
-        handle.write(records.encode({"seq": 3, "kind": "end", "time": T0 + 5, "iteration": 30, "report": {},
-                                     "reason": "sigterm", "detail": ""}, slot))
+        handle.write(
+            records.encode(
+                {
+                    "seq": 3,
+                    "kind": "end",
+                    "time": T0 + 5,
+                    "iteration": 30,
+                    "report": {},
+                    "reason": "sigterm",
+                    "detail": "",
+                },
+                slot,
+            )
+        )
         handle.seek(records.record_offset(4, slots, slot))
-        handle.write(records.encode({"seq": 4, "kind": "step", "time": T0 + 6, "iteration": 40,
-                                     "report": {"peak_reserved_gb": 50.0}}, slot))
+        handle.write(
+            records.encode(
+                {"seq": 4, "kind": "step", "time": T0 + 6, "iteration": 40, "report": {"peak_reserved_gb": 50.0}}, slot
+            )
+        )
     code, result = run_json(tmp_path)
     rank0 = by_rank(result)[0]
-    assert (rank0["status"], rank0["end_reason"], rank0["last_iteration"], rank0["peak_reserved_gb"]) == \
-        ("unfinished", None, 40, 50.0)
+    assert (rank0["status"], rank0["end_reason"], rank0["last_iteration"], rank0["peak_reserved_gb"]) == (
+        "unfinished",
+        None,
+        40,
+        50.0,
+    )

@@ -1,6 +1,6 @@
 """End to end: real ranks under torchrun (PP 4 over gloo; megatron-core's parallel_state
-builds the groups in the SIGKILL run, plain torch.distributed in the others) record their memory with training_log; ``nemo-memlog postmortem --json``
-then reads the folder they left.
+builds the groups in the SIGKILL run, plain torch.distributed in the others) record their
+memory with training_log; ``nemo-memlog postmortem --json`` then reads the folder they left.
 
 - ``sigkill``: rank VICTIM stalls for HANG_S at the start of iteration KILL_AT (a rank
   swapping before the OOM killer strikes) and then SIGKILLs itself (the OOM killer's death:
@@ -55,8 +55,12 @@ def rank_main(scenario: str, root: str) -> int:
         parallel_state.initialize_model_parallel(pipeline_model_parallel_size=WORLD)
         pp_group = None
     rank = dist.get_rank()
-    cfg = LoggerConfig(log_memory_to_tensorboard=True, memory_record_dir=f"{root}/memory_records",
-                       memory_reduce_timeout_s=REDUCE_TIMEOUT_S, writer_mode="thread")
+    cfg = LoggerConfig(
+        log_memory_to_tensorboard=True,
+        memory_record_dir=f"{root}/memory_records",
+        memory_reduce_timeout_s=REDUCE_TIMEOUT_S,
+        writer_mode="thread",
+    )
     iteration = 0
     while scenario == "sigterm" or iteration < (KILL_AT + 100 if scenario == "sigkill" else STEPS):
         iteration += 1
@@ -78,11 +82,24 @@ def launch(root: Path, scenario: str, *, until=None):
     """torchrun with WORLD ranks of this script; ``until(root)`` true: SIGTERM the process group."""
     from nemo_memlog.testing.cluster import free_port
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-               "--master-port", str(free_port()), "--monitor-interval", "2", __file__, scenario, str(root)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(WORLD),
+        "--master-port",
+        str(free_port()),
+        "--monitor-interval",
+        "2",
+        __file__,
+        scenario,
+        str(root),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         if until is not None:
             deadline = time.monotonic() + LAUNCH_TIMEOUT_S
@@ -99,8 +116,13 @@ def launch(root: Path, scenario: str, *, until=None):
 
 
 def postmortem(run_dir: Path) -> tuple[int, dict]:
-    done = subprocess.run([sys.executable, "-m", "nemo_memlog.cli", "postmortem", "--json", str(run_dir)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-m", "nemo_memlog.cli", "postmortem", "--json", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode in (0, 1), done.stderr
     return done.returncode, json.loads(done.stdout)
 
@@ -154,7 +176,8 @@ def test_clean_exit_every_rank_closed(tmp_path):
     status, found = postmortem(tmp_path / "memory_records")
     assert status == 0 and found["first_failure"] is None, found
     assert [(r["rank"], r["status"], r["last_iteration"]) for r in found["ranks"]] == [
-        (rank, "closed", STEPS) for rank in range(WORLD)]
+        (rank, "closed", STEPS) for rank in range(WORLD)
+    ]
     assert [r["end_reason"] for r in found["ranks"]] == ["close"] * (WORLD - 1) + ["exit"]
 
 

@@ -58,10 +58,12 @@ def run_pasted(name: str, folder: Path, path: Path = README) -> subprocess.Compl
     code, command = marked_scripts(path)[name]
     (folder / name).write_text(code + "\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore::UserWarning")
-    result = subprocess.run(["bash", "-ec", command], cwd=folder, env=env, capture_output=True, text=True,
-                            timeout=300)
+    env.update(
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore::UserWarning",
+    )
+    result = subprocess.run(["bash", "-ec", command], cwd=folder, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
@@ -85,8 +87,14 @@ def test_path_2_training_log_as_pasted(tmp_path):
     run_pasted("train.py", tmp_path)
     logged = scalars(tmp_path / "runs" / "mine" / "tensorboard")
     steps = list(range(1, 11))  # tensorboard_log_interval's default, 1: every iteration
-    for tag in ("memory/peak_host_rss_gb", "memory/pp_stage_0/peak_host_rss_gb",
-                "memory/pp_stage_1/peak_host_rss_gb", "memory/peak_stage/peak_host_rss_gb", "lm loss", "lr"):
+    for tag in (
+        "memory/peak_host_rss_gb",
+        "memory/pp_stage_0/peak_host_rss_gb",
+        "memory/pp_stage_1/peak_host_rss_gb",
+        "memory/peak_stage/peak_host_rss_gb",
+        "lm loss",
+        "lr",
+    ):
         assert sorted(logged[tag]) == steps, tag
     for step in steps:
         stages = [logged[f"memory/pp_stage_{i}/peak_host_rss_gb"][step] for i in range(2)]

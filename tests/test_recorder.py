@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from nemo_memlog import FlightRecorder, LoggerConfig
-from nemo_memlog.failure import oom, records
 from nemo_memlog.config import memory_record_dir
-from nemo_memlog.memory import capacity_report, report_memory
+from nemo_memlog.failure import oom, records
 from nemo_memlog.failure.evidence import HostEvidence, cgroup_events_path
 from nemo_memlog.failure.identity import run_id
 from nemo_memlog.failure.recorder import open_recorder
+from nemo_memlog.memory import capacity_report, report_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,10 @@ def read_back(path):
     header = records.check_header(records.decode(data[: records.HEADER_BYTES]))
     liveness = records.decode(data[records.HEADER_BYTES : records.RECORDS_AT])
     size = header["slot_bytes"]
-    found = [records.decode(data[records.RECORDS_AT + i * size : records.RECORDS_AT + (i + 1) * size])
-             for i in range(header["slots"])]
+    found = [
+        records.decode(data[records.RECORDS_AT + i * size : records.RECORDS_AT + (i + 1) * size])
+        for i in range(header["slots"])
+    ]
     return header, liveness, sorted((r for r in found if r is not None), key=lambda r: r["seq"])
 
 
@@ -173,7 +175,11 @@ def test_oom_observer_called_as_torch_calls_it(tmp_path):
     _, _, (step, hit, end) = read_back(recorder.path)
     assert hit["kind"] == "oom" and hit["iteration"] == 41
     assert (hit["device"], hit["bytes_requested"], hit["device_limit"], hit["device_free"]) == (
-        0, 2_000_000_000, 80_000_000_000, 1_000_000_000)
+        0,
+        2_000_000_000,
+        80_000_000_000,
+        1_000_000_000,
+    )
     assert hit["report"].keys() == step["report"].keys()
     assert "snapshot" not in hit  # no CUDA: no allocator snapshot to take
     assert recorder.oom_count == 1 and end["reason"] == "close"
@@ -181,12 +187,24 @@ def test_oom_observer_called_as_torch_calls_it(tmp_path):
 
 def test_free_blocks_from_a_snapshot_layout():
     mb = 1 << 20
-    snapshot = {"segments": [
-        {"total_size": 20 * mb, "allocated_size": 12 * mb,
-         "blocks": [{"size": 12 * mb, "state": "active_allocated"}, {"size": 8 * mb, "state": "inactive"}]},
-        {"total_size": 6 * mb, "allocated_size": 2 * mb,
-         "blocks": [{"size": 3 * mb, "state": "inactive"}, {"size": 2 * mb, "state": "active_allocated"},
-                    {"size": 1 * mb, "state": "inactive"}]}]}
+    snapshot = {
+        "segments": [
+            {
+                "total_size": 20 * mb,
+                "allocated_size": 12 * mb,
+                "blocks": [{"size": 12 * mb, "state": "active_allocated"}, {"size": 8 * mb, "state": "inactive"}],
+            },
+            {
+                "total_size": 6 * mb,
+                "allocated_size": 2 * mb,
+                "blocks": [
+                    {"size": 3 * mb, "state": "inactive"},
+                    {"size": 2 * mb, "state": "active_allocated"},
+                    {"size": 1 * mb, "state": "inactive"},
+                ],
+            },
+        ]
+    }
     assert oom.free_blocks(snapshot) == {"largest_free_block": 8 * mb, "reserved_free": 12 * mb}
     assert oom.free_blocks({"segments": []}) == {"largest_free_block": 0, "reserved_free": 0}
 
@@ -220,8 +238,9 @@ def test_default_folder_and_off(tmp_path, monkeypatch):
 def test_training_log_records_every_logging_step_beside_the_tensorboard_folder(tmp_path, capfd):
     from nemo_memlog import close_writers, training_log
 
-    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=2,
-                       tensorboard_dir=str(tmp_path / "run" / "tb"))
+    cfg = LoggerConfig(
+        log_memory_to_tensorboard=True, tensorboard_log_interval=2, tensorboard_dir=str(tmp_path / "run" / "tb")
+    )
     logged = Collected()  # the writers are not what this test is about: no TensorBoard opened
     for iteration in range(1, 8):
         training_log(iteration, cfg, writers=logged)
@@ -232,8 +251,9 @@ def test_training_log_records_every_logging_step_beside_the_tensorboard_folder(t
     assert [(r["kind"], r["iteration"]) for r in found] == [("step", 2), ("step", 4), ("step", 6), ("end", 6)]
     assert found[-1]["reason"] == "close" and "host_available_gb" in found[0]["report"]
     assert capfd.readouterr().err.count(f"memory flight records in {path.parent}") == 1
-    off = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_dir=str(tmp_path / "off" / "tb"),
-                       memory_record_dir="off")
+    off = LoggerConfig(
+        log_memory_to_tensorboard=True, tensorboard_dir=str(tmp_path / "off" / "tb"), memory_record_dir="off"
+    )
     training_log(1, off, writers=logged)
     close_writers()
     assert not (tmp_path / "off" / "memory_records").exists()
@@ -285,10 +305,21 @@ EXIT_SCRIPT = textwrap.dedent("""
 
 
 def test_every_exit_path_leaves_its_end_marker(tmp_path):
-    expected = {"close": (0, "close"), "exit": (3, "exit"), "exception": (1, "exception"),
-                "sigterm": (-signal.SIGTERM, "sigterm"), "sigkill": (-signal.SIGKILL, None), "abandon": (0, None)}
-    done = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), *expected], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    expected = {
+        "close": (0, "close"),
+        "exit": (3, "exit"),
+        "exception": (1, "exception"),
+        "sigterm": (-signal.SIGTERM, "sigterm"),
+        "sigkill": (-signal.SIGKILL, None),
+        "abandon": (0, None),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT, str(tmp_path), *expected],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr
     exit_codes = dict(line.split() for line in done.stdout.splitlines())
     for how, (returncode, reason) in expected.items():

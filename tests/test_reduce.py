@@ -85,8 +85,12 @@ def test_max_on_every_rank_of_each_pp_group(grid, request):
             got = results[rank]
             assert got["result"] == expected, f"rank {rank}"
             assert got["types"] == {
-                "peak_allocated_gb": "float", "alloc_retries": "int", "huge_counter": "int",
-                "negative": "float", "flag": "float", "scalar_tensor": "int",
+                "peak_allocated_gb": "float",
+                "alloc_retries": "int",
+                "huge_counter": "int",
+                "negative": "float",
+                "flag": "float",
+                "scalar_tensor": "int",
             }
             assert got["result"]["huge_counter"] == 2**53 + 1 + max(group)  # exact beyond 2**53
             assert got["unchanged"], "the input report was mutated"
@@ -251,7 +255,8 @@ def change_keys_in_steady_state(kind):
     rank, stage, dp = _coords()
     changed = CHANGES[kind]
     plan = [
-        BASE, BASE,  # agreed, then steady
+        BASE,
+        BASE,  # agreed, then steady
         changed if stage == 1 else BASE,  # one stage
         BASE,  # back in agreement: the group still works
         changed if stage == 0 else BASE,  # another stage
@@ -342,8 +347,9 @@ def skip_on_one_rank(skip):
 def test_a_rank_that_takes_a_noop_path_alone_makes_the_others_raise_not_hang():
     from nemo_memlog import LoggerConfig
 
-    assert (reduce_max_memory_across_pp_group.__kwdefaults__["timeout_s"]
-            == LoggerConfig().memory_reduce_timeout_s), "the helper's default wait is memory_reduce_timeout_s's"
+    assert reduce_max_memory_across_pp_group.__kwdefaults__["timeout_s"] == LoggerConfig().memory_reduce_timeout_s, (
+        "the helper's default wait is memory_reduce_timeout_s's"
+    )
     with Cluster(world=4, pp=2) as cluster:
         results = cluster.run_ok(skip_on_one_rank, True, timeout=60)
     assert results[0][:2] == ("returned", {}), "an empty report stays a no-op (Megatron-Bridge's contract)"

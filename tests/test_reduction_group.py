@@ -52,8 +52,9 @@ def test_gloo_twin_has_the_groups_ranks_and_carries_the_one_gather(pp2dp2, scope
         assert result["ranks"] == result["target_ranks"], "the same ranks, in the same order"
         assert result["calls"] == [GATHER], "steady state: still one collective"
     if scope == "pp":  # PP groups {0, 2} and {1, 3}: two stages each, lined up by stage
-        assert all(r["stages"] == ["memory/pp_stage_0/peak_host_rss_gb", "memory/pp_stage_1/peak_host_rss_gb"]
-                   for r in results)
+        assert all(
+            r["stages"] == ["memory/pp_stage_0/peak_host_rss_gb", "memory/pp_stage_1/peak_host_rss_gb"] for r in results
+        )
 
 
 def test_auto_on_a_gloo_job_gathers_over_the_group_itself(pp2dp2):
@@ -83,6 +84,7 @@ def groups_gathered_over():
         def gather(*args, **kwargs):
             seen.append(kwargs.get("group"))
             return original(*args, **kwargs)
+
         return gather
 
     for name, original in originals.items():
@@ -105,8 +107,15 @@ def helper_after_placement():
 
     close_writers()  # the runs earlier tests left open in this process (their twins would serve as well)
     pp_group = ps.get_pipeline_model_parallel_group()
-    monitor = MemoryMonitor(LoggerConfig(log_memory_to_tensorboard=True, memory_reduce_backend="gloo",
-                                         memory_reduce_timeout_s=60, memory_record_dir="off"), writers=Discard())
+    monitor = MemoryMonitor(
+        LoggerConfig(
+            log_memory_to_tensorboard=True,
+            memory_reduce_backend="gloo",
+            memory_reduce_timeout_s=60,
+            memory_record_dir="off",
+        ),
+        writers=Discard(),
+    )
     monitor.place()
     twin = monitor.group
     with groups_gathered_over() as used:
@@ -114,8 +123,12 @@ def helper_after_placement():
     monitor.close()
     with groups_gathered_over() as after_close:
         reduce_max_memory_across_pp_group({"x": dist.get_rank(), "y": 0.5}, pp_group)
-    return (reduced, twin is not pp_group and twin in used, pp_group in used,
-            bool(after_close) and all(group is pp_group for group in after_close))
+    return (
+        reduced,
+        twin is not pp_group and twin in used,
+        pp_group in used,
+        bool(after_close) and all(group is pp_group for group in after_close),
+    )
 
 
 def test_bridge_helper_keeps_its_contract_and_rides_the_twin(pp2dp2):
@@ -135,20 +148,29 @@ def channels_across_close():
     from nemo_memlog.reduce import twin_for
 
     pp_group = ps.get_pipeline_model_parallel_group()
-    monitor = MemoryMonitor(LoggerConfig(log_memory_to_tensorboard=True, memory_reduce_backend="gloo",
-                                         memory_record_dir="off"), writers=Discard())
+    monitor = MemoryMonitor(
+        LoggerConfig(log_memory_to_tensorboard=True, memory_reduce_backend="gloo", memory_record_dir="off"),
+        writers=Discard(),
+    )
     monitor.log_step(1)
     reduction, twin = monitor.reduction, monitor.group
-    before = {"channels": reduction.groups() == [twin], "found": twin_for(pp_group) is twin,
-              "backend": str(dist.get_backend(twin))}
+    before = {
+        "channels": reduction.groups() == [twin],
+        "found": twin_for(pp_group) is twin,
+        "backend": str(dist.get_backend(twin)),
+    }
     monitor.close()
     try:
         dist.get_backend(twin)
         destroyed = False
     except ValueError:  # torch: "Invalid process group specified"
         destroyed = True
-    after = {"channels": reduction.groups(), "found": twin_for(pp_group), "destroyed": destroyed,
-             "group": monitor.group}
+    after = {
+        "channels": reduction.groups(),
+        "found": twin_for(pp_group),
+        "destroyed": destroyed,
+        "group": monitor.group,
+    }
     return before, after
 
 

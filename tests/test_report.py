@@ -91,9 +91,21 @@ def test_table_names_the_stage_holding_the_max(report):
     assert "steps 0..70 (8 logged); pipeline stages: 4" in stdout
     # metric | logged now, peak, stage | stage 0..3 now, peak | headroom GB, stage
     assert row(stdout, "peak_reserved_gb") == [
-        "peak_reserved_gb", "32.50", "38.50", "1",
-        "21.50", "21.50", "32.50", "38.50", "25.50", "25.50", "13.50", "13.50",
-        "47.50", "1"]
+        "peak_reserved_gb",
+        "32.50",
+        "38.50",
+        "1",
+        "21.50",
+        "21.50",
+        "32.50",
+        "38.50",
+        "25.50",
+        "25.50",
+        "13.50",
+        "13.50",
+        "47.50",
+        "1",
+    ]
     assert row(stdout, "peak_allocated_gb")[1:4] == ["30.50", "36.50", "1"]
     assert row(stdout, "peak_host_rss_gb")[1:6] == ["15.75", "15.75", "2", "11.75", "11.75"]
     assert row(stdout, "peak_host_rss_gb")[-2:] == ["464.75", "2"]  # host headroom on host rows
@@ -153,8 +165,12 @@ def test_cli_does_not_import_torch_itself():
 
 def test_console_script(run_dir, tmp_path):
     script = Path(sys.executable).parent / "nemo-memlog"
-    done = subprocess.run([str(script), "report", str(run_dir), "--png", str(tmp_path / "r.png")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [str(script), "report", str(run_dir), "--png", str(tmp_path / "r.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "peak_reserved_gb" in done.stdout and (tmp_path / "r.png").is_file()
 
@@ -174,15 +190,25 @@ def write_with_config(tensorboard_dir, steps, params):
     backend.close()
 
 
-@pytest.mark.parametrize("recorded, label", [
-    ([{"memory_peak_window": "interval"}], "peak window: interval (each peak_* point is the peak since the previous logged step)"),
-    ([{"logger.memory_peak_window": "run"}], "peak window: run (each peak_* point is the peak since its process started)"),
-    ([{"tensorboard_dir": "x"}], "peak window: run"),  # recorded before the option existed
-    ([{"memory_peak_window": "run"}, {"memory_peak_window": "interval"}], "peak window: run -> interval"),
-], ids=["interval", "run", "before-the-option", "resumed-with-another"])
+@pytest.mark.parametrize(
+    "recorded, label",
+    [
+        (
+            [{"memory_peak_window": "interval"}],
+            "peak window: interval (each peak_* point is the peak since the previous logged step)",
+        ),
+        (
+            [{"logger.memory_peak_window": "run"}],
+            "peak window: run (each peak_* point is the peak since its process started)",
+        ),
+        ([{"tensorboard_dir": "x"}], "peak window: run"),  # recorded before the option existed
+        ([{"memory_peak_window": "run"}, {"memory_peak_window": "interval"}], "peak window: run -> interval"),
+    ],
+    ids=["interval", "run", "before-the-option", "resumed-with-another"],
+)
 def test_table_and_png_name_the_peak_window(tmp_path, capsys, recorded, label):
     for index, params in enumerate(recorded):
-        write_with_config(tmp_path / "tb", STEPS[2 * index:2 * index + 2], params)
+        write_with_config(tmp_path / "tb", STEPS[2 * index : 2 * index + 2], params)
     png = tmp_path / "p.png"
     assert main(["report", str(tmp_path), "--png", str(png)]) == 0
     assert label in capsys.readouterr().out
@@ -205,6 +231,6 @@ def test_a_second_run_that_starts_over_in_the_same_folder_is_not_stitched(tmp_pa
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "steps 0..20 (3 logged)" in out and "resumed" not in out
-    assert f"NOTE: {tmp_path} holds 2 runs" in out and f"steps 0..70, started " in out and str(old) in out
+    assert f"NOTE: {tmp_path} holds 2 runs" in out and "steps 0..70, started " in out and str(old) in out
     assert main(["report", str(old)]) == 0  # the other one, by its event file
     assert "steps 0..70 (8 logged)" in capsys.readouterr().out

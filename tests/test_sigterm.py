@@ -30,13 +30,26 @@ def preempted(tmp_path_factory):
     """The demo under torchrun, SIGTERM'd mid-run: (its run directory, iterations tqdm showed done)."""
     tmp_path = tmp_path_factory.mktemp("preempted")
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-               "--master-port", str(free_port()), str(ROOT / "scripts" / "demo.py"),
-               "train.iters=100000", "logger.tensorboard_log_interval=1", f"run.root={tmp_path}",
-               "run.name=preempted", "train.micro_batch_size=4", "train.seq_len=16",
-               "logger.comet_api_key=SECRET-ARGV-KEY"]
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        str(free_port()),
+        str(ROOT / "scripts" / "demo.py"),
+        "train.iters=100000",
+        "logger.tensorboard_log_interval=1",
+        f"run.root={tmp_path}",
+        "run.name=preempted",
+        "train.micro_batch_size=4",
+        "train.seq_len=16",
+        "logger.comet_api_key=SECRET-ARGV-KEY",
+    ]
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     lines: list[str] = []
     threading.Thread(target=_read_into, args=(proc.stderr, lines), daemon=True).start()
     try:
@@ -108,7 +121,8 @@ def test_the_post_mortem_of_the_preempted_run_finds_every_rank_closed_by_sigterm
     status, found = postmortem(run)
     assert status == 0 and found["first_failure"] is None, found
     assert [(r["rank"], r["status"], r["end_reason"]) for r in found["ranks"]] == [
-        (rank, "closed", "sigterm") for rank in range(4)], found
+        (rank, "closed", "sigterm") for rank in range(4)
+    ], found
     assert min(r["last_iteration"] for r in found["ranks"]) >= finished
 
 

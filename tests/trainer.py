@@ -27,14 +27,21 @@ def logger_config(root: str, mode: str, backends, mlflow_uri: str | None, close_
 
     fields = {
         "tensorboard": dict(tensorboard_dir=f"{root}/tensorboard"),
-        "mlflow": dict(mlflow_experiment="trainer", mlflow_run_name="run",
-                       mlflow_tracking_uri=mlflow_uri or f"sqlite:///{root}/mlflow.db"),
+        "mlflow": dict(
+            mlflow_experiment="trainer",
+            mlflow_run_name="run",
+            mlflow_tracking_uri=mlflow_uri or f"sqlite:///{root}/mlflow.db",
+        ),
         "wandb": dict(wandb_project="trainer", wandb_exp_name="run", wandb_save_dir=root),
         "comet": dict(comet_project="trainer", comet_offline_directory=f"{root}/comet"),
     }
     chosen = {key: value for name in backends for key, value in fields[name].items()}
-    return LoggerConfig(log_memory_to_tensorboard=mode != "off", writer_mode="thread" if mode == "thread" else "process",
-                        writer_close_timeout_s=close_timeout_s, **chosen)
+    return LoggerConfig(
+        log_memory_to_tensorboard=mode != "off",
+        writer_mode="thread" if mode == "thread" else "process",
+        writer_close_timeout_s=close_timeout_s,
+        **chosen,
+    )
 
 
 def host_memory_mb(pid="self") -> dict:
@@ -63,8 +70,11 @@ def main(argv=None) -> int:
     parser.add_argument("--mlflow-uri", default=None)
     parser.add_argument("--close-timeout", type=float, default=30.0)
     parser.add_argument("--end", choices=("close", "os_exit"), default="close")
-    parser.add_argument("--wait-for", default=None, help="backends that must have written every step before "
-                        "the end (default: all of them)")
+    parser.add_argument(
+        "--wait-for",
+        default=None,
+        help="backends that must have written every step before the end (default: all of them)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "offline")
     os.environ.setdefault("WANDB_SILENT", "true")

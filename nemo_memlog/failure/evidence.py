@@ -24,10 +24,12 @@ class HostEvidence:
         self.cgroup = cgroup_events_path()
 
     def read(self) -> dict:
-        return {"host_available_gb": _gb(_field("/proc/meminfo", b"MemAvailable:", 1024)),
-                "host_rss_gb": _gb(_field("/proc/self/status", b"VmRSS:", 1024)),
-                "vmstat_oom_kill": _field("/proc/vmstat", b"oom_kill "),
-                "cgroup_oom_kill": _field(self.cgroup, b"oom_kill ")}
+        return {
+            "host_available_gb": _gb(_field("/proc/meminfo", b"MemAvailable:", 1024)),
+            "host_rss_gb": _gb(_field("/proc/self/status", b"VmRSS:", 1024)),
+            "vmstat_oom_kill": _field("/proc/vmstat", b"oom_kill "),
+            "cgroup_oom_kill": _field(self.cgroup, b"oom_kill "),
+        }
 
 
 def cgroup_events_path(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> str | None:
@@ -47,8 +49,10 @@ def cgroup_events_path(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
         if controllers == "":  # v2: "0::/path"
             candidates += [os.path.join(root, path.lstrip("/"), "memory.events"), os.path.join(root, "memory.events")]
         elif "memory" in controllers.split(","):  # v1
-            candidates += [os.path.join(root, "memory", path.lstrip("/"), "memory.oom_control"),
-                           os.path.join(root, "memory", "memory.oom_control")]
+            candidates += [
+                os.path.join(root, "memory", path.lstrip("/"), "memory.oom_control"),
+                os.path.join(root, "memory", "memory.oom_control"),
+            ]
     return next((path for path in candidates if os.access(path, os.R_OK)), None)
 
 

@@ -32,10 +32,15 @@ def identity(pp_group=None, pg_collection=None) -> dict:
         coords = coordinates(pp_group, pg_collection) if distributed else {"pp": 0, "tp": 0, "dp": 0}
     except Exception:  # the header must not fail for want of a group
         coords = {"pp": 0, "tp": 0, "dp": 0}
-    return {"run_id": run_id(), "rank": dist.get_rank() if distributed else int(os.environ.get("RANK", 0)),
-            "world_size": dist.get_world_size() if distributed else int(os.environ.get("WORLD_SIZE", 1)),
-            "pp_rank": coords["pp"], "tp_rank": coords["tp"], "dp_rank": coords["dp"],
-            "host": socket.gethostname()}
+    return {
+        "run_id": run_id(),
+        "rank": dist.get_rank() if distributed else int(os.environ.get("RANK", 0)),
+        "world_size": dist.get_world_size() if distributed else int(os.environ.get("WORLD_SIZE", 1)),
+        "pp_rank": coords["pp"],
+        "tp_rank": coords["tp"],
+        "dp_rank": coords["dp"],
+        "host": socket.gethostname(),
+    }
 
 
 def run_id() -> str:

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import os
 import pickle
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from .. import process_wide
 
 #: Snapshots written per recorder: a loop that catches OOMs and retries must not fill the disk.
 MAX_SNAPSHOTS = 3
+
 
 class Target(Protocol):
     """What ``record`` needs of a recorder (FlightRecorder has it)."""
@@ -95,8 +97,12 @@ def record(target: Target, device: int, bytes_requested: int, device_limit: int,
     try:
         if not target.is_open:
             return
-        fields = {"device": int(device), "bytes_requested": int(bytes_requested), "device_limit": int(device_limit),
-                  "device_free": int(device_free)}
+        fields = {
+            "device": int(device),
+            "bytes_requested": int(bytes_requested),
+            "device_limit": int(device_limit),
+            "device_free": int(device_free),
+        }
         if target.oom_count < MAX_SNAPSHOTS:
             fields.update(snapshot(target.directory, target.snapshot_name(target.oom_count)))
         try:

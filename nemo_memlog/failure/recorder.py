@@ -51,15 +51,27 @@ from .identity import identity as rank_identity
 
 LIVENESS_PERIOD_S = 1.0
 #: Report keys kept when a record does not fit its slot (the rest are dropped, "truncated": true).
-ESSENTIAL_KEYS = ("peak_reserved_gb", "peak_allocated_gb", "current_reserved_gb", "current_allocated_gb",
-                  "num_ooms", "alloc_retries", "host_rss_gb", "peak_host_rss_gb", "host_available_gb",
-                  "host_total_gb", "device_total_gb", "device_used_gb", "device_other_gb")
+ESSENTIAL_KEYS = (
+    "peak_reserved_gb",
+    "peak_allocated_gb",
+    "current_reserved_gb",
+    "current_allocated_gb",
+    "num_ooms",
+    "alloc_retries",
+    "host_rss_gb",
+    "peak_host_rss_gb",
+    "host_available_gb",
+    "host_total_gb",
+    "device_total_gb",
+    "device_used_gb",
+    "device_other_gb",
+)
 
 # The one piece of recorder state that belongs to the process: this rank's file in a folder
 # is one file, and two recorders writing it would overwrite each other's slots. So
 # open_recorder hands every run of this process that asks for a folder the recorder already
 # open there. Weak: the runs own their recorder, this only finds it.
-_open_by_directory: "weakref.WeakValueDictionary[str, FlightRecorder]" = weakref.WeakValueDictionary()
+_open_by_directory: weakref.WeakValueDictionary[str, FlightRecorder] = weakref.WeakValueDictionary()
 
 
 class FlightRecorder:
@@ -78,10 +90,22 @@ class FlightRecorder:
     through (default: its own).
     """
 
-    def __init__(self, directory, *, pp_group=None, pg_collection=None, report=None, record_history: bool = False,
-                 slots: int = records.DEFAULT_SLOTS, slot_bytes: int = records.DEFAULT_SLOT_BYTES,
-                 liveness_period_s: float = LIVENESS_PERIOD_S, identity: dict | None = None, clock=time.time,
-                 liveness: bool = True, warn: WarnOnce | None = None):
+    def __init__(
+        self,
+        directory,
+        *,
+        pp_group=None,
+        pg_collection=None,
+        report=None,
+        record_history: bool = False,
+        slots: int = records.DEFAULT_SLOTS,
+        slot_bytes: int = records.DEFAULT_SLOT_BYTES,
+        liveness_period_s: float = LIVENESS_PERIOD_S,
+        identity: dict | None = None,
+        clock=time.time,
+        liveness: bool = True,
+        warn: WarnOnce | None = None,
+    ):
         self.directory = os.path.abspath(os.fspath(directory))
         self.slots, self.slot_bytes, self.liveness_period_s = slots, slot_bytes, liveness_period_s
         self.report = report or _default_report
@@ -101,9 +125,16 @@ class FlightRecorder:
         who = identity if identity is not None else rank_identity(pp_group, pg_collection)
         self.rank = who["rank"]
         self.path = os.path.join(self.directory, records.file_name(self.rank))
-        self.header = {"format": records.FORMAT, "version": records.VERSION, **who, "pid": os.getpid(),
-                       "started": clock(), "slots": slots, "slot_bytes": slot_bytes,
-                       "liveness_period_s": liveness_period_s}
+        self.header = {
+            "format": records.FORMAT,
+            "version": records.VERSION,
+            **who,
+            "pid": os.getpid(),
+            "started": clock(),
+            "slots": slots,
+            "slot_bytes": slot_bytes,
+            "liveness_period_s": liveness_period_s,
+        }
         if self._open_file():
             self._register_hooks()
             if liveness:
@@ -158,8 +189,7 @@ class FlightRecorder:
         """Write an ``oom`` record: ``fields`` (records.py's oom fields) and ``report``."""
         self.oom_count += 1
         if self._fd is not None:
-            self._write({"kind": "oom", "time": self.clock(), "iteration": self.iteration, "report": report,
-                         **fields})
+            self._write({"kind": "oom", "time": self.clock(), "iteration": self.iteration, "report": report, **fields})
 
     def end(self, reason: str, detail: str = "") -> None:
         """Write the end marker ``reason`` (one of records.END_REASONS). After "sigterm" the
@@ -168,8 +198,16 @@ class FlightRecorder:
         if self._fd is None:
             return
         self.ended = reason
-        self._write({"kind": "end", "time": self.clock(), "iteration": self.iteration, "report": {},
-                     "reason": reason, "detail": detail[:500]})
+        self._write(
+            {
+                "kind": "end",
+                "time": self.clock(),
+                "iteration": self.iteration,
+                "report": {},
+                "reason": reason,
+                "detail": detail[:500],
+            }
+        )
         if reason != "sigterm":
             self._shut()
 
@@ -198,8 +236,12 @@ class FlightRecorder:
                 os.close(fd)
                 raise
         except (OSError, records.RecordError) as error:
-            self.warn("open", f"cannot write flight records to {self.path} ({error}); training goes on without "
-                      f"them (set logger.memory_record_dir to a writable folder, or to 'off')", stacklevel=3)
+            self.warn(
+                "open",
+                f"cannot write flight records to {self.path} ({error}); training goes on without "
+                f"them (set logger.memory_record_dir to a writable folder, or to 'off')",
+                stacklevel=3,
+            )
             return False
         self._fd = fd
         return True
@@ -216,8 +258,11 @@ class FlightRecorder:
             self._fail(error)
 
     def _fail(self, error) -> None:
-        self.warn("write", f"writing flight records to {self.path} failed ({error}); recording stops, "
-                  f"training goes on", stacklevel=3)
+        self.warn(
+            "write",
+            f"writing flight records to {self.path} failed ({error}); recording stops, training goes on",
+            stacklevel=3,
+        )
         self._shut()
 
     def _shut(self) -> None:
@@ -268,8 +313,11 @@ def open_recorder(directory, **kwargs) -> FlightRecorder:
     if recorder.is_open:
         _open_by_directory[path] = recorder
         if recorder.rank == 0:
-            print(f"nemo_memlog: memory flight records in {path} (after a failure: nemo-memlog postmortem {path})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"nemo_memlog: memory flight records in {path} (after a failure: nemo-memlog postmortem {path})",
+                file=sys.stderr,
+                flush=True,
+            )
     return recorder
 
 
@@ -285,8 +333,17 @@ def _encoded(obj: dict, size: int) -> bytes:
                 return records.encode({**obj, "report": kept, "truncated": True}, size)
             except (records.RecordError, TypeError, ValueError):
                 continue
-        return records.encode({"seq": obj["seq"], "kind": obj["kind"], "time": obj["time"],
-                               "iteration": obj.get("iteration"), "report": {}, "truncated": True}, size)
+        return records.encode(
+            {
+                "seq": obj["seq"],
+                "kind": obj["kind"],
+                "time": obj["time"],
+                "iteration": obj.get("iteration"),
+                "report": {},
+                "truncated": True,
+            },
+            size,
+        )
 
 
 def _plain(value):

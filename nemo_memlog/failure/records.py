@@ -130,8 +130,10 @@ def check_header(header: dict | None) -> dict:
     if header.get("format") != FORMAT:
         raise RecordError(f"not a nemo_memlog record file (format {header.get('format')!r})")
     if header.get("version") != VERSION:
-        raise RecordError(f"record format version {header.get('version')!r}; this nemo-memlog reads version "
-                          f"{VERSION}: use the nemo_memlog release that wrote the run")
+        raise RecordError(
+            f"record format version {header.get('version')!r}; this nemo-memlog reads version "
+            f"{VERSION}: use the nemo_memlog release that wrote the run"
+        )
     for key in ("run_id", "rank", "slots", "slot_bytes"):
         if key not in header:
             raise RecordError(f"header lacks {key!r}")

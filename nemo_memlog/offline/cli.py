@@ -24,13 +24,24 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nemo-memlog", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     report = commands.add_parser("report", help="per-stage memory table and PNG from a run's TensorBoard events")
-    report.add_argument("run_dir", metavar="RUN_DIR", type=Path,
-                        help="run directory (or its tensorboard dir; event files are found recursively), "
-                             "or one event file; several runs in it: the newest is reported, the others listed")
-    report.add_argument("--png", type=Path, default=None,
-                        help=f"where to write the plot (default: RUN_DIR/{PNG_NAME}, beside an event file)")
-    report.add_argument("--metric", default=None,
-                        help="per-stage metric to plot (default: peak_reserved_gb if logged, else peak_host_rss_gb)")
+    report.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        type=Path,
+        help="run directory (or its tensorboard dir; event files are found recursively), "
+        "or one event file; several runs in it: the newest is reported, the others listed",
+    )
+    report.add_argument(
+        "--png",
+        type=Path,
+        default=None,
+        help=f"where to write the plot (default: RUN_DIR/{PNG_NAME}, beside an event file)",
+    )
+    report.add_argument(
+        "--metric",
+        default=None,
+        help="per-stage metric to plot (default: peak_reserved_gb if logged, else peak_host_rss_gb)",
+    )
     _postmortem_parser(commands)
     return parser
 
@@ -40,23 +51,44 @@ def _postmortem_parser(commands) -> None:
     from .postmortem import DEFAULT_CLOCK_SKEW_S
 
     postmortem = commands.add_parser(
-        "postmortem", help="which rank failed first, and every rank's memory, from the flight records",
+        "postmortem",
+        help="which rank failed first, and every rank's memory, from the flight records",
         description="Read the per-rank flight records below RUN_DIR and lead with the first failure. "
-                    "Exit status: 0 no failure, 1 a failure found, 2 usage error or nothing readable.")
-    postmortem.add_argument("run_dir", metavar="RUN_DIR", type=Path,
-                            help="the run's memory_record_dir or any folder above it (searched recursively)")
-    postmortem.add_argument("--json", action="store_true",
-                            help="print the machine-readable form (for a failure hook); no PNG unless --png")
-    postmortem.add_argument("--png", type=Path, default=None,
-                            help=f"where to write the plot (default without --json: RUN_DIR/{POSTMORTEM_PNG_NAME})")
+        "Exit status: 0 no failure, 1 a failure found, 2 usage error or nothing readable.",
+    )
+    postmortem.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        type=Path,
+        help="the run's memory_record_dir or any folder above it (searched recursively)",
+    )
+    postmortem.add_argument(
+        "--json", action="store_true", help="print the machine-readable form (for a failure hook); no PNG unless --png"
+    )
+    postmortem.add_argument(
+        "--png",
+        type=Path,
+        default=None,
+        help=f"where to write the plot (default without --json: RUN_DIR/{POSTMORTEM_PNG_NAME})",
+    )
     postmortem.add_argument("--no-png", action="store_true", help="write no plot")
-    postmortem.add_argument("--all", action="store_true",
-                            help="a table row for every rank (default: every rank up to 64, else a selection "
-                                 "and a summary per pipeline stage)")
-    postmortem.add_argument("--run-id", default=None,
-                            help="the run to report when the folder holds records of several (default: the newest)")
-    postmortem.add_argument("--clock-skew-s", type=_seconds, default=DEFAULT_CLOCK_SKEW_S,
-                            help="how far apart two hosts' clocks may be, in seconds (default: %(default)s)")
+    postmortem.add_argument(
+        "--all",
+        action="store_true",
+        help="a table row for every rank (default: every rank up to 64, else a selection "
+        "and a summary per pipeline stage)",
+    )
+    postmortem.add_argument(
+        "--run-id",
+        default=None,
+        help="the run to report when the folder holds records of several (default: the newest)",
+    )
+    postmortem.add_argument(
+        "--clock-skew-s",
+        type=_seconds,
+        default=DEFAULT_CLOCK_SKEW_S,
+        help="how far apart two hosts' clocks may be, in seconds (default: %(default)s)",
+    )
 
 
 def _seconds(text: str) -> float:
@@ -116,8 +148,11 @@ def _postmortem_png(postmortem, path) -> Path | None:
 
         return write_png(postmortem, path)
     except (ImportError, OSError) as error:
-        print(f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error}); "
-              "--png PATH to write it elsewhere", file=sys.stderr)
+        print(
+            f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error}); "
+            "--png PATH to write it elsewhere",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -148,8 +183,10 @@ def _record_hint(run_dir) -> str | None:
         return None
     if found is None:
         return None
-    return (f"flight records found under {found.parent}: `nemo-memlog postmortem {run_dir}` says which rank "
-            "failed first and what every rank held")
+    return (
+        f"flight records found under {found.parent}: `nemo-memlog postmortem {run_dir}` says which rank "
+        "failed first and what every rank held"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ from .tables import date_time
 
 EVENT_GLOB = "events.out.tfevents.*"
 #: What a run directory must hold, said at the end of every "cannot report" message.
-EXPECTED = (f"expected TensorBoard event files ({EVENT_GLOB}) written with logger.tensorboard_dir "
-            "(and logger.log_memory_to_tensorboard=true)")
+EXPECTED = (
+    f"expected TensorBoard event files ({EVENT_GLOB}) written with logger.tensorboard_dir "
+    "(and logger.log_memory_to_tensorboard=true)"
+)
 #: The TensorBoard writer records the run config once, as the text summary "config", which
 #: TensorBoard stores under this tensor tag (writers/tensorboard.py writes it).
 CONFIG_TENSOR_TAG = "config/text_summary"
@@ -138,8 +140,11 @@ class MemoryRun:
 
     def metrics(self) -> list[str]:
         """Names that have per-stage values or a peak stage: the table's rows."""
-        names = {tag.partition("/")[2] for tag in self.series
-                 if tag.startswith("peak_stage/") or _STAGE_LABEL.fullmatch(tag.partition("/")[0])}
+        names = {
+            tag.partition("/")[2]
+            for tag in self.series
+            if tag.startswith("peak_stage/") or _STAGE_LABEL.fullmatch(tag.partition("/")[0])
+        }
         return sorted(names, key=lambda name: (is_host(name), not name.startswith("peak_"), name))
 
 
@@ -261,8 +266,11 @@ def _read_event_file(path: Path) -> tuple[Points, list[tuple[float, str]]]:
     tensor_tags = accumulator.Tags().get("tensors", [])
     configs = []
     if CONFIG_TENSOR_TAG in tensor_tags:
-        configs = [(e.wall_time, e.tensor_proto.string_val[0].decode("utf-8", "replace"))
-                   for e in accumulator.Tensors(CONFIG_TENSOR_TAG) if e.tensor_proto.string_val]
+        configs = [
+            (e.wall_time, e.tensor_proto.string_val[0].decode("utf-8", "replace"))
+            for e in accumulator.Tensors(CONFIG_TENSOR_TAG)
+            if e.tensor_proto.string_val
+        ]
     points: Points = {}
     for tag, triples in _memory_scalars(accumulator).items():
         _keep_last_written(points.setdefault(tag, {}), ((step, (wall, value)) for wall, step, value in triples))

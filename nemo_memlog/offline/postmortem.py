@@ -176,9 +176,19 @@ def analyse(run_dir, run_id: str | None = None, clock_skew_s: float = DEFAULT_CL
     world = max(int(s.header.get("world_size") or 0) for s in states)
     seen = {s.rank for s in states}
     missing = [rank for rank in range(world) if rank not in seen]
-    postmortem = Postmortem(run_dir, chosen[0].header["run_id"], states, first,
-                            _ambiguity(first, failures, clock_skew_s), failures, unreadable, ignored,
-                            missing, duplicates, clock_skew_s)
+    postmortem = Postmortem(
+        run_dir,
+        chosen[0].header["run_id"],
+        states,
+        first,
+        _ambiguity(first, failures, clock_skew_s),
+        failures,
+        unreadable,
+        ignored,
+        missing,
+        duplicates,
+        clock_skew_s,
+    )
     postmortem.notes = _notes(postmortem)
     return postmortem
 
@@ -187,13 +197,17 @@ def _read_all(run_dir: Path) -> tuple[list[RankFile], list[tuple[Path, int | Non
     """The readable rank files below ``run_dir``, and (file, rank from its name, why) for the others.
     Raises PostmortemError when there is no folder, no record file, or no readable one."""
     if not run_dir.is_dir():
-        raise PostmortemError(f"{run_dir}: no such directory; expected the run's memory_record_dir "
-                              f"or a folder above it, holding rank-NNNNN{records.SUFFIX} files")
+        raise PostmortemError(
+            f"{run_dir}: no such directory; expected the run's memory_record_dir "
+            f"or a folder above it, holding rank-NNNNN{records.SUFFIX} files"
+        )
     paths = find_record_files(run_dir)
     if not paths:
-        raise PostmortemError(f"{run_dir}: no flight records (rank-NNNNN{records.SUFFIX}) found below it; "
-                              "recording is on whenever memory logging is (logger.memory_record_dir): "
-                              "point at the run folder the job wrote")
+        raise PostmortemError(
+            f"{run_dir}: no flight records (rank-NNNNN{records.SUFFIX}) found below it; "
+            "recording is on whenever memory logging is (logger.memory_record_dir): "
+            "point at the run folder the job wrote"
+        )
     readable, unreadable = [], []
     for path in paths:
         try:
@@ -212,16 +226,22 @@ def _choose_run(files: list[RankFile], run_id: str | None, run_dir: Path) -> tup
     runs: dict[str, list[RankFile]] = {}
     for file in files:
         runs.setdefault(str(file.header["run_id"]), []).append(file)
-    started = {rid: min(finite_number(f.header.get("started")) or 0.0 for f in group)
-               for rid, group in runs.items()}
+    started = {rid: min(finite_number(f.header.get("started")) or 0.0 for f in group) for rid, group in runs.items()}
     if run_id is None:
         run_id = max(runs, key=lambda rid: (started[rid], rid))
     elif run_id not in runs:
         choices = ", ".join(f"{rid} ({len(group)} files)" for rid, group in runs.items())
         raise PostmortemError(f"{run_dir}: no records of run {run_id!r}; runs found: {choices}")
-    ignored = [{"run_id": rid, "started": started[rid], "files": len(group),
-                "dirs": sorted({str(f.path.parent) for f in group})}
-               for rid, group in sorted(runs.items(), key=lambda item: started[item[0]]) if rid != run_id]
+    ignored = [
+        {
+            "run_id": rid,
+            "started": started[rid],
+            "files": len(group),
+            "dirs": sorted({str(f.path.parent) for f in group}),
+        }
+        for rid, group in sorted(runs.items(), key=lambda item: started[item[0]])
+        if rid != run_id
+    ]
     return runs[run_id], ignored
 
 
@@ -255,8 +275,16 @@ def _state(file: RankFile) -> RankState:
     alive = finite_number((file.liveness or {}).get("alive"))
     if alive is None:  # never beat, or its slot torn: the newest record, else the start
         alive = finite_number(newest and newest.get("time")) or finite_number(file.header.get("started"))
-    return RankState(file, status, end, oom, last["iteration"] if last else None, alive, report,
-                     finite_number(report.get("peak_reserved_gb")))
+    return RankState(
+        file,
+        status,
+        end,
+        oom,
+        last["iteration"] if last else None,
+        alive,
+        report,
+        finite_number(report.get("peak_reserved_gb")),
+    )
 
 
 def _host_evidence(states: list[RankState]) -> None:
@@ -272,16 +300,21 @@ def _host_evidence(states: list[RankState]) -> None:
         own = state.file.liveness or {}
         for key, label in (("vmstat_oom_kill", "vmstat oom_kill"), ("cgroup_oom_kill", "cgroup oom_kill")):
             before = own.get(key)
-            later = [(s.file.liveness or {}).get(key) for s in by_host[state.host]
-                     if s is not state and (s.last_alive or 0) > (state.last_alive or 0)]
+            later = [
+                (s.file.liveness or {}).get(key)
+                for s in by_host[state.host]
+                if s is not state and (s.last_alive or 0) > (state.last_alive or 0)
+            ]
             later = [v for v in later if isinstance(v, int)]
             if isinstance(before, int) and later and max(later) > before:
-                state.host_oom_kill_evidence.append(f"{state.host}'s {label} counter went up after its last "
-                                                    f"beat ({before} -> {max(later)})")
+                state.host_oom_kill_evidence.append(
+                    f"{state.host}'s {label} counter went up after its last beat ({before} -> {max(later)})"
+                )
         available, total = state.live("host_available_gb"), state.value("host_total_gb")
         if available is not None and total and available < LOW_AVAILABLE_FRACTION * total:
             state.host_oom_kill_evidence.append(
-                f"MemAvailable was {available:.1f} GB of {total:.1f} GB at its last beat")
+                f"MemAvailable was {available:.1f} GB of {total:.1f} GB at its last beat"
+            )
 
 
 def _failure_order(state: RankState) -> tuple:
@@ -318,17 +351,26 @@ def _notes(postmortem: Postmortem) -> list[str]:
     notes = []
     first = postmortem.first_failure
     if first is not None and first.status == "cuda_oom":
-        earlier = [s for s in postmortem.failures if s.status != "cuda_oom" and s.failure_time is not None
-                   and first.failure_time is not None
-                   and s.failure_time < first.failure_time - allowance_s(first, s, postmortem.clock_skew_s)]
+        earlier = [
+            s
+            for s in postmortem.failures
+            if s.status != "cuda_oom"
+            and s.failure_time is not None
+            and first.failure_time is not None
+            and s.failure_time < first.failure_time - allowance_s(first, s, postmortem.clock_skew_s)
+        ]
         if earlier:
             stopped = min(earlier, key=lambda s: s.failure_time)
             gap = first.failure_time - stopped.failure_time
-            notes.append(f"rank {stopped.rank} ({stopped.status}) stopped {gap:.1f} s "
-                         "before this CUDA OOM; a CUDA OOM is named first whenever there is one")
+            notes.append(
+                f"rank {stopped.rank} ({stopped.status}) stopped {gap:.1f} s "
+                "before this CUDA OOM; a CUDA OOM is named first whenever there is one"
+            )
     alive = [s.last_alive for s in postmortem.ranks if s.status == "unfinished" and s.last_alive is not None]
     period = max(s.period for s in postmortem.ranks)
     if alive and time.time() - max(alive) < 3 * period:
-        notes.append(f"a rank beat {time.time() - max(alive):.1f} s ago: the run may still be going, "
-                     "and its unfinished ranks be alive")
+        notes.append(
+            f"a rank beat {time.time() - max(alive):.1f} s ago: the run may still be going, "
+            "and its unfinished ranks be alive"
+        )
     return notes

@@ -12,8 +12,17 @@ from .postmortem import Postmortem, RankState, allowance_s
 from .postmortem_render import fragmented, sentence
 from .tables import iso_time
 
-_OOM_KEYS = ("time", "iteration", "device", "bytes_requested", "device_limit", "device_free",
-             "reserved_free", "largest_free_block", "snapshot")
+_OOM_KEYS = (
+    "time",
+    "iteration",
+    "device",
+    "bytes_requested",
+    "device_limit",
+    "device_free",
+    "reserved_free",
+    "largest_free_block",
+    "snapshot",
+)
 
 
 def json_text(postmortem: Postmortem, png: str | None = None) -> str:
@@ -27,21 +36,38 @@ def to_json(postmortem: Postmortem, png: str | None = None) -> dict:
     failure = None
     if first is not None:
         failure = _rank_json(first) | {
-            "time": first.failure_time, "time_exact": first.failure_time_exact, "sentence": sentence(postmortem),
+            "time": first.failure_time,
+            "time_exact": first.failure_time_exact,
+            "sentence": sentence(postmortem),
             "fragmentation": bool(first.oom and fragmented(first.oom)),
-            "ambiguous_with": [{"rank": s.rank, "status": s.status, "host": s.host, "time": s.failure_time,
-                                "allowance_s": allowance_s(first, s, postmortem.clock_skew_s)}
-                               for s in (postmortem.ambiguity.others if postmortem.ambiguity else [])]}
+            "ambiguous_with": [
+                {
+                    "rank": s.rank,
+                    "status": s.status,
+                    "host": s.host,
+                    "time": s.failure_time,
+                    "allowance_s": allowance_s(first, s, postmortem.clock_skew_s),
+                }
+                for s in (postmortem.ambiguity.others if postmortem.ambiguity else [])
+            ],
+        }
     return {
-        "run_dir": str(postmortem.run_dir), "run_id": postmortem.run_id, "world_size": postmortem.world_size,
-        "sentence": sentence(postmortem), "first_failure": failure,
+        "run_dir": str(postmortem.run_dir),
+        "run_id": postmortem.run_id,
+        "world_size": postmortem.world_size,
+        "sentence": sentence(postmortem),
+        "first_failure": failure,
         "failed_ranks": [s.rank for s in postmortem.failures],
         "ranks": [_rank_json(s) for s in postmortem.ranks],
         "missing_ranks": postmortem.missing_ranks,
-        "unreadable_files": [{"path": str(path), "rank": rank, "error": why}
-                             for path, rank, why in postmortem.unreadable],
-        "ignored_runs": postmortem.ignored_runs, "duplicate_files": postmortem.duplicates,
-        "notes": postmortem.notes, "clock_skew_s": postmortem.clock_skew_s, "png": png,
+        "unreadable_files": [
+            {"path": str(path), "rank": rank, "error": why} for path, rank, why in postmortem.unreadable
+        ],
+        "ignored_runs": postmortem.ignored_runs,
+        "duplicate_files": postmortem.duplicates,
+        "notes": postmortem.notes,
+        "clock_skew_s": postmortem.clock_skew_s,
+        "png": png,
     }
 
 
@@ -52,16 +78,28 @@ def _rank_json(state: RankState) -> dict:
     if state.oom is not None:
         oom = {key: state.oom.get(key) for key in _OOM_KEYS} | {"fragmentation": fragmented(state.oom)}
     return {
-        "rank": state.rank, "pp_rank": header.get("pp_rank"), "tp_rank": header.get("tp_rank"),
-        "dp_rank": header.get("dp_rank"), "host": state.host, "pid": header.get("pid"),
-        "status": state.status, "end_reason": state.end_reason, "end_detail": (state.end or {}).get("detail"),
-        "last_iteration": state.last_iteration, "last_alive": state.last_alive,
-        "last_alive_iso": iso_time(state.last_alive), "peak_reserved_gb": state.peak_reserved_gb,
-        "headroom_gb": state.headroom_gb, "host_rss_gb": state.live("host_rss_gb"),
-        "host_available_gb": state.live("host_available_gb"), "host_total_gb": state.value("host_total_gb"),
+        "rank": state.rank,
+        "pp_rank": header.get("pp_rank"),
+        "tp_rank": header.get("tp_rank"),
+        "dp_rank": header.get("dp_rank"),
+        "host": state.host,
+        "pid": header.get("pid"),
+        "status": state.status,
+        "end_reason": state.end_reason,
+        "end_detail": (state.end or {}).get("detail"),
+        "last_iteration": state.last_iteration,
+        "last_alive": state.last_alive,
+        "last_alive_iso": iso_time(state.last_alive),
+        "peak_reserved_gb": state.peak_reserved_gb,
+        "headroom_gb": state.headroom_gb,
+        "host_rss_gb": state.live("host_rss_gb"),
+        "host_available_gb": state.live("host_available_gb"),
+        "host_total_gb": state.value("host_total_gb"),
         "probable_host_oom_kill": state.probable_host_oom_kill,
         "host_oom_kill_evidence": state.host_oom_kill_evidence,
-        "oom": oom, "problems": state.file.problems, "file": str(state.file.path),
+        "oom": oom,
+        "problems": state.file.problems,
+        "file": str(state.file.path),
     }
 
 

@@ -31,8 +31,9 @@ def write_png(postmortem: Postmortem, path) -> Path:
     metric = _metric(postmortem.ranks)
     _stage_lines(top, postmortem.ranks, metric, first)
     _stop_times(bottom, postmortem, first)
-    title = f"post-mortem of run {postmortem.run_id}: " + (f"first failure rank {first.rank} ({first.status})"
-                                                            if first else "no failure")
+    title = f"post-mortem of run {postmortem.run_id}: " + (
+        f"first failure rank {first.rank} ({first.status})" if first else "no failure"
+    )
     figure.suptitle(title)
     return save(figure, path, title)
 
@@ -67,8 +68,13 @@ def _stage_lines(axes, ranks: list[RankState], metric: str, first: RankState | N
     for stage in sorted(holders, key=str):
         points = _series(holders[stage], metric)
         if points:
-            axes.plot(*zip(*points), marker="o", markersize=3, linewidth=1.2,
-                      label=f"stage {stage} (rank {holders[stage].rank}, its highest)")
+            axes.plot(
+                *zip(*points),
+                marker="o",
+                markersize=3,
+                linewidth=1.2,
+                label=f"stage {stage} (rank {holders[stage].rank}, its highest)",
+            )
     if first is not None:
         points = _series(first, metric)
         if points:
@@ -89,11 +95,24 @@ def _stop_times(axes, postmortem: Postmortem, first: RankState | None) -> None:
     for status, color in _STATUS_COLOR.items():
         group = [s for s in postmortem.ranks if s.status == status and s.failure_time is not None]
         if group:
-            axes.scatter([s.rank for s in group], [s.failure_time - zero for s in group], s=8, color=color,
-                         label=f"{status} ({len(group)})")
+            axes.scatter(
+                [s.rank for s in group],
+                [s.failure_time - zero for s in group],
+                s=8,
+                color=color,
+                label=f"{status} ({len(group)})",
+            )
     if first is not None and first.failure_time is not None:
-        axes.scatter([first.rank], [0.0], s=250, marker="*", color="red", edgecolor="black", zorder=3,
-                     label=f"first failure: rank {first.rank}")
+        axes.scatter(
+            [first.rank],
+            [0.0],
+            s=250,
+            marker="*",
+            color="red",
+            edgecolor="black",
+            zorder=3,
+            label=f"first failure: rank {first.rank}",
+        )
     axes.set_xlabel("rank")
     failed = first is not None and first.failure_time is not None
     axes.set_ylabel("stopped (s after the first failure)" if failed else "stopped (s after the first rank)")

@@ -27,8 +27,10 @@ FRAGMENTATION_FIX = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 def who(state: RankState) -> str:
     header = state.header
-    return (f"rank {state.rank} (pp stage {header.get('pp_rank', '?')}, tp {header.get('tp_rank', '?')}, "
-            f"dp {header.get('dp_rank', '?')}) on {state.host}")
+    return (
+        f"rank {state.rank} (pp stage {header.get('pp_rank', '?')}, tp {header.get('tp_rank', '?')}, "
+        f"dp {header.get('dp_rank', '?')}) on {state.host}"
+    )
 
 
 def sentence(postmortem: Postmortem) -> str:
@@ -44,8 +46,10 @@ def sentence(postmortem: Postmortem) -> str:
         return _oom_sentence(first)
     if first.status == "closed":  # an exception: the only closed status that is a failure
         detail = (first.end or {}).get("detail") or "no detail recorded"
-        return (f"{who(first)} exited through an unhandled exception at {clock(first.failure_time)}"
-                f"{_at_iteration(first)}: {detail}")
+        return (
+            f"{who(first)} exited through an unhandled exception at {clock(first.failure_time)}"
+            f"{_at_iteration(first)}: {detail}"
+        )
     return _vanished_sentence(first)
 
 
@@ -56,11 +60,15 @@ def _oom_sentence(state: RankState) -> str:
     at = _oom_iteration(state)
     text = f"{who(state)} hit a CUDA OOM {at} asking for {gb_text(requested)} with {gb_text(free)} free"
     if fragmented(oom):
-        return (f"{text}; {gb_text(free + reserved_free)} was free in total, but the largest free block was "
-                f"{gb_text(largest)}, which is fragmentation: try {FRAGMENTATION_FIX}")
+        return (
+            f"{text}; {gb_text(free + reserved_free)} was free in total, but the largest free block was "
+            f"{gb_text(largest)}, which is fragmentation: try {FRAGMENTATION_FIX}"
+        )
     limit = whole_number(oom.get("device_limit"))
-    does_not_fit = (f": the working set does not fit in {gb_text(limit)}; lower the micro-batch size, recompute "
-                    "activations, or spread the model over more pipeline or tensor-parallel ranks")
+    does_not_fit = (
+        f": the working set does not fit in {gb_text(limit)}; lower the micro-batch size, recompute "
+        "activations, or spread the model over more pipeline or tensor-parallel ranks"
+    )
     if reserved_free is None:
         return f"{text} (no allocator snapshot, so fragmentation cannot be told){does_not_fit}"
     return f"{text}; {gb_text(free + reserved_free)} was free in total with the allocator's cache{does_not_fit}"
@@ -92,10 +100,14 @@ def _vanished_sentence(state: RankState) -> str:
         memory = f" with host RSS {gb_text(rss, 1)}" + (f" of {gb_text(total, 1)}" if total else "")
     text = f"{who(state)} vanished at {clock(state.last_alive)} (last alive){_at_iteration(state)}{memory}"
     if state.host_oom_kill_evidence:
-        return (f"{text} while {'; '.join(state.host_oom_kill_evidence)}: probably the kernel's OOM killer "
-                f"(check `dmesg` on {state.host})")
-    return (f"{text}, without recording an end: a SIGKILL (scheduler, OOM killer), a crash or a lost node; "
-            f"no sign of the OOM killer in what {state.host}'s ranks recorded")
+        return (
+            f"{text} while {'; '.join(state.host_oom_kill_evidence)}: probably the kernel's OOM killer "
+            f"(check `dmesg` on {state.host})"
+        )
+    return (
+        f"{text}, without recording an end: a SIGKILL (scheduler, OOM killer), a crash or a lost node; "
+        f"no sign of the OOM killer in what {state.host}'s ranks recorded"
+    )
 
 
 def _at_iteration(state: RankState) -> str:
@@ -111,12 +123,20 @@ def ambiguity_line(postmortem: Postmortem) -> str | None:
     same_host = other.host == first.host
     where = f"on one host ({first.host})" if same_host else f"on different hosts ({first.host}, {other.host})"
     beats = [s for s in (first, other) if not s.failure_time_exact]
-    parts = [f"{' and '.join(f'rank {s.rank}' for s in beats)}: a last beat may be up to a liveness period "
-             f"({max(s.period for s in beats):g} s) before the death"] if beats else []
+    parts = (
+        [
+            f"{' and '.join(f'rank {s.rank}' for s in beats)}: a last beat may be up to a liveness period "
+            f"({max(s.period for s in beats):g} s) before the death"
+        ]
+        if beats
+        else []
+    )
     if not same_host:
         parts.append(f"the hosts' clocks may differ by {postmortem.clock_skew_s:g} s (--clock-skew-s)")
-    line = (f"cannot tell which of rank {first.rank} and rank {other.rank} failed first: they stopped "
-            f"{gap:.2f} s apart {where}, within the {ambiguity.allowance_s:.2f} s allowance ({'; '.join(parts)})")
+    line = (
+        f"cannot tell which of rank {first.rank} and rank {other.rank} failed first: they stopped "
+        f"{gap:.2f} s apart {where}, within the {ambiguity.allowance_s:.2f} s allowance ({'; '.join(parts)})"
+    )
     more = len(ambiguity.others) - 1
     if more:
         line += f"; {more} more failed rank(s) stopped within the same allowance"
@@ -132,10 +152,13 @@ def format_text(postmortem: Postmortem, all_rows: bool = False) -> str:
     """Lead sentence, ambiguity, notes, the table, the per-stage summary, what could not be read."""
     ranks = postmortem.ranks
     started = min((s.header.get("started") or math.inf) for s in ranks)
-    lines = [f"post-mortem of run {postmortem.run_id} under {postmortem.run_dir}: {len(ranks)} of "
-             f"{postmortem.world_size} ranks read, {len({s.host for s in ranks})} host(s), {_shape(ranks)}",
-             f"started {date_time(started)}; times are this machine's local time ({time.strftime('%Z %z')})",
-             "", "FIRST FAILURE: " + sentence(postmortem)]
+    lines = [
+        f"post-mortem of run {postmortem.run_id} under {postmortem.run_dir}: {len(ranks)} of "
+        f"{postmortem.world_size} ranks read, {len({s.host for s in ranks})} host(s), {_shape(ranks)}",
+        f"started {date_time(started)}; times are this machine's local time ({time.strftime('%Z %z')})",
+        "",
+        "FIRST FAILURE: " + sentence(postmortem),
+    ]
     first = postmortem.first_failure
     if first is not None and first.oom and first.oom.get("snapshot"):
         snapshot = first.file.path.parent / first.oom["snapshot"]
@@ -143,12 +166,16 @@ def format_text(postmortem: Postmortem, all_rows: bool = False) -> str:
     lines += [line for line in [ambiguity_line(postmortem)] if line]
     lines += [f"note: {note}" for note in postmortem.notes]
     counts = Counter(s.status for s in ranks)
-    lines += ["", "status: " + ", ".join(f"{counts.get(status, 0)} {status}" for status in STATUSES)
-              + _failures_tail(postmortem)]
+    lines += [
+        "",
+        "status: " + ", ".join(f"{counts.get(status, 0)} {status}" for status in STATUSES) + _failures_tail(postmortem),
+    ]
     shown = ranks if all_rows or len(ranks) <= FULL_TABLE_MAX_RANKS else _selected(postmortem)
     if len(shown) < len(ranks):
-        lines.append(f"showing {len(shown)} of {len(ranks)} ranks: the first {SHOWN_FAILURES} failures, the first "
-                     "failure's pipeline and host, ranks with unreadable slots (--all: every rank)")
+        lines.append(
+            f"showing {len(shown)} of {len(ranks)} ranks: the first {SHOWN_FAILURES} failures, the first "
+            "failure's pipeline and host, ranks with unreadable slots (--all: every rank)"
+        )
     if shown:
         lines += [""] + render_block(_rank_columns(postmortem, shown))
     if len(shown) < len(ranks):
@@ -177,9 +204,13 @@ def _selected(postmortem: Postmortem) -> list[RankState]:
     if postmortem.ambiguity:
         chosen.update((s.rank, s) for s in postmortem.ambiguity.others[:SHOWN_FAILURES])
     if first is not None:
-        mates = (s for s in postmortem.ranks
-                 if s.host == first.host or (s.header.get("tp_rank"), s.header.get("dp_rank"))
-                 == (first.header.get("tp_rank"), first.header.get("dp_rank")))
+        mates = (
+            s
+            for s in postmortem.ranks
+            if s.host == first.host
+            or (s.header.get("tp_rank"), s.header.get("dp_rank"))
+            == (first.header.get("tp_rank"), first.header.get("dp_rank"))
+        )
         chosen.update((s.rank, s) for s in mates)
     chosen.update((s.rank, s) for s in [s for s in postmortem.ranks if s.file.problems][:SHOWN_FAILURES])
     return [chosen[rank] for rank in sorted(chosen)]
@@ -206,17 +237,21 @@ def _rank_columns(postmortem: Postmortem, shown: list[RankState]) -> list[Column
     def header(key):
         return [str(s.header.get(key, "?")) for s in shown]
 
-    return [Column("rank", "rank", [str(s.rank) for s in shown]), Column("rank", "pp", header("pp_rank")),
-            Column("rank", "tp", header("tp_rank")), Column("rank", "dp", header("dp_rank")),
-            Column("rank", "host", [s.host for s in shown], left=True),
-            Column("outcome", "status", [s.status for s in shown], left=True),
-            Column("outcome", "finding", [_finding(postmortem, s) for s in shown], left=True),
-            Column("outcome", "last iter", [cell(s.last_iteration) for s in shown]),
-            Column("device GB", "peak reserved", [gb_cell(s.peak_reserved_gb) for s in shown]),
-            Column("device GB", "headroom", [gb_cell(s.headroom_gb) for s in shown]),
-            Column("host GB", "RSS", [gb_cell(s.live("host_rss_gb")) for s in shown]),
-            Column("host GB", "MemAvailable", [gb_cell(s.live("host_available_gb")) for s in shown]),
-            Column("", "last alive", [clock(s.last_alive, fraction=True) for s in shown])]
+    return [
+        Column("rank", "rank", [str(s.rank) for s in shown]),
+        Column("rank", "pp", header("pp_rank")),
+        Column("rank", "tp", header("tp_rank")),
+        Column("rank", "dp", header("dp_rank")),
+        Column("rank", "host", [s.host for s in shown], left=True),
+        Column("outcome", "status", [s.status for s in shown], left=True),
+        Column("outcome", "finding", [_finding(postmortem, s) for s in shown], left=True),
+        Column("outcome", "last iter", [cell(s.last_iteration) for s in shown]),
+        Column("device GB", "peak reserved", [gb_cell(s.peak_reserved_gb) for s in shown]),
+        Column("device GB", "headroom", [gb_cell(s.headroom_gb) for s in shown]),
+        Column("host GB", "RSS", [gb_cell(s.live("host_rss_gb")) for s in shown]),
+        Column("host GB", "MemAvailable", [gb_cell(s.live("host_available_gb")) for s in shown]),
+        Column("", "last alive", [clock(s.last_alive, fraction=True) for s in shown]),
+    ]
 
 
 def _stage_columns(ranks: list[RankState]) -> list[Column]:
@@ -240,25 +275,30 @@ def _stage_columns(ranks: list[RankState]) -> list[Column]:
         found = [s.last_iteration for s in group if s.last_iteration is not None]
         return f"{min(found)}..{max(found)}" if found else "-"
 
-    return [Column("", "pp stage", [str(stage) for stage, _ in rows]),
-            Column("", "ranks", [str(len(group)) for _, group in rows]),
-            *[Column("status", status, [str(sum(s.status == status for s in group)) for _, group in rows])
-              for status in STATUSES],
-            Column("", "last iter", [iterations(group) for _, group in rows]),
-            Column("GB", "max peak reserved", [extreme(g, lambda s: s.peak_reserved_gb, max) for _, g in rows]),
-            Column("GB", "least headroom", [extreme(g, lambda s: s.headroom_gb, min) for _, g in rows]),
-            Column("GB", "max host RSS", [extreme(g, lambda s: s.live("host_rss_gb"), max) for _, g in rows]),
-            Column("GB", "least MemAvailable",
-                   [extreme(g, lambda s: s.live("host_available_gb"), min) for _, g in rows]),
-            Column("", "last alive", [alive_range(group) for _, group in rows])]
+    return [
+        Column("", "pp stage", [str(stage) for stage, _ in rows]),
+        Column("", "ranks", [str(len(group)) for _, group in rows]),
+        *[
+            Column("status", status, [str(sum(s.status == status for s in group)) for _, group in rows])
+            for status in STATUSES
+        ],
+        Column("", "last iter", [iterations(group) for _, group in rows]),
+        Column("GB", "max peak reserved", [extreme(g, lambda s: s.peak_reserved_gb, max) for _, g in rows]),
+        Column("GB", "least headroom", [extreme(g, lambda s: s.headroom_gb, min) for _, g in rows]),
+        Column("GB", "max host RSS", [extreme(g, lambda s: s.live("host_rss_gb"), max) for _, g in rows]),
+        Column("GB", "least MemAvailable", [extreme(g, lambda s: s.live("host_available_gb"), min) for _, g in rows]),
+        Column("", "last alive", [alive_range(group) for _, group in rows]),
+    ]
 
 
 def _problem_lines(postmortem: Postmortem) -> list[str]:
     lines = []
     if postmortem.unreadable:
         lines += ["", f"unreadable record files ({len(postmortem.unreadable)}; their ranks are not in the table):"]
-        lines += [f"  {path}: {why}" + ("" if rank is None else f" (rank {rank} by its name)")
-                  for path, rank, why in postmortem.unreadable[:SHOWN_PROBLEMS]]
+        lines += [
+            f"  {path}: {why}" + ("" if rank is None else f" (rank {rank} by its name)")
+            for path, rank, why in postmortem.unreadable[:SHOWN_PROBLEMS]
+        ]
         lines += _more(postmortem.unreadable)
     torn = [s for s in postmortem.ranks if s.file.problems]
     if torn:
@@ -268,15 +308,24 @@ def _problem_lines(postmortem: Postmortem) -> list[str]:
     unread = {rank for _, rank, _ in postmortem.unreadable}
     missing = [rank for rank in postmortem.missing_ranks if rank not in unread]
     if missing:
-        lines += ["", f"ranks with no record file ({len(missing)}; never started recording, or their files were not "
-                  f"copied): {_ranges(missing)}"]
+        lines += [
+            "",
+            f"ranks with no record file ({len(missing)}; never started recording, or their files were not "
+            f"copied): {_ranges(missing)}",
+        ]
     if postmortem.ignored_runs:
         files = sum(run["files"] for run in postmortem.ignored_runs)
-        lines += ["", f"ignored {files} record file(s) of {len(postmortem.ignored_runs)} other run(s) in the same "
-                  f"folder (reported: run {postmortem.run_id}, the newest start, or --run-id):"]
-        lines += [f"  run {run['run_id']}, started {date_time(run['started'])}: {run['files']} file(s) in "
-                  + ", ".join(run["dirs"][:3]) + (" ..." if len(run["dirs"]) > 3 else "")
-                  for run in postmortem.ignored_runs]
+        lines += [
+            "",
+            f"ignored {files} record file(s) of {len(postmortem.ignored_runs)} other run(s) in the same "
+            f"folder (reported: run {postmortem.run_id}, the newest start, or --run-id):",
+        ]
+        lines += [
+            f"  run {run['run_id']}, started {date_time(run['started'])}: {run['files']} file(s) in "
+            + ", ".join(run["dirs"][:3])
+            + (" ..." if len(run["dirs"]) > 3 else "")
+            for run in postmortem.ignored_runs
+        ]
     if postmortem.duplicates:
         lines += ["", "ranks with two record files in this run (kept the one alive last):"]
         lines += [f"  {text}" for text in postmortem.duplicates[:SHOWN_PROBLEMS]]

@@ -12,8 +12,20 @@ from ..attribution import PREFIX
 from .events import EXPECTED, EventFile, MemoryRun, ReportError, Series, is_host, load_run, split_runs
 from .tables import Column, metric_cell, render_table
 
-__all__ = ["EventFile", "MemoryRun", "ReportError", "Series", "TABLE_WIDTH", "capacity_tag", "choose_metric",
-           "format_report", "load_run", "peak_window_line", "runs_lines", "split_runs"]
+__all__ = [
+    "EventFile",
+    "MemoryRun",
+    "ReportError",
+    "Series",
+    "TABLE_WIDTH",
+    "capacity_tag",
+    "choose_metric",
+    "format_report",
+    "load_run",
+    "peak_window_line",
+    "runs_lines",
+    "split_runs",
+]
 
 TABLE_WIDTH = 118
 _WINDOW_MEANING = {
@@ -45,13 +57,18 @@ def format_report(run: MemoryRun) -> str:
     """The header lines and the per-stage table, wrapped to TABLE_WIDTH columns."""
     steps = run.steps
     last = steps[-1]
-    lines = [f"run: {run.run_dir}",
-             f"steps {steps[0]}..{last} ({len(steps)} logged); pipeline stages: {len(run.stages)}; "
-             f"now = step {last}, peak = max over steps; GB unless the name says otherwise"]
+    lines = [
+        f"run: {run.run_dir}",
+        f"steps {steps[0]}..{last} ({len(steps)} logged); pipeline stages: {len(run.stages)}; "
+        f"now = step {last}, peak = max over steps; GB unless the name says otherwise",
+    ]
     lines.append(peak_window_line(run))
     lines += runs_lines(run)
-    capacity = [f"{label} {metric_cell(tag, run.get(tag).latest)} GB"
-                for label, tag in (("device", "device_total_gb"), ("host", "host_total_gb")) if run.get(tag)]
+    capacity = [
+        f"{label} {metric_cell(tag, run.get(tag).latest)} GB"
+        for label, tag in (("device", "device_total_gb"), ("host", "host_total_gb"))
+        if run.get(tag)
+    ]
     if capacity:
         lines.append("capacity (largest stage): " + ", ".join(capacity))
     names = run.metrics()
@@ -73,12 +90,16 @@ def peak_window_line(run: MemoryRun) -> str:
 
 def runs_lines(run: MemoryRun) -> list[str]:
     """Where the run resumed, and the other runs found under RUN_DIR that were left out."""
-    lines = [f"resumed at step {step} (event file {part.path.name} continues the run)"
-             for step, part in zip(run.resumed_at, run.files[1:])]
+    lines = [
+        f"resumed at step {step} (event file {part.path.name} continues the run)"
+        for step, part in zip(run.resumed_at, run.files[1:])
+    ]
     if run.other_runs:
-        lines.append(f"NOTE: {run.run_dir} holds {len(run.other_runs) + 1} runs (event files whose steps "
-                     f"start over); this report shows only the newest, "
-                     f"{run.files[0].describe().split(': ')[0]}. Not included:")
+        lines.append(
+            f"NOTE: {run.run_dir} holds {len(run.other_runs) + 1} runs (event files whose steps "
+            f"start over); this report shows only the newest, "
+            f"{run.files[0].describe().split(': ')[0]}. Not included:"
+        )
         lines += [f"  {part.describe()}" for other in run.other_runs for part in other]
         lines.append("  to report one of them, pass its event file (or a folder holding only its run) as RUN_DIR")
     return lines
@@ -86,8 +107,11 @@ def runs_lines(run: MemoryRun) -> list[str]:
 
 def _columns(run: MemoryRun, names: list[str]) -> list[Column]:
     """metric | logged max: now, peak, stage | per stage: now, peak | headroom: GB now, stage."""
-    columns = [Column("", "metric", names, left=True), *_now_and_peak("logged max", names, map(run.get, names)),
-               Column("logged max", "stage", [_holder(run, name) for name in names])]
+    columns = [
+        Column("", "metric", names, left=True),
+        *_now_and_peak("logged max", names, map(run.get, names)),
+        Column("logged max", "stage", [_holder(run, name) for name in names]),
+    ]
     for stage in run.stages:
         columns += _now_and_peak(f"stage {stage}", names, (run.per_stage(name).get(stage) for name in names))
     headroom = [_headroom(run, "host_headroom" if is_host(name) else "headroom") for name in names]
@@ -99,8 +123,10 @@ def _columns(run: MemoryRun, names: list[str]) -> list[Column]:
 def _now_and_peak(group: str, names: list[str], series) -> list[Column]:
     """The "now" (latest) and "peak" columns of one series per name ("-" where None)."""
     series = list(series)
-    return [Column(group, "now", [metric_cell(n, s and s.latest) for n, s in zip(names, series)]),
-            Column(group, "peak", [metric_cell(n, s and s.peak) for n, s in zip(names, series)])]
+    return [
+        Column(group, "now", [metric_cell(n, s and s.latest) for n, s in zip(names, series)]),
+        Column(group, "peak", [metric_cell(n, s and s.peak) for n, s in zip(names, series)]),
+    ]
 
 
 def _holder(run: MemoryRun, name: str) -> str:

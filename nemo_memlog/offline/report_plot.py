@@ -26,8 +26,9 @@ def write_png(run: MemoryRun, metric: str, path) -> Path:
         axes.plot(series.steps, series.values, marker="o", markersize=3, linewidth=1.5, label=f"stage {stage}")
     logged = run.get(metric)
     if logged is not None:
-        axes.plot(logged.steps, logged.values, linestyle="--", color="black", linewidth=1.2,
-                  label="logged max over stages")
+        axes.plot(
+            logged.steps, logged.values, linestyle="--", color="black", linewidth=1.2, label="logged max over stages"
+        )
     _capacity_line(axes, run, metric)
     if unit(metric) == "GB":
         axes.set_ylim(bottom=0)  # distance to the capacity line reads as headroom
@@ -48,7 +49,8 @@ def _capacity_line(axes, run: MemoryRun, metric: str) -> None:
     label = f"{capacity_tag(metric)} = {capacity.latest:.2f}"
     top = max((v for line in axes.get_lines() for v in line.get_ydata() if v == v), default=0.0)
     far = top > 0 and capacity.latest > 3 * top
-    axes.axhline(capacity.latest, color="red", linestyle=":", linewidth=1.5,
-                 label=label + (" (above this scale)" if far else ""))
+    axes.axhline(
+        capacity.latest, color="red", linestyle=":", linewidth=1.5, label=label + (" (above this scale)" if far else "")
+    )
     if far:
         axes.set_ylim(top=1.15 * top)

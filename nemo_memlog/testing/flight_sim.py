@@ -40,18 +40,39 @@ class Rank:
     end: str | None = None  # end reason; None: killed without a trace
 
     def identity(self, run_id: str) -> dict:
-        return {"run_id": run_id, "rank": self.rank, "world_size": self.world, "pp_rank": self.pp,
-                "tp_rank": self.tp, "dp_rank": self.dp, "host": self.host}
+        return {
+            "run_id": run_id,
+            "rank": self.rank,
+            "world_size": self.world,
+            "pp_rank": self.pp,
+            "tp_rank": self.tp,
+            "dp_rank": self.dp,
+            "host": self.host,
+        }
 
     def report(self, iteration: int) -> dict:
         """A GPU-like report_memory() + capacity_report(), growing a little with the iteration."""
         peak = self.peak_reserved_gb * (0.95 + 0.05 * iteration / max(self.iterations[-1], 1))
-        return {"peak_allocated_gb": peak - 1.5, "peak_reserved_gb": peak, "peak_active_gb": peak - 1.5,
-                "peak_inactive_gb": 1.2, "current_allocated_gb": peak - 6.0, "current_reserved_gb": peak - 0.5,
-                "current_active_gb": peak - 6.0, "current_inactive_gb": 0.8, "alloc_retries": 0, "num_ooms": 0,
-                "allocation_count": 123456 + iteration, "host_rss_gb": self.host_rss_gb,
-                "peak_host_rss_gb": self.host_rss_gb + 0.5, "device_used_gb": peak + 1.1, "device_other_gb": 1.1,
-                "device_total_gb": 80.0, "host_total_gb": 512.0, "host_available_gb": self.host_available_gb}
+        return {
+            "peak_allocated_gb": peak - 1.5,
+            "peak_reserved_gb": peak,
+            "peak_active_gb": peak - 1.5,
+            "peak_inactive_gb": 1.2,
+            "current_allocated_gb": peak - 6.0,
+            "current_reserved_gb": peak - 0.5,
+            "current_active_gb": peak - 6.0,
+            "current_inactive_gb": 0.8,
+            "alloc_retries": 0,
+            "num_ooms": 0,
+            "allocation_count": 123456 + iteration,
+            "host_rss_gb": self.host_rss_gb,
+            "peak_host_rss_gb": self.host_rss_gb + 0.5,
+            "device_used_gb": peak + 1.1,
+            "device_other_gb": 1.1,
+            "device_total_gb": 80.0,
+            "host_total_gb": 512.0,
+            "host_available_gb": self.host_available_gb,
+        }
 
 
 def layout(pp: int, tp: int, dp: int, gpus_per_node: int = GPUS_PER_NODE) -> list[Rank]:
@@ -61,8 +82,16 @@ def layout(pp: int, tp: int, dp: int, gpus_per_node: int = GPUS_PER_NODE) -> lis
     width = max(3, len(str(hosts - 1)))
     ranks = []
     for rank in range(world):
-        ranks.append(Rank(rank, pp=rank // (tp * dp), tp=rank % tp, dp=rank // tp % dp,
-                          host=f"node-{rank // gpus_per_node:0{width}d}", world=world))
+        ranks.append(
+            Rank(
+                rank,
+                pp=rank // (tp * dp),
+                tp=rank % tp,
+                dp=rank // tp % dp,
+                host=f"node-{rank // gpus_per_node:0{width}d}",
+                world=world,
+            )
+        )
     return ranks
 
 
@@ -94,9 +123,16 @@ def write_rank(directory, rank: Rank, run_id: str = "sim-run", slots: int | None
         flight.record(iteration, rank.report(iteration))
     clock.now = rank.stopped
     if rank.beats:
-        flight.write_liveness({"alive": rank.stopped, "beats": 100, "host_available_gb": rank.host_available_gb,
-                               "host_rss_gb": rank.host_rss_gb, "vmstat_oom_kill": rank.vmstat_oom_kill,
-                               "cgroup_oom_kill": rank.cgroup_oom_kill})
+        flight.write_liveness(
+            {
+                "alive": rank.stopped,
+                "beats": 100,
+                "host_available_gb": rank.host_available_gb,
+                "host_rss_gb": rank.host_rss_gb,
+                "vmstat_oom_kill": rank.vmstat_oom_kill,
+                "cgroup_oom_kill": rank.cgroup_oom_kill,
+            }
+        )
     if rank.oom is not None:
         flight.record_oom(rank.oom, rank.report(rank.iterations[-1]))
     if rank.end is not None:

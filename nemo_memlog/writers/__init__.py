@@ -93,11 +93,26 @@ def _process_fanout(settings, names, params, secrets):
 
         return ProcessFanOut(settings, names, params, secrets)
     except Exception as error:  # no process can be started here (limits, a sandbox, no AF_UNIX): threads work
-        warnings.warn(f"nemo_memlog: could not start the writer process ({type(error).__name__}: {error}); "
-                      f"the backends write from threads of this process instead (logger.writer_mode='thread')",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"nemo_memlog: could not start the writer process ({type(error).__name__}: {error}); "
+            f"the backends write from threads of this process instead (logger.writer_mode='thread')",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return None
 
 
-__all__ = ["ADOPTABLE", "CONFIGURED", "Backend", "BufferedBackend", "InlineFanOut", "ThreadFanOut", "Writers",
-           "adopt_writers", "backend_module", "build_writers", "enabled_backends", "open_thread_fanout"]
+__all__ = [
+    "ADOPTABLE",
+    "CONFIGURED",
+    "Backend",
+    "BufferedBackend",
+    "InlineFanOut",
+    "ThreadFanOut",
+    "Writers",
+    "adopt_writers",
+    "backend_module",
+    "build_writers",
+    "enabled_backends",
+    "open_thread_fanout",
+]

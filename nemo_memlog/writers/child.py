@@ -57,7 +57,7 @@ class Link:
                 for chunk in wire.encode(message):  # one chunk: replies and warnings are small
                     self.sock.sendall(chunk)
                 return True
-            except socket.timeout:  # the training process is not reading (stopped?): this one is not sent
+            except TimeoutError:  # the training process is not reading (stopped?): this one is not sent
                 return False
             except OSError:
                 self.open = False
@@ -71,7 +71,7 @@ def messages(sock: socket.socket, parent: int):
     while True:
         try:
             message = receiver.receive()
-        except socket.timeout:
+        except TimeoutError:
             if os.getppid() == parent:
                 continue
             sock.setblocking(False)  # the trainer died, yet a fork of it holds the socket: take what is there
@@ -115,8 +115,7 @@ def serve(sock: socket.socket, parent: int) -> None:
     os.environ.update(start.private_environ)
     forward_warnings(link)
     settings = from_plain(start.settings)
-    fanout = open_thread_fanout(settings, start.backend_names, start.params, start.secrets,
-                                closes_with_process=False)
+    fanout = open_thread_fanout(settings, start.backend_names, start.params, start.secrets, closes_with_process=False)
     budget = settings.writer_close_timeout_s
     for message in stream:
         if isinstance(message, wire.Log):

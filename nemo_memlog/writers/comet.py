@@ -29,10 +29,19 @@ _NO_HOOKS = "COMET_DISABLE_AUTO_LOGGING"
 NO_CAPTURE = dict(
     parse_args=False,  # sys.argv may hold a secret override
     log_env_details=False,  # its message holds the command line (sys.argv), host and user
-    log_env_host=False, log_env_gpu=False, log_env_cpu=False, log_env_network=False, log_env_disk=False,
-    log_git_metadata=False, log_git_patch=False, log_code=False, log_graph=False,
+    log_env_host=False,
+    log_env_gpu=False,
+    log_env_cpu=False,
+    log_env_network=False,
+    log_env_disk=False,
+    log_git_metadata=False,
+    log_git_patch=False,
+    log_code=False,
+    log_graph=False,
     auto_output_logging=False,  # stdout: Megatron prints its arguments
-    auto_param_logging=False, auto_metric_logging=False, auto_log_co2=False,
+    auto_param_logging=False,
+    auto_metric_logging=False,
+    auto_log_co2=False,
     display_summary_level=0,
 )
 
@@ -41,7 +50,7 @@ def enabled(settings) -> bool:
     return bool(settings.comet_project)
 
 
-def open_backend(settings, params: dict, secrets: list[str]) -> "CometBackend":
+def open_backend(settings, params: dict, secrets: list[str]) -> CometBackend:
     """A Comet experiment named ``comet_experiment_name`` with ``comet_tags``, and
     ``params`` logged once (string values with ``secrets`` scrubbed)."""
     comet_ml = import_comet_ml()
@@ -80,7 +89,7 @@ def import_comet_ml():
     return comet_ml
 
 
-def adopt(obj) -> "CometBackend | None":
+def adopt(obj) -> CometBackend | None:
     """A comet_ml Experiment (online or offline) that someone else opened, else None."""
     if type(obj).__module__.startswith("comet_ml") and hasattr(obj, "log_metrics"):
         return CometBackend(obj)

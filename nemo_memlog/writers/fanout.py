@@ -95,7 +95,9 @@ class BufferedBackend:
             self.dropped += len(self._buffer)
             self._warn_once("unwritten", f"{len(self._buffer)} steps were still unwritten at close")
         if self.dropped:
-            warnings.warn(f"nemo_memlog: {self.name} lost {self.dropped} logged steps in total", RuntimeWarning)
+            warnings.warn(
+                f"nemo_memlog: {self.name} lost {self.dropped} logged steps in total", RuntimeWarning, stacklevel=2
+            )
 
     def flush_backend(self) -> None:
         with self._cond:
@@ -143,6 +145,7 @@ class BufferedBackend:
                 f"nemo_memlog: {self.name} is writing again after {self.failures} failed attempts; "
                 f"buffered steps are being replayed",
                 RuntimeWarning,
+                stacklevel=2,
             )
             self._failing = False
         return True
@@ -163,8 +166,12 @@ class BufferedBackend:
 
     def stats(self) -> dict:
         with self._cond:
-            return {"written": self.written, "pending": len(self._buffer), "dropped": self.dropped,
-                    "failures": self.failures}
+            return {
+                "written": self.written,
+                "pending": len(self._buffer),
+                "dropped": self.dropped,
+                "failures": self.failures,
+            }
 
 
 class ThreadFanOut:
@@ -175,8 +182,9 @@ class ThreadFanOut:
     thread pays one lock and one wake-up per step, however many backends there are.
     """
 
-    def __init__(self, buffered: list[BufferedBackend], close_timeout_s: float = 30.0, *,
-                 closes_with_process: bool = True):
+    def __init__(
+        self, buffered: list[BufferedBackend], close_timeout_s: float = 30.0, *, closes_with_process: bool = True
+    ):
         """``closes_with_process``: closed at interpreter exit and on SIGTERM (process_wide.py);
         False in the writer process, which decides its own end."""
         self.buffered = buffered
@@ -259,12 +267,15 @@ class ThreadFanOut:
         return {backend.name: backend.stats() for backend in self.buffered}
 
 
-def open_thread_fanout(settings, names: list[str], params: dict, secrets: list[str], *,
-                       closes_with_process: bool = True) -> ThreadFanOut:
+def open_thread_fanout(
+    settings, names: list[str], params: dict, secrets: list[str], *, closes_with_process: bool = True
+) -> ThreadFanOut:
     """The backends ``names`` (of base.CONFIGURED), each opened lazily in a thread of this
     process behind its own buffer of ``settings.writer_buffer_steps``."""
-    buffered = [BufferedBackend(name, _opener(name, settings, params, secrets), settings.writer_buffer_steps, secrets)
-                for name in names]
+    buffered = [
+        BufferedBackend(name, _opener(name, settings, params, secrets), settings.writer_buffer_steps, secrets)
+        for name in names
+    ]
     return ThreadFanOut(buffered, settings.writer_close_timeout_s, closes_with_process=closes_with_process)
 
 

@@ -39,8 +39,10 @@ class InlineFanOut:
 
     def stats(self) -> dict:
         """Per backend: written, and failures (nothing is buffered here: pending and dropped are 0)."""
-        return {name: {"written": self._written[name], "pending": 0, "dropped": 0,
-                       "failures": self.failures.get(name, 0)} for name in self._written}
+        return {
+            name: {"written": self._written[name], "pending": 0, "dropped": 0, "failures": self.failures.get(name, 0)}
+            for name in self._written
+        }
 
     def _call(self, name: str, what: str, fn, *args) -> bool:
         try:
@@ -48,6 +50,9 @@ class InlineFanOut:
             return True
         except Exception as error:  # isolation: a backend never raises into training
             self.failures[name] = self.failures.get(name, 0) + 1
-            self._warn_once((name, what, type(error).__name__), f"{name} backend: {what} failed with "
-                            f"{type(error).__name__}: {error}; this step is not in {name}", stacklevel=3)
+            self._warn_once(
+                (name, what, type(error).__name__),
+                f"{name} backend: {what} failed with {type(error).__name__}: {error}; this step is not in {name}",
+                stacklevel=3,
+            )
             return False

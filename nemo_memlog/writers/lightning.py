@@ -15,7 +15,7 @@ from __future__ import annotations
 _LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
 
 
-def adopt(obj) -> "LightningLoggerBackend | None":
+def adopt(obj) -> LightningLoggerBackend | None:
     """A Lightning ``Logger`` (any subclass, either package) that a Trainer holds, else None.
     Recognised by its base classes' modules, without importing Lightning."""
     for cls in type(obj).__mro__:

@@ -46,7 +46,7 @@ def _bounded(name: str, key: str) -> str:
     to MLflow's length, with a checksum of ``key``."""
     name = "/".join("_" if segment in ("", ".", "..") else segment for segment in name.split("/"))
     if len(name) > MAX_NAME:
-        name = f"{name[:MAX_NAME - 9]}_{zlib.crc32(key.encode()):08x}"
+        name = f"{name[: MAX_NAME - 9]}_{zlib.crc32(key.encode()):08x}"
     return name
 
 
@@ -54,7 +54,7 @@ def enabled(settings) -> bool:
     return bool(settings.mlflow_experiment)
 
 
-def open_backend(settings, params: dict, secrets: list[str]) -> "MlflowBackend":
+def open_backend(settings, params: dict, secrets: list[str]) -> MlflowBackend:
     """A run named ``mlflow_run_name`` (tags ``mlflow_tags``) in ``mlflow_experiment``,
     created if missing, with ``params`` as its params (strings, secrets scrubbed)."""
     from mlflow.entities import Param
@@ -76,11 +76,11 @@ def open_backend(settings, params: dict, secrets: list[str]) -> "MlflowBackend":
     run_id = run.info.run_id
     values = [Param(mlflow_name(k), scrubbed(str(v), secrets)[:MAX_PARAM_VALUE]) for k, v in params.items()]
     for start in range(0, len(values), PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=values[start:start + PARAMS_PER_BATCH], synchronous=True)
+        client.log_batch(run_id, params=values[start : start + PARAMS_PER_BATCH], synchronous=True)
     return MlflowBackend(client, run_id)
 
 
-def adopt(obj, spell=None) -> "MlflowBackend | None":
+def adopt(obj, spell=None) -> MlflowBackend | None:
     """The ``mlflow`` module with a run active on this thread, opened by someone else (a
     framework such as Megatron-Bridge); else None.
 
@@ -132,7 +132,7 @@ class MlflowBackend:
         name = self.name
         batch = [Metric(name(k), float(v), now_ms, step) for k, v in metrics.items()]
         for start in range(0, len(batch), METRICS_PER_BATCH):
-            self.client.log_batch(self.run_id, metrics=batch[start:start + METRICS_PER_BATCH], synchronous=True)
+            self.client.log_batch(self.run_id, metrics=batch[start : start + METRICS_PER_BATCH], synchronous=True)
 
     def flush(self) -> None:
         pass  # every log_batch is synchronous: written when log returns

@@ -92,8 +92,11 @@ class ProcessFanOut:
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
             public, private = split_environment(os.environ, secrets)
             self.process = subprocess.Popen(
-                [sys.executable, "-m", CHILD_MODULE, str(theirs.fileno())], pass_fds=[theirs.fileno()],
-                env=_with_package_path(public), stdin=subprocess.DEVNULL)
+                [sys.executable, "-m", CHILD_MODULE, str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                env=_with_package_path(public),
+                stdin=subprocess.DEVNULL,
+            )
         except BaseException:
             ours.close()
             raise
@@ -125,8 +128,10 @@ class ProcessFanOut:
         if counts is None:
             counts = self._goodbye or {}
         zero = {"written": 0, "pending": 0, "dropped": 0, "failures": 0}
-        return {name: {**zero, **counts.get(name, {}), "dropped": counts.get(name, zero)["dropped"] + self.dropped}
-                for name in self.backend_names}
+        return {
+            name: {**zero, **counts.get(name, {}), "dropped": counts.get(name, zero)["dropped"] + self.dropped}
+            for name in self.backend_names
+        }
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain and close every backend within ``timeout_s`` (+ REPLY_GRACE_S), and reap the
@@ -154,7 +159,11 @@ class ProcessFanOut:
         if self._goodbye is None and not self._warn_once.seen("gone"):
             self._warn_once("no-goodbye", f"the writer process did not confirm closing the backends within {budget} s")
         if self.dropped:
-            warnings.warn(f"nemo_memlog: {self.dropped} logged steps never reached the writer process", RuntimeWarning)
+            warnings.warn(
+                f"nemo_memlog: {self.dropped} logged steps never reached the writer process",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         if not reentered:
             self._release_socket()
 
@@ -163,8 +172,11 @@ class ProcessFanOut:
         try:
             chunks = wire.encode(message)
         except Exception as error:  # e.g. a metric value that cannot be pickled: never raise into training
-            self._warn_once(("pickle", type(error).__name__), f"a step could not be sent to the writer process "
-                            f"({type(error).__name__}: {error}); such steps are dropped and counted")
+            self._warn_once(
+                ("pickle", type(error).__name__),
+                f"a step could not be sent to the writer process "
+                f"({type(error).__name__}: {error}); such steps are dropped and counted",
+            )
             self._lose(droppable)
             return False
         with self._lock:
@@ -195,8 +207,11 @@ class ProcessFanOut:
                     del self._backlog[index]
                     self._backlog_steps -= 1
                     self._lose(True)
-                    self._warn_once("full", f"the writer process is behind and {self._limit} steps wait for it; "
-                                    f"dropping the oldest (raise logger.writer_buffer_steps to keep more)")
+                    self._warn_once(
+                        "full",
+                        f"the writer process is behind and {self._limit} steps wait for it; "
+                        f"dropping the oldest (raise logger.writer_buffer_steps to keep more)",
+                    )
                     break
         self._backlog.append([collections.deque(chunks), droppable, 0])
         self._backlog_steps += droppable
@@ -318,8 +333,9 @@ class ProcessFanOut:
                 code = self.process.wait(5)
             except subprocess.TimeoutExpired:
                 code = "unknown"
-            self._warn_once("gone", f"the writer process ended unexpectedly (exit code {code}); "
-                            f"later steps are dropped and counted")
+            self._warn_once(
+                "gone", f"the writer process ended unexpectedly (exit code {code}); later steps are dropped and counted"
+            )
 
     def _forget_after_fork(self) -> None:
         """In a forked child of the training process (a data-loader worker, say): let go of
@@ -348,4 +364,3 @@ def _with_package_path(environ: dict) -> dict:
         return environ
     paths = [root] + [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != root]
     return {**environ, "PYTHONPATH": os.pathsep.join(paths)}
-

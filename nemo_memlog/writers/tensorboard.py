@@ -21,7 +21,7 @@ def enabled(settings) -> bool:
     return bool(settings.tensorboard_dir)
 
 
-def open_backend(settings, params: dict, secrets: list[str]) -> "TensorBoardBackend":
+def open_backend(settings, params: dict, secrets: list[str]) -> TensorBoardBackend:
     """A SummaryWriter on ``tensorboard_dir``, with ``params`` recorded once as the "config" text."""
     from torch.utils.tensorboard import SummaryWriter
 
@@ -40,7 +40,7 @@ def config_text(params: dict, secrets: list[str]) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def adopt(obj) -> "TensorBoardBackend | None":
+def adopt(obj) -> TensorBoardBackend | None:
     """A SummaryWriter (torch's or tensorboardX's) that someone else opened, else None."""
     if type(obj).__module__.startswith(("torch.utils.tensorboard", "tensorboardX")) and hasattr(obj, "add_scalar"):
         return TensorBoardBackend(obj)

@@ -39,7 +39,7 @@ def enabled(settings) -> bool:
     return bool(settings.wandb_project)
 
 
-def open_backend(settings, params: dict, secrets: list[str]) -> "WandbBackend":
+def open_backend(settings, params: dict, secrets: list[str]) -> WandbBackend:
     """A W&B run in ``wandb_project`` with ``params`` as its config (``secrets`` scrubbed
     from its values again, in case one hid in a field not named like a secret)."""
     import wandb
@@ -55,7 +55,7 @@ def open_backend(settings, params: dict, secrets: list[str]) -> "WandbBackend":
     return WandbBackend(run)
 
 
-def adopt(obj) -> "WandbBackend | None":
+def adopt(obj) -> WandbBackend | None:
     """The ``wandb`` module after ``wandb.init()``, or a W&B Run, that someone else opened;
     else None. Rows are merged into the opener's row for the step, not committed: a
     commit would make W&B drop every later metric the opener logs at that step."""

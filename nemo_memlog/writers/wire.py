@@ -83,7 +83,7 @@ def encode(message) -> list[bytes]:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     if len(data) <= CHUNK:
         return [LAST + data]
-    parts = [data[start:start + CHUNK] for start in range(0, len(data), CHUNK)]
+    parts = [data[start : start + CHUNK] for start in range(0, len(data), CHUNK)]
     return [MORE + part for part in parts[:-1]] + [LAST + parts[-1]]
 
 

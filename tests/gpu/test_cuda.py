@@ -28,8 +28,13 @@ def nvidia_smi_used_gb(uuid: str) -> float | None:
     """nvidia-smi's used memory of the GPU with this UUID (GB), or None without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return None
-    rows = subprocess.run(["nvidia-smi", "--query-gpu=uuid,memory.used", "--format=csv,noheader,nounits"],
-                          capture_output=True, text=True, check=True, timeout=60).stdout
+    rows = subprocess.run(
+        ["nvidia-smi", "--query-gpu=uuid,memory.used", "--format=csv,noheader,nounits"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     for row in rows.strip().splitlines():
         gpu, used_mib = (cell.strip() for cell in row.split(","))
         if uuid.lower() in gpu.lower():
@@ -116,8 +121,12 @@ def nccl_world_of_one(run_dir):
     report.update(memory.capacity_report())
     reduction = reduce.Reduction()  # what gather_memory (and a run) gathers through
     gathered = reduction.gather(report, world, iteration=1, timeout_s=60)
-    out = {"report": report, "gathered": gathered.per_rank[0], "keys": gathered.keys,
-           "channel_device": reduction.channel(world).device.type}
+    out = {
+        "report": report,
+        "gathered": gathered.per_rank[0],
+        "keys": gathered.keys,
+        "channel_device": reduction.channel(world).device.type,
+    }
     reduction.close()
 
     cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_dir=f"{run_dir}/tensorboard")
@@ -138,8 +147,12 @@ def nccl_world_of_one(run_dir):
         took = time.perf_counter() - start
         busy = still_busy()
         torch.cuda.synchronize()
-        timings[name] = {"queued_s": queued, "gather_s": took, "busy_after": busy,
-                         "drained_s": time.perf_counter() - start}
+        timings[name] = {
+            "queued_s": queued,
+            "gather_s": took,
+            "busy_after": busy,
+            "drained_s": time.perf_counter() - start,
+        }
     out["timings"] = timings
     return out
 
@@ -166,8 +179,13 @@ def test_nccl_world_of_one_gathers_on_the_gpu_and_tensorboard_holds_the_values(n
     accumulator.Reload()
     logged = out["logged"]
     assert logged["memory/current_allocated_gb"] >= 0.5 - 1e-9
-    for tag in ("memory/peak_allocated_gb", "memory/current_allocated_gb", "memory/device_used_gb",
-                "memory/headroom_gb", "memory/num_ooms"):
+    for tag in (
+        "memory/peak_allocated_gb",
+        "memory/current_allocated_gb",
+        "memory/device_used_gb",
+        "memory/headroom_gb",
+        "memory/num_ooms",
+    ):
         (event,) = accumulator.Scalars(tag)
         assert event.step == 1 and event.value == pytest.approx(logged[tag], rel=1e-6), tag
 
@@ -201,8 +219,9 @@ def stage_step(run_dir, mb_per_stage_step):
     torch.cuda.set_device(0)
     stage = ps.get_pipeline_model_parallel_rank()
     _held.append(torch.ones((4 - stage) * mb_per_stage_step * 2**20 // 4, device="cuda"))
-    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_dir=f"{run_dir}/tensorboard",
-                       memory_reduce_timeout_s=120)
+    cfg = LoggerConfig(
+        log_memory_to_tensorboard=True, tensorboard_dir=f"{run_dir}/tensorboard", memory_reduce_timeout_s=120
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         first = training_log(1, cfg)
@@ -218,8 +237,7 @@ def stage_step(run_dir, mb_per_stage_step):
     if ps.get_pipeline_model_parallel_rank() == 3:
         close_writers()
     _held.clear()
-    return {"stage": stage, "first": first, "second": second, "took_s": took, "busy": busy,
-            "calls": calls}
+    return {"stage": stage, "first": first, "second": second, "took_s": took, "busy": busy, "calls": calls}
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +261,10 @@ def test_four_stages_on_one_gpu_log_the_first_stages_real_cuda_peak(four_stages)
         assert per_stage >= (4 - stage) * 256 * 2**20 / GB - 1e-9, "each stage's own activations"
     assert logged["memory/peak_stage/peak_allocated_gb"] == 0
     assert logged["memory/peak_allocated_gb"] == logged["memory/pp_stage_0/peak_allocated_gb"]
-    assert logged["memory/pp_stage_0/peak_allocated_gb"] - logged["memory/pp_stage_3/peak_allocated_gb"] \
+    assert (
+        logged["memory/pp_stage_0/peak_allocated_gb"] - logged["memory/pp_stage_3/peak_allocated_gb"]
         >= 3 * 256 * 2**20 / GB - 0.01
+    )
     accumulator = EventAccumulator(str(run_dir / "tensorboard"))
     accumulator.Reload()
     stored = {event.step: event.value for event in accumulator.Scalars("memory/peak_allocated_gb")}

@@ -10,8 +10,15 @@ pytestmark = needs_cuda
 
 
 def test_the_demo_runs_whatever_the_number_of_gpus(tmp_path):
-    result = run_demo(f"run.root={tmp_path}", "run.name=gpu", "train.iters=2", "train.micro_batch_size=16",
-                      "logger.wandb_project=null", "logger.mlflow_experiment=null", "logger.comet_project=null")
+    result = run_demo(
+        f"run.root={tmp_path}",
+        "run.name=gpu",
+        "train.iters=2",
+        "train.micro_batch_size=16",
+        "logger.wandb_project=null",
+        "logger.mlflow_experiment=null",
+        "logger.comet_project=null",
+    )
     assert result.returncode == 0, f"demo failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     note = "4 processes on this node but"
     if torch.cuda.device_count() < 4:

@@ -20,15 +20,26 @@ LOGGING_STEPS = [1, 3, 5, 7]  # 8 steps, log_every_n_steps=2: Lightning's own st
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu)")
 
 CUDA_BALLAST_MB = 512
-CUDA_KEYS = ["memory/peak_allocated_gb", "memory/peak_reserved_gb", "memory/current_allocated_gb",
-             "memory/headroom_gb", "memory/device_total_gb", "memory/peak_rank/peak_allocated_gb"]
+CUDA_KEYS = [
+    "memory/peak_allocated_gb",
+    "memory/peak_reserved_gb",
+    "memory/current_allocated_gb",
+    "memory/headroom_gb",
+    "memory/device_total_gb",
+    "memory/peak_rank/peak_allocated_gb",
+]
 
 
 @pytest.fixture(scope="module")
 def fit(tmp_path_factory) -> Fit:
-    spec = {"world": 1, "accelerator": "gpu", "strategy": "auto", "ballast_mb": [0],
-            "cuda_ballast_mb": CUDA_BALLAST_MB,
-            "fits": [{"name": "gpu", "loggers": ["tensorboard", "csv"]}]}
+    spec = {
+        "world": 1,
+        "accelerator": "gpu",
+        "strategy": "auto",
+        "ballast_mb": [0],
+        "cuda_ballast_mb": CUDA_BALLAST_MB,
+        "fits": [{"name": "gpu", "loggers": ["tensorboard", "csv"]}],
+    }
     return run_job(spec, tmp_path_factory.mktemp("lightning_gpu"))["gpu"]
 
 

@@ -59,16 +59,23 @@ OOM_SCRIPT = textwrap.dedent("""
 
 
 def provoke(tmp_path, order="cuda-first", history="no-history"):
-    done = subprocess.run([sys.executable, "-c", OOM_SCRIPT, str(tmp_path), order, history], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-c", OOM_SCRIPT, str(tmp_path), order, history],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["raised"] and seen["num_ooms"] == 1, seen
     data = (tmp_path / records.file_name(0)).read_bytes()
     header = records.check_header(records.decode(data[: records.HEADER_BYTES]))
     size = header["slot_bytes"]
-    found = [records.decode(data[records.RECORDS_AT + i * size : records.RECORDS_AT + (i + 1) * size])
-             for i in range(header["slots"])]
+    found = [
+        records.decode(data[records.RECORDS_AT + i * size : records.RECORDS_AT + (i + 1) * size])
+        for i in range(header["slots"])
+    ]
     found = sorted((r for r in found if r is not None), key=lambda r: r["seq"])
     (oom,) = [r for r in found if r["kind"] == "oom"]
     return seen, oom, found
@@ -82,22 +89,30 @@ def test_a_real_cuda_oom_writes_its_record_and_snapshot(tmp_path):
     assert seen["asked"] <= oom["bytes_requested"] < seen["asked"] + (20 << 20), (seen, oom)
     assert oom["device_limit"] == seen["total"]  # no per-process fraction set: the device's total
     assert 0 <= oom["device_free"] < oom["bytes_requested"]
-    assert oom["report"]["peak_reserved_gb"] >= 0.064 and abs(oom["report"]["device_total_gb"] * 1e9 - seen["total"]) < 1e3
+    assert (
+        oom["report"]["peak_reserved_gb"] >= 0.064 and abs(oom["report"]["device_total_gb"] * 1e9 - seen["total"]) < 1e3
+    )
     assert seen["fired"] == ["theirs"]  # the other observer still fired
     snapshot = pickle.loads((tmp_path / oom["snapshot"]).read_bytes())
     assert oom["snapshot"] == "rank-00000.oom-0.pickle" and snapshot["segments"]
     reserved = sum(segment["total_size"] for segment in snapshot["segments"])
     assert 0 <= oom["largest_free_block"] <= oom["reserved_free"] <= reserved
-    assert not any(segment.get("blocks") and any(b.get("frames") for b in segment["blocks"])
-                   for segment in snapshot["segments"])  # no history asked for: no stack traces
+    assert not any(
+        segment.get("blocks") and any(b.get("frames") for b in segment["blocks"]) for segment in snapshot["segments"]
+    )  # no history asked for: no stack traces
 
 
 def test_the_post_mortem_names_the_real_oom(tmp_path):
     """``nemo-memlog postmortem --json`` on the records a real CUDA OOM left: the rank, its
     status, the request, and an exit status of 1 (a failure found)."""
     seen, oom, _ = provoke(tmp_path / "records")
-    done = subprocess.run([sys.executable, "-m", "nemo_memlog.cli", "postmortem", "--json", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(
+        [sys.executable, "-m", "nemo_memlog.cli", "postmortem", "--json", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert done.returncode == 1, done.stderr
     verdict = json.loads(done.stdout)
     assert verdict["first_failure"]["rank"] == 0 and verdict["first_failure"]["status"] == "cuda_oom", verdict

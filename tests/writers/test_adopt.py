@@ -7,15 +7,15 @@ inside Megatron-Bridge's own loggers."""
 import warnings
 
 from nemo_memlog.writers import adopt_writers, comet
-
 from tests.writers.sample import STEPS, write_steps
 from tests.writers.test_comet import read_archive
 
 
 def test_a_comet_experiment_opened_elsewhere_gets_every_step_and_stays_open(tmp_path):
     comet_ml = comet.import_comet_ml()
-    experiment = comet_ml.OfflineExperiment(offline_directory=str(tmp_path), project_name="bridge-run",
-                                            **comet.NO_CAPTURE)
+    experiment = comet_ml.OfflineExperiment(
+        offline_directory=str(tmp_path), project_name="bridge-run", **comet.NO_CAPTURE
+    )
     writers = adopt_writers([None, object(), "not a logger", experiment])
     assert writers.backend_names == ["comet"], "only the experiment is recognised; None and strangers are skipped"
     write_steps(writers)
@@ -50,8 +50,9 @@ class Broken:
 
 def test_a_failing_adopted_logger_is_isolated_and_warned_once(tmp_path):
     comet_ml = comet.import_comet_ml()
-    experiment = comet_ml.OfflineExperiment(offline_directory=str(tmp_path), project_name="bridge-run",
-                                            **comet.NO_CAPTURE)
+    experiment = comet_ml.OfflineExperiment(
+        offline_directory=str(tmp_path), project_name="bridge-run", **comet.NO_CAPTURE
+    )
     writers = adopt_writers([Broken(), experiment])
     assert writers.backend_names == ["tensorboard", "comet"]
     with warnings.catch_warnings(record=True) as caught:

@@ -14,16 +14,20 @@ import pytest
 
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import comet
-
 from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("comet")
-    cfg = LoggerConfig(comet_project="memlog-test", comet_workspace="infra", comet_experiment_name="pp-run",
-                       comet_tags=["memory", "pp"], comet_api_key=SECRET,
-                       comet_offline_directory=str(root / "offline"))
+    cfg = LoggerConfig(
+        comet_project="memlog-test",
+        comet_workspace="infra",
+        comet_experiment_name="pp-run",
+        comet_tags=["memory", "pp"],
+        comet_api_key=SECRET,
+        comet_offline_directory=str(root / "offline"),
+    )
     imported_before = "comet_ml" in sys.modules
     with pytest.MonkeyPatch.context() as env:
         env.chdir(root)  # anything written relative to the working directory lands under root
@@ -32,7 +36,8 @@ def run(tmp_path_factory):
         env.setattr(sys, "argv", ["pretrain.py", f"logger.comet_api_key={SECRET}"])
         backend = comet.open_backend(cfg, flat_params(cfg), secrets_of(cfg))
         hooks_off = "COMET_DISABLE_AUTO_LOGGING" not in os.environ and (
-            imported_before or not hasattr(sys.modules["comet_ml"], "MODULE_FINDER"))
+            imported_before or not hasattr(sys.modules["comet_ml"], "MODULE_FINDER")
+        )
         write_steps(backend)
         backend.close()
         # No API key and no directory: offline, into the default directory.
@@ -60,8 +65,11 @@ def test_enabled_only_with_a_project():
 def test_metrics_read_back_with_ints_as_ints_and_non_finite_as_comet_strings(run):
     _, archive, _ = run
     _, messages = read_archive(archive)
-    stored = {(m["payload"]["metric"]["metricName"], m["payload"]["metric"]["step"]): m["payload"]["metric"]["metricValue"]
-              for m in messages if m["type"] == "metric_msg"}
+    stored = {
+        (m["payload"]["metric"]["metricName"], m["payload"]["metric"]["step"]): m["payload"]["metric"]["metricValue"]
+        for m in messages
+        if m["type"] == "metric_msg"
+    }
     special = {math.inf: "Infinity", -math.inf: "-Infinity"}
     for step, metrics in STEPS.items():
         for key, value in metrics.items():

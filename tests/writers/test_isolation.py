@@ -45,8 +45,11 @@ def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wa
     cfg = LoggerConfig(
         log_memory_to_tensorboard=True,
         tensorboard_dir=str(blocker / "tb"),  # cannot be created: its parent is a file
-        wandb_project="p", wandb_save_dir=str(tmp_path),
-        mlflow_experiment="isolation", mlflow_run_name="r", mlflow_tracking_uri=f"sqlite:///{db}",
+        wandb_project="p",
+        wandb_save_dir=str(tmp_path),
+        mlflow_experiment="isolation",
+        mlflow_run_name="r",
+        mlflow_tracking_uri=f"sqlite:///{db}",
         writer_mode=writer_mode,
     )
     with warnings.catch_warnings(record=True) as caught:
@@ -63,7 +66,10 @@ def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wa
         stats = fanout.stats()
         fanout.close(timeout_s=2)
     assert handoff < 1.0, "the training thread must not wait on a failing backend"
-    assert stats["mlflow"]["written"] == 5 and stats["mlflow"]["pending"] == 0, (stats, [str(w.message) for w in caught])
+    assert stats["mlflow"]["written"] == 5 and stats["mlflow"]["pending"] == 0, (
+        stats,
+        [str(w.message) for w in caught],
+    )
     for broken in ("tensorboard", "wandb"):
         assert stats[broken]["written"] == 0 and stats[broken]["pending"] == 5
         failures = [m for m in _messages(caught, broken) if "open failed" in m]
@@ -104,9 +110,21 @@ class MlflowServer:
     def start(self, timeout=240):  # a 2-core box under load needs over a minute
         mlflow = os.path.join(os.path.dirname(sys.executable), "mlflow")
         self.proc = subprocess.Popen(
-            [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.db}", "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            [
+                mlflow,
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{self.db}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

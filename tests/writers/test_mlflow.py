@@ -8,7 +8,6 @@ import pytest
 
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import mlflow as mlflow_writer
-
 from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 DBL_MAX = sys.float_info.max
@@ -18,8 +17,13 @@ DBL_MAX = sys.float_info.max
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlflow")
     uri = f"sqlite:///{root}/mlflow.db"
-    cfg = LoggerConfig(mlflow_experiment="memlog-test", mlflow_run_name="pp-run", mlflow_tracking_uri=uri,
-                       mlflow_tags={"team": "infra", "token_source": SECRET}, comet_api_key=SECRET)
+    cfg = LoggerConfig(
+        mlflow_experiment="memlog-test",
+        mlflow_run_name="pp-run",
+        mlflow_tracking_uri=uri,
+        mlflow_tags={"team": "infra", "token_source": SECRET},
+        comet_api_key=SECRET,
+    )
     with pytest.MonkeyPatch.context() as env:
         env.chdir(root)  # anything written relative to the working directory lands under root
         backend = mlflow_writer.open_backend(cfg, flat_params(cfg), secrets_of(cfg))

@@ -17,8 +17,8 @@ import warnings
 from pathlib import Path
 
 from nemo_memlog import LoggerConfig, build_writers
-from nemo_memlog.writers import parent
 from nemo_memlog.testing.cluster import free_port
+from nemo_memlog.writers import parent
 from tests.readback import stored_steps, tensorboard_steps, wandb_finished
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,8 +66,14 @@ def _trainer_env() -> dict:
 
 
 def _run_trainer(run: Path, *args) -> dict:
-    done = subprocess.run([sys.executable, str(TRAINER), str(run), *args], cwd=ROOT, env=_trainer_env(),
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(TRAINER), str(run), *args],
+        cwd=ROOT,
+        env=_trainer_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -79,8 +85,9 @@ def _run_trainers(runs: dict) -> dict:
     env, started = _trainer_env(), {}
     for name, args in runs.items():
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        proc = subprocess.Popen([sys.executable, str(TRAINER), *map(str, args)], cwd=ROOT, env=env,
-                                stdout=out, stderr=err)
+        proc = subprocess.Popen(
+            [sys.executable, str(TRAINER), *map(str, args)], cwd=ROOT, env=env, stdout=out, stderr=err
+        )
         started[name] = (proc, out, err)
     results = {}
     for name, (proc, out, err) in started.items():
@@ -98,9 +105,27 @@ def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_p
     out_path = tmp_path / "stdout"
     with open(out_path, "w") as out, open(tmp_path / "stderr", "w") as err:
         torchrun = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-             str(TRAINER), str(run), "--steps", "0", "--close-timeout", str(close_s)],
-            cwd=ROOT, env=_trainer_env(), stdout=out, stderr=err, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                str(free_port()),
+                str(TRAINER),
+                str(run),
+                "--steps",
+                "0",
+                "--close-timeout",
+                str(close_s),
+            ],
+            cwd=ROOT,
+            env=_trainer_env(),
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
     try:
         handed, deadline = 0, time.monotonic() + 180
         while handed < 25 or not list(run.glob("wandb/offline-run-*")):  # mid-run: the backends are writing
@@ -120,8 +145,10 @@ def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_p
             os.killpg(torchrun.pid, signal.SIGKILL)
         torchrun.wait()
     stored = stored_steps(run)
-    print(f"SIGKILL after {handed} steps handed over; the writer process ended {writer_exit_s:.1f} s later; "
-          f"steps stored: {({backend: len(steps) for backend, steps in stored.items()})}")
+    print(
+        f"SIGKILL after {handed} steps handed over; the writer process ended {writer_exit_s:.1f} s later; "
+        f"steps stored: { ({backend: len(steps) for backend, steps in stored.items()}) }"
+    )
     for backend, steps in stored.items():
         missing = set(range(1, handed + 1)) - steps
         assert not missing, f"{backend} lost steps {sorted(missing)} of the {handed} handed over before the kill"
@@ -152,9 +179,30 @@ def test_a_dead_trainer_and_a_hung_backend_leave_no_writer_process_behind(tmp_pa
         # Files, not pipes: the writer process shares them, and would hold a pipe open.
         with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
             subprocess.run(
-                [sys.executable, str(TRAINER), str(run), "--backends", "tensorboard,mlflow", "--mlflow-uri", uri,
-                 "--wait-for", "tensorboard", "--steps", "10", "--close-timeout", str(close_s), "--end", "os_exit"],
-                cwd=ROOT, env=_trainer_env(), stdout=out, stderr=err, timeout=300, check=True)
+                [
+                    sys.executable,
+                    str(TRAINER),
+                    str(run),
+                    "--backends",
+                    "tensorboard,mlflow",
+                    "--mlflow-uri",
+                    uri,
+                    "--wait-for",
+                    "tensorboard",
+                    "--steps",
+                    "10",
+                    "--close-timeout",
+                    str(close_s),
+                    "--end",
+                    "os_exit",
+                ],
+                cwd=ROOT,
+                env=_trainer_env(),
+                stdout=out,
+                stderr=err,
+                timeout=300,
+                check=True,
+            )
         writer = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])["writer_pid"]
         exit_s = _wait_gone([writer], 30)  # from the trainer's end
     assert exit_s < close_s + 3, exit_s
@@ -184,7 +232,8 @@ def test_no_secret_in_the_writer_process_command_line_or_environment(tmp_path, m
 
 def test_secret_variables_go_through_the_socket():
     public, private = parent.split_environment(
-        {"PATH": "/bin", "WANDB_API_KEY": "k1", "MLFLOW_TRACKING_TOKEN": "k2", "NOTE": f"x{SECRET}y"}, [SECRET])
+        {"PATH": "/bin", "WANDB_API_KEY": "k1", "MLFLOW_TRACKING_TOKEN": "k2", "NOTE": f"x{SECRET}y"}, [SECRET]
+    )
     assert public == {"PATH": "/bin"}
     assert private == {"WANDB_API_KEY": "k1", "MLFLOW_TRACKING_TOKEN": "k2", "NOTE": f"x{SECRET}y"}
 

@@ -7,7 +7,6 @@ import pytest
 
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import tensorboard
-
 from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 

@@ -14,15 +14,15 @@ import pytest
 
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import wandb as wandb_writer
-
 from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("wandb")
-    cfg = LoggerConfig(wandb_project="memlog-test", wandb_exp_name="pp-run", wandb_save_dir=str(root / "runs"),
-                       comet_api_key=SECRET)
+    cfg = LoggerConfig(
+        wandb_project="memlog-test", wandb_exp_name="pp-run", wandb_save_dir=str(root / "runs"), comet_api_key=SECRET
+    )
     with pytest.MonkeyPatch.context() as env:
         env.setenv("WANDB_MODE", "offline")
         # Everything else wandb writes lands under root too, so the secret scan sees it all.
@@ -99,10 +99,10 @@ def wandb_records(path: Path):
         if block - position % block < 7:  # a block's tail too short for a header is padding
             position += block - position % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[position:position + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[position : position + 7])
         if kind == 0:
             break
-        pending += data[position + 7:position + 7 + length]
+        pending += data[position + 7 : position + 7 + length]
         position += 7 + length
         if kind in (1, 4):  # FULL or LAST: a whole record
             record = wandb_internal_pb2.Record()

@@ -91,10 +91,7 @@ def _open(metrics: dict, backends: tuple, root: str) -> tuple[dict, list]:
         fanout.log(metrics, 0)  # opens the backends, in their threads (of the writer process)
     sync_cfg = backend_config(root, "sync", backends)
     params = flat_params(sync_cfg)
-    synchronous_backends = [
-        backend_module(backend).open_backend(resolve(sync_cfg), params, [])
-        for backend in backends
-    ]
+    synchronous_backends = [backend_module(backend).open_backend(resolve(sync_cfg), params, []) for backend in backends]
     for mode, fanout in fanouts.items():
         if not fanout.flush(180):
             raise RuntimeError(f"the {mode} fan-out's backends did not open: {fanout.stats()}")
