@@ -53,7 +53,7 @@ $(STAMP03): pyproject.toml constraints.txt constraints-bridge-0.3.txt Makefile
 	$(call build_env,$(VENV03),constraints-bridge-0.3.txt,)
 
 # Style first: a lint or format error fails in seconds, before the second environment is
-# built and before the suite. The lead formats the tree with `ruff format` and `ruff check --fix`.
+# built and before the suite. To fix what it finds: .venv/bin/ruff format . && .venv/bin/ruff check --fix .
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -113,7 +113,7 @@ def nccl_world_of_one(run_dir):
     import torch.distributed as dist
 
     from nemo_memlog import LoggerConfig, close_writers, memory, reduce, training_log
-    from tests.gpu.work import QueuedWork, still_busy
+    from nemo_memlog.testing.gpu_work import QueuedWork, still_busy
 
     world = dist.group.WORLD
     activations = torch.ones(int(0.5 * GB) // 4, device="cuda")  # noqa: F841  (held: real memory to log)
@@ -214,7 +214,7 @@ def stage_step(run_dir, mb_per_stage_step):
     from megatron.core import parallel_state as ps
 
     from nemo_memlog import LoggerConfig, close_writers, training_log
-    from tests.gpu.work import QueuedWork, still_busy
+    from nemo_memlog.testing.gpu_work import QueuedWork, still_busy
 
     torch.cuda.set_device(0)
     stage = ps.get_pipeline_model_parallel_rank()
