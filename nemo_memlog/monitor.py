@@ -131,8 +131,8 @@ class MemoryMonitor:
                 pg_collection=pg_collection,
                 report=self._report,
                 record_history=settings.memory_record_history,
-                warn=self.warnings,
-            )  # the run's one set of once-only warnings
+                warn=self.warnings,  # the run's one set of once-only warnings
+            )
         self._placed = True
 
     def _report(self) -> dict:

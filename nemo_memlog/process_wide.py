@@ -40,6 +40,7 @@ _exception: list = []
 _fork_child: list = []
 _cuda_oom: list = []
 _installed: set = set()
+_attach_errors: dict[str, str] = {}  # hook -> why it could not be installed
 _lock = threading.RLock()  # re-entrant: a SIGTERM may land while this thread holds it (forget at a close)
 
 
@@ -151,13 +152,13 @@ def attach_cuda_oom_observer() -> bool:
     try:
         torch._C._cuda_attach_out_of_memory_observer(lambda *args: _dispatch(_cuda_oom, *args))
     except Exception as error:
-        _installed.add(f"cuda_oom failed: {type(error).__name__}: {error}")
+        _attach_errors["cuda_oom"] = f"{type(error).__name__}: {error}"
     return True
 
 
 def cuda_oom_attach_error() -> str | None:
     """Why the OOM observer could not be attached, or None."""
-    return next((item.split(": ", 1)[1] for item in _installed if item.startswith("cuda_oom failed")), None)
+    return _attach_errors.get("cuda_oom")
 
 
 # --------------------------------------------------------------------------------------------
