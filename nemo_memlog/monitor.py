@@ -16,6 +16,8 @@ integration (bridge.py, lightning.py) holds one.
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
 from . import attribution, megatron, memory
@@ -103,6 +105,8 @@ class MemoryMonitor:
         settings = self.settings
         pp_group, pg_collection = self._groups
         distributed = dist.is_available() and dist.is_initialized()
+        if not distributed:
+            check_launch(self.warn_once)
         if settings.world_scope:
             self.group = dist.group.WORLD if distributed else None
             coords = megatron.coordinates(pp_group, pg_collection)
@@ -231,3 +235,29 @@ class MemoryMonitor:
         self.reduction = Reduction(self.warnings)
         self.group = None
         self._placed = False
+
+
+def check_launch(warn) -> None:
+    """A process a launcher started as one of several, logging with no process group.
+
+    Under torchrun or a SLURM script with ``WORLD_SIZE`` > 1, each process would log itself as a
+    one-stage job into the same dashboards: pipeline peaks that are wrong in the way this tool
+    exists to fix, and never a setup that works, so it raises before the first write. ``RANK``
+    set with no larger world (``--nproc-per-node 1``) is only odd: ``warn(key, text)`` once."""
+    world = os.environ.get("WORLD_SIZE", "")
+    fix = (
+        "call torch.distributed.init_process_group() (and megatron-core's "
+        "parallel_state.initialize_model_parallel for pipeline stages) before the first training_log"
+    )
+    if world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"nemo_memlog: WORLD_SIZE={world} and RANK={os.environ.get('RANK', '?')} say a launcher started "
+            f"{world} processes, but torch.distributed is not initialised: each would log itself as a one-stage "
+            f"job into the same dashboards. {fix[0].upper()}{fix[1:]}."
+        )
+    if "RANK" in os.environ:
+        warn(
+            ("launch",),
+            f"RANK={os.environ['RANK']} is set but torch.distributed is not initialised: logging as a one-process "
+            f"job. If this process is one of several, {fix}.",
+        )

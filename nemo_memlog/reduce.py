@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from . import payload
 from .config import default_of
+from .failure.records import PEER_LOSS
 from .warn import WarnOnce
 
 #: The steady-state collective; set it alike on every rank. "all_gather" (the default):
@@ -62,6 +63,9 @@ class GatheredMemory:
 
 #: How long a helper call waits for the other ranks: LoggerConfig's memory_reduce_timeout_s default.
 DEFAULT_TIMEOUT_S = default_of("memory_reduce_timeout_s")
+#: A gloo wait that fails before this share of its timeout did not time out: a peer's socket
+#: closed (gloo raises at once when a peer process ends), which reduce.py says as such.
+PEER_LEFT_FRACTION = 0.9
 
 
 def reduce_max_memory_across_pp_group(
@@ -435,9 +439,13 @@ class Channel:
         if timeout_s is None:
             work.wait()
         elif self.device.type == "cpu":
+            started = time.monotonic()
             try:
                 work.wait(timeout=_timedelta(timeout_s))
             except RuntimeError as error:
+                waited = time.monotonic() - started
+                if waited < PEER_LEFT_FRACTION * timeout_s or PEER_LOSS.search(str(error)):
+                    raise _peer_left_error(group, iteration, timeout_s, waited, error) from error
                 raise _timeout_error(group, iteration, timeout_s) from error
         else:
             # NCCL's wait() only orders streams; poll for completion to bound the wait.
@@ -513,6 +521,18 @@ def _timeout_error(group, iteration, timeout_s) -> MemoryReduceError:
         f"no-op path the others did not (an empty report, or a None group on that rank only), or is "
         f"stuck; every rank must call training_log (or the reduction) at every iteration with the "
         f"same config and a non-empty report."
+    )
+
+
+def _peer_left_error(group, iteration, timeout_s, waited, error) -> MemoryReduceError:
+    """The collective failed early, or in a lost peer's words: a rank of the group is gone."""
+    at = "" if iteration is None else f" at iteration {iteration}"
+    said = str(error).strip().splitlines()[-1][:200] if str(error).strip() else type(error).__name__
+    return MemoryReduceError(
+        f"memory reduction over {_describe(group)}{at}: a peer left after {waited:.1f} s, before "
+        f"memory_reduce_timeout_s={timeout_s:g}s ({said}). Its process ended (killed, crashed, or it left its "
+        f"loop), or it never calls training_log: every rank must call training_log (or the reduction) at every "
+        f"iteration with the same config; `nemo-memlog postmortem` on the run's memory_records names the rank."
     )
 
 

@@ -18,7 +18,12 @@ own GPU over NCCL; with fewer GPUs the stages run on CPU over gloo, with a one-l
 
 Every iteration every rank calls ``nemo_memlog.training_log``; at the end the last rank prints
 each stage's peak host RSS next to the logged pipeline-wide peak, the ``nemo-memlog report``
-command for the run, and how to open each dashboard.
+and ``nemo-memlog postmortem`` commands for the run, and how to open each dashboard.
+
+A failure to read: ``python scripts/demo.py fail.kill_stage=0`` SIGKILLs the first rank of
+pipeline stage 0 in the middle of the run, as the kernel's OOM killer would, and then prints
+the ``nemo-memlog postmortem`` command that says which rank died first and what every rank held
+(about two minutes on 2 CPU cores; the ranks' own output goes to torchrun.log in the run folder).
 The model and the 1F1B schedule live in demo_model.py.
 """
 
@@ -31,6 +36,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -46,7 +52,9 @@ from omegaconf.errors import OmegaConfBaseException
 from tqdm import tqdm
 
 import nemo_memlog
+import nemo_memlog.config
 from demo_model import Pipeline, build_stage, learning_rate, one_f_one_b, synthetic_microbatch
+from nemo_memlog.commands import console_command, postmortem_command, report_command
 from nemo_memlog.config import did_you_mean
 from nemo_memlog.testing.cluster import free_port
 
@@ -91,6 +99,14 @@ class ParallelConfig:
 
 
 @dataclass
+class FailConfig:
+    kill_stage: int | None = None
+    """Pipeline stage whose first rank SIGKILLs itself mid-run, as the OOM killer would, for a post-mortem to read."""
+    kill_at: int | None = None
+    """The iteration it dies at (default: the middle of the run, past the first logging step)."""
+
+
+@dataclass
 class RunConfig:
     name: str | None = None
     """The run's folder under root; default: a new demo-<date>-<time> for every run."""
@@ -106,6 +122,7 @@ class DemoConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    fail: FailConfig = field(default_factory=FailConfig)
     logger: Any = None
     """nemo_memlog.LoggerConfig, built by load_config from the run directory and logger.* overrides."""
 
@@ -115,7 +132,13 @@ class ConfigError(ValueError):
 
 
 #: Our sections (dotted-override prefix -> dataclass); "logger" is nemo_memlog's LoggerConfig.
-SECTIONS = {"train": TrainConfig, "model": ModelConfig, "parallel": ParallelConfig, "run": RunConfig}
+SECTIONS = {
+    "train": TrainConfig,
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "run": RunConfig,
+    "fail": FailConfig,
+}
 
 
 def load_config(overrides: list[str]) -> DemoConfig:
@@ -198,15 +221,35 @@ def _check(cfg: DemoConfig) -> None:
             raise ConfigError(f"{name} must be >= 1; got {value}")
     if cfg.model.hidden % cfg.model.heads:
         raise ConfigError(f"model.hidden ({cfg.model.hidden}) must be a multiple of model.heads ({cfg.model.heads})")
+    _check_fail(cfg)
     world = int(os.environ.get("WORLD_SIZE", DEFAULT_PROCESSES))
     if world % cfg.parallel.pp:
         fitting = [str(pp) for pp in range(1, world + 1) if world % pp == 0]
         raise ConfigError(
             f"parallel.pp ({cfg.parallel.pp}) must divide the number of processes ({world}): choose "
             f"parallel.pp among {', '.join(fitting)}, or start the demo on N processes yourself, N a multiple "
-            f"of {cfg.parallel.pp}: {_tool('torchrun')} --nproc-per-node N scripts/demo.py "
+            f"of {cfg.parallel.pp}: {console_command('torchrun')} --nproc-per-node N scripts/demo.py "
             f"parallel.pp={cfg.parallel.pp} ..."
         )
+
+
+def _check_fail(cfg: DemoConfig) -> None:
+    """fail.kill_stage names a stage; fail.kill_at an iteration after the first one (which records)."""
+    fail = cfg.fail
+    if fail.kill_stage is None:
+        if fail.kill_at is not None:
+            raise ConfigError("fail.kill_at needs fail.kill_stage (the stage to kill), e.g. fail.kill_stage=0")
+        return
+    if not 0 <= fail.kill_stage < cfg.parallel.pp:
+        raise ConfigError(
+            f"fail.kill_stage must be a pipeline stage, 0 to {cfg.parallel.pp - 1}; got {fail.kill_stage}"
+        )
+    if cfg.train.iters < 2:
+        raise ConfigError("fail.kill_stage needs train.iters >= 2: the run records an iteration before the kill")
+    if fail.kill_at is None:
+        fail.kill_at = cfg.train.iters // 2 + 1
+    if not 2 <= fail.kill_at <= cfg.train.iters:
+        raise ConfigError(f"fail.kill_at must be between 2 and train.iters ({cfg.train.iters}); got {fail.kill_at}")
 
 
 # ---- the run folder: one per run, never shared -------------------------------------------
@@ -246,8 +289,9 @@ def claim_run_dir(run: RunConfig) -> str:
     return run.name
 
 
-def relaunch(overrides: list[str]) -> int:
-    """Run this script under torchrun with DEFAULT_PROCESSES local processes; its exit code."""
+def relaunch(overrides: list[str], log: Path | None = None) -> int:
+    """Run this script under torchrun with DEFAULT_PROCESSES local processes; its exit code.
+    ``log``: the ranks' and torchrun's output goes there instead of the terminal."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     command = [
         sys.executable,
@@ -261,7 +305,10 @@ def relaunch(overrides: list[str]) -> int:
         *overrides,
     ]
     try:
-        return subprocess.call(command, env=env)
+        if log is None:
+            return subprocess.call(command, env=env)
+        with open(log, "w") as out:
+            return subprocess.call(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the ranks
         return 130
 
@@ -341,13 +388,9 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
     optimizer = torch.optim.Adam(module.parameters(), lr=t.lr)
     hidden_shape = (t.micro_batch_size, t.seq_len, cfg.model.hidden)
     last_logged = None
-    progress = tqdm(
-        range(1, t.iters + 1),
-        desc=f"training ({dist.get_world_size()} processes, PP {pipe.stages})",
-        unit="it",
-        disable=not writer,
-    )
-    for iteration in progress:
+    for iteration in range(1, t.iters + 1):
+        if iteration == cfg.fail.kill_at and pipe.stage == cfg.fail.kill_stage and dp_rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer: no end, no goodbye
         lr = learning_rate(iteration, t.iters, t.lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -366,6 +409,19 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
         logged = nemo_memlog.training_log(iteration, cfg, metrics=metrics)
         if logged is not None:
             last_logged = (iteration, logged)
+        if iteration == 1:
+            # Rank 0 says where the flight records are during the first logging step: the bar
+            # starts after that line is out, so that it is not drawn into the middle of the bar.
+            dist.barrier()
+            progress = tqdm(
+                total=t.iters,
+                initial=1,
+                desc=f"training ({dist.get_world_size()} processes, PP {pipe.stages})",
+                unit="it",
+                disable=not writer,
+            )
+        else:
+            progress.update(1)
         if loss is not None:
             progress.set_postfix(loss=f"{loss:.3f}")
     progress.close()
@@ -415,8 +471,14 @@ def summary(cfg: DemoConfig, last_logged) -> str:
         "",
         f"This run's folder: {run_dir} (a new one for every run; run.name=... chooses it)",
         "Per-stage table and PNG of this run:",
-        f"  {_tool('nemo-memlog')} report {run_dir}",
+        f"  {report_command(run_dir)}",
     ]
+    records = nemo_memlog.config.resolve(cfg.logger).record_dir
+    if records:
+        lines += [
+            "After a failure, which rank failed first and what every rank held (the flight records):",
+            f"  {postmortem_command(records)}",
+        ]
     local, account = dashboard_commands(cfg.logger)
     if local:
         lines += ["Open the dashboards (no account needed):"] + [f"  {command}" for command in local]
@@ -474,33 +536,56 @@ def dashboard_commands(logger) -> tuple[list[str], list[str]]:
     commands that work offline, and the uploads that need an account."""
     local, account = [], []
     if logger.tensorboard_dir:
-        local.append(f"{_tool('tensorboard')} --logdir {logger.tensorboard_dir}")
+        local.append(f"{console_command('tensorboard')} --logdir {logger.tensorboard_dir}")
     if logger.mlflow_experiment:
-        local.append(f"{_tool('mlflow')} ui --backend-store-uri {logger.mlflow_tracking_uri}")
+        local.append(f"{console_command('mlflow')} ui --backend-store-uri {logger.mlflow_tracking_uri}")
     if logger.wandb_project and os.environ.get("WANDB_MODE") == "offline":
         found = _newest(Path(logger.wandb_save_dir or ".") / "wandb", "offline-run-*")
         account.append(
-            f"{_tool('wandb')} sync {found or Path(logger.wandb_save_dir or '.') / 'wandb' / 'offline-run-*'}"
+            f"{console_command('wandb')} sync {found or Path(logger.wandb_save_dir or '.') / 'wandb' / 'offline-run-*'}"
         )
     if logger.comet_project and logger.comet_offline_directory:
         found = _newest(Path(logger.comet_offline_directory), "*.zip")
-        account.append(f"{_tool('comet')} upload {found or Path(logger.comet_offline_directory) / '*.zip'}")
+        account.append(f"{console_command('comet')} upload {found or Path(logger.comet_offline_directory) / '*.zip'}")
     return local, account
-
-
-def _tool(name: str) -> str:
-    """A console script of this Python's environment as a path that works as printed (the
-    venv's bin is usually not on PATH): relative to the working directory when inside it."""
-    path = Path(sys.executable).parent / name
-    if not path.exists():
-        return name
-    relative = os.path.relpath(path)
-    return relative if not relative.startswith("..") else str(path)
 
 
 def _newest(folder: Path, pattern: str) -> Path | None:
     matches = sorted(folder.glob(pattern), key=lambda path: path.stat().st_mtime)
     return matches[-1] if matches else None
+
+
+def failure_demo(cfg: DemoConfig, name: str, argv: list[str]) -> int:
+    """Launch the job that loses a stage, then say what happened and print the post-mortem command.
+    0 when the rank died as planned; 1 when the job ended without the failure."""
+    cfg = load_config([*argv, f"run.name={name}"])
+    run_dir = Path(cfg.run.root) / name
+    log = run_dir / "torchrun.log"
+    fail = cfg.fail
+    print(
+        f"demo.py: training until pipeline stage {fail.kill_stage}'s first rank SIGKILLs itself at iteration "
+        f"{fail.kill_at} of {cfg.train.iters} (the ranks' output: {log}) ...",
+        flush=True,
+    )
+    code = relaunch([*argv, f"run.name={name}"], log=log)
+    records = nemo_memlog.config.resolve(cfg.logger).record_dir
+    if code == 0:
+        print(f"demo.py: the job ended without the planned failure (see {log})", file=sys.stderr)
+        return 1
+    print(
+        "\n".join(
+            [
+                f"demo.py: the job failed as planned (torchrun's exit code {code}): stage {fail.kill_stage}'s first "
+                "rank was SIGKILLed, as the kernel's OOM killer does, and the others lost their peer.",
+                "Which rank failed first, and what every rank held (its flight records):",
+                f"  {postmortem_command(records)}",
+                "The memory series up to the failure:",
+                f"  {report_command(run_dir)}",
+            ]
+        ),
+        flush=True,
+    )
+    return 0
 
 
 def help_text() -> str:
@@ -558,7 +643,10 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
         if "RANK" not in os.environ:  # claimed here, so that a refusal comes before any process starts
-            return relaunch([*argv, f"run.name={claim_run_dir(cfg.run)}"])
+            name = claim_run_dir(cfg.run)
+            if cfg.fail.kill_stage is not None:
+                return failure_demo(cfg, name, argv)
+            return relaunch([*argv, f"run.name={name}"])
     except ConfigError as error:
         print(f"demo.py: {error}", file=sys.stderr)
         return 2

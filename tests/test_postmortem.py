@@ -137,6 +137,53 @@ def test_a_killed_rank_among_ranks_killed_later_is_the_first_failure(tmp_path):
     assert not by_rank(result)[4]["probable_host_oom_kill"]  # nobody on node-002 beat after it
 
 
+GLOO_PEER_CLOSED = (
+    "MemoryReduceError: memory reduction over the group of global ranks [0, 1, 2, 3] at iteration 31: a peer left "
+    "after 0.4 s, before memory_reduce_timeout_s=300s ([../third_party/gloo/gloo/transport/tcp/pair.cc:534] "
+    "Connection closed by peer [127.0.0.1]:29931)"
+)
+
+
+def test_ranks_that_lost_their_peer_died_of_its_loss_and_are_not_candidates(tmp_path):
+    """Rank 0 SIGKILLed; the survivors' next gloo collective raises "Connection closed by peer"
+    0.1-0.3 s later, on the same host, well inside the allowance of a last beat: one story, with
+    rank 0 first, no ambiguity, and no "stopped from outside"."""
+    ranks = layout(pp=4, tp=1, dp=1)
+    ranks[0].stopped, ranks[0].end = T0, None
+    for offset, rank in zip([0.1, 0.2], ranks[1:3]):
+        rank.stopped, rank.end, rank.end_detail = T0 + offset, "exception", GLOO_PEER_CLOSED
+    ranks[3].stopped, ranks[3].end = T0 + 0.3, "sigterm"  # torchrun's answer to rank 0's death
+    write_run(tmp_path, ranks)
+
+    code, result = run_json(tmp_path)
+    assert code == 1
+    first = result["first_failure"]
+    assert (first["rank"], first["status"], first["ambiguous_with"]) == (0, "unfinished", [])
+    assert result["died_of_first_failure"] == [1, 2, 3] and result["failed_ranks"] == [0, 1, 2]
+    ranks_json = by_rank(result)
+    assert [ranks_json[r]["died_of"] for r in range(4)] == [None, 0, 0, 0]
+    assert [round(ranks_json[r]["stopped_after_first_s"], 2) for r in range(4)] == [0.0, 0.1, 0.2, 0.3]
+
+    code, text, _ = run_cli(tmp_path, "--no-png")
+    assert "FIRST FAILURE: rank 0 (pp stage 0, tp 0, dp 0) on node-000 vanished" in text
+    assert "cannot tell" not in text and "from outside" not in text
+    assert "died of rank 0's loss (3): ranks 1-3, after it (2 raised 'Connection closed by peer'; 1 stopped by " in text
+    assert text.count("died of r0's loss") == 3  # the table's finding column
+    assert "+0.20 s" in text  # the table's "after first" column, as the JSON's stopped_after_first_s
+
+
+def test_every_failure_reading_like_a_lost_peer_keeps_them_candidates(tmp_path):
+    """The rank that died left no record: the survivors' lost-peer exceptions are all there is."""
+    ranks = layout(pp=2, tp=1, dp=1)
+    for offset, rank in zip([0.2, 0.0], ranks):
+        rank.stopped, rank.end, rank.end_detail = T0 + offset, "exception", GLOO_PEER_CLOSED
+    write_run(tmp_path, ranks)
+    code, result = run_json(tmp_path)
+    assert code == 1 and result["first_failure"]["rank"] == 1 and result["died_of_first_failure"] == []
+    assert result["failed_ranks"] == [1, 0]
+    assert any("every failed rank's end says it lost a peer" in note for note in result["notes"]), result["notes"]
+
+
 def test_clock_skew_makes_close_failures_ambiguous(tmp_path):
     ranks = closed_after(layout(pp=2, tp=1, dp=2, gpus_per_node=1), 60.0)  # 4 ranks, one host each
     ranks[2].stopped, ranks[2].end = T0, None
@@ -179,7 +226,9 @@ def test_all_closed_exits_0_with_no_first_failure(tmp_path):
     write_run(tmp_path, ranks)
     code, result = run_json(tmp_path)
     assert code == 0 and result["first_failure"] is None and result["failed_ranks"] == []
-    assert result["sentence"] == "no failure: all 4 ranks read closed (close 3, sigterm 1)"
+    assert result["sentence"] == (
+        "no failure: all 4 ranks recorded a clean end (3 closed by the run, 1 stopped by SIGTERM)"
+    )
     assert {entry["status"] for entry in result["ranks"]} == {"closed"}
 
 
@@ -386,10 +435,9 @@ def test_report_command_mentions_the_post_mortem(tmp_path):
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["report", str(tmp_path)])
     assert code == 2  # no TensorBoard events here
-    assert (
-        f"flight records found under {tmp_path / 'memory_records'}: `nemo-memlog postmortem {tmp_path}`"
-        in err.getvalue()
-    )
+    from nemo_memlog.commands import postmortem_command
+
+    assert f"flight records found under {tmp_path / 'memory_records'}: `{postmortem_command(tmp_path)}`" in err.getvalue()
 
 
 def test_the_command_imports_no_torch(tmp_path):

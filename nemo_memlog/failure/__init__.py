@@ -8,6 +8,7 @@
 - ``oom``: the CUDA allocator's OOM observer, writing an ``oom`` record and a snapshot.
 
 Imports go one way: recorder -> oom, identity, evidence, records; none of those imports
-recorder. Writing is the rank's, and it never raises into training. Nothing here is imported
-by ``import nemo_memlog``; the offline reader (``nemo_memlog.offline``) imports ``records`` only.
+recorder. Writing is the rank's, and it never raises into training. Of these, ``import nemo_memlog``
+imports ``records`` only (reduce.py words a lost peer as ``records.PEER_LOSS`` reads it); the
+offline reader (``nemo_memlog.offline``) imports ``records`` only.
 """

@@ -44,6 +44,7 @@ import time
 import weakref
 
 from .. import process_wide
+from ..commands import postmortem_command
 from ..warn import WarnOnce
 from . import oom, records
 from .evidence import HostEvidence
@@ -314,7 +315,7 @@ def open_recorder(directory, **kwargs) -> FlightRecorder:
         _open_by_directory[path] = recorder
         if recorder.rank == 0:
             print(
-                f"nemo_memlog: memory flight records in {path} (after a failure: nemo-memlog postmortem {path})",
+                f"nemo_memlog: memory flight records in {path} (after a failure: {postmortem_command(path)})",
                 file=sys.stderr,
                 flush=True,
             )

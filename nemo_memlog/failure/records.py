@@ -44,6 +44,7 @@ plus, per kind:
 from __future__ import annotations
 
 import json
+import re
 import zlib
 
 FORMAT = "nemo_memlog.memrec"
@@ -59,6 +60,15 @@ KINDS = ("step", "oom", "end")
 #: "close": a normal close; "sigterm": our SIGTERM handler ran; "exit": interpreter exit without
 #: a close (sys.exit, end of script); "exception": exit through an unhandled exception.
 END_REASONS = ("close", "sigterm", "exit", "exception")
+#: An "exception" end whose detail says a peer of the rank's collective is gone (gloo's, NCCL's and
+#: the sockets' words, and reduce.py's own "a peer left"): a consequence of another rank's death,
+#: which the post-mortem never names as the first failure.
+PEER_LOSS = re.compile(
+    r"connection (closed|reset) by peer|broken pipe|socket (was )?closed|ECONNRESET|EPIPE"
+    r"|peer (closed|disconnected|exited|died|lost|left)|remote (process|peer|rank) (exited|closed|died)"
+    r"|NCCL communicator was aborted|ncclRemoteError",
+    re.IGNORECASE,
+)
 _PREFIX = 18  # "llllllll cccccccc\n"
 
 

@@ -175,6 +175,7 @@ def _report(args) -> int:
 
 def _record_hint(run_dir) -> str | None:
     """One line for ``report``: where flight records are, if any are below ``run_dir``."""
+    from ..commands import postmortem_command
     from .rank_files import find_record_files
 
     try:
@@ -184,7 +185,7 @@ def _record_hint(run_dir) -> str | None:
     if found is None:
         return None
     return (
-        f"flight records found under {found.parent}: `nemo-memlog postmortem {run_dir}` says which rank "
+        f"flight records found under {found.parent}: `{postmortem_command(run_dir)}` says which rank "
         "failed first and what every rank held"
     )
 

@@ -26,6 +26,13 @@ def finish_axes(axes) -> None:
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
 
 
+def integer_ticks(axis) -> None:
+    """Ticks on whole numbers only, for an axis that counts (ranks, iterations): never a 0.5."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
 def save(figure, path, title: str) -> Path:
     """The PNG at ``path`` (its folder made), with ``title`` as its Title text; returns the path."""
     path = Path(path)

@@ -24,6 +24,15 @@ them failed first and names both. The allowance: a liveness time is up to one li
 (the header's ``liveness_period_s``, about 1 s) before the death, so it adds that period for
 each side known only by its beat; ranks on different hosts add ``clock_skew_s`` (NTP keeps
 nodes within milliseconds, not always) - on one host the clock is shared.
+
+Consequences are not candidates. When one rank dies, its peers' next collective fails: gloo
+raises "Connection closed by peer" or "Connection reset by peer", NCCL reports a remote or
+aborted communicator, and the launcher SIGTERMs the rest. Such an end says a peer was lost,
+not what killed it, so a rank whose exception reads like that (``records.PEER_LOSS``), or which ended
+by SIGTERM, at or after a real candidate's failure (within the allowance) is listed as having
+died of that candidate's loss (``RankState.died_of``, ``Postmortem.victims``) and is never named
+first or ambiguous with it. Only when every failed rank reads like a lost peer (the rank that
+died left no record) do they stay candidates.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ class RankState:
     last_report: dict  # the newest record's report ({} without one)
     peak_reserved_gb: float | None  # in that report
     host_oom_kill_evidence: list[str] = field(default_factory=list)
+    died_of: RankState | None = None  # the candidate whose loss ended this rank (see the module docstring)
 
     @property
     def header(self) -> dict:
@@ -96,6 +106,17 @@ class RankState:
         if self.end is not None:
             return finite_number(self.end.get("time"))
         return self.last_alive
+
+    @property
+    def lost_a_peer(self) -> bool:
+        """Its end says a peer was lost: an exception in PEER_LOSS's words, or a SIGTERM (the launcher's
+        answer to another rank's death). Whether it came after a candidate's failure is analyse's call."""
+        if self.status != "closed":
+            return False
+        if self.end_reason == "sigterm":
+            return True
+        detail = str((self.end or {}).get("detail") or "")
+        return self.end_reason == "exception" and bool(records.PEER_LOSS.search(detail))
 
     @property
     def failure_time_exact(self) -> bool:
@@ -148,6 +169,7 @@ class Postmortem:
     duplicates: list[str]
     clock_skew_s: float
     notes: list[str] = field(default_factory=list)
+    victims: list[RankState] = field(default_factory=list)  # ranks that died of the first failure's loss
 
     @property
     def world_size(self) -> int:
@@ -172,6 +194,7 @@ def analyse(run_dir, run_id: str | None = None, clock_skew_s: float = DEFAULT_CL
     states = [_state(file) for file in files]
     _host_evidence(states)
     failures = sorted((s for s in states if s.failed), key=_failure_order)
+    failures, victims = _consequences(states, failures, clock_skew_s)
     first = failures[0] if failures else None
     world = max(int(s.header.get("world_size") or 0) for s in states)
     seen = {s.rank for s in states}
@@ -189,8 +212,30 @@ def analyse(run_dir, run_id: str | None = None, clock_skew_s: float = DEFAULT_CL
         duplicates,
         clock_skew_s,
     )
+    postmortem.victims = victims
     postmortem.notes = _notes(postmortem)
     return postmortem
+
+
+def _consequences(
+    states: list[RankState], failures: list[RankState], clock_skew_s: float
+) -> tuple[list[RankState], list[RankState]]:
+    """The failures with the candidates first, and the ranks that died of the first candidate's loss
+    (each marked ``died_of``): a lost-peer end at or after the first candidate's failure, within the
+    allowance. Without a candidate (every failure reads like a lost peer) nothing changes."""
+    candidates = [s for s in failures if not s.lost_a_peer]
+    if not candidates or candidates[0].failure_time is None:
+        return failures, []
+    first = candidates[0]
+    victims = []
+    for state in sorted(states, key=_failure_order):
+        if state is first or not state.lost_a_peer or state.failure_time is None:
+            continue
+        if state.failure_time >= first.failure_time - allowance_s(first, state, clock_skew_s):
+            state.died_of = first
+            victims.append(state)
+    kept = [s for s in failures if s.died_of is None]
+    return kept + [s for s in failures if s.died_of is not None], victims
 
 
 def _read_all(run_dir: Path) -> tuple[list[RankFile], list[tuple[Path, int | None, str]]]:
@@ -334,7 +379,7 @@ def _ambiguity(first: RankState | None, failures: list[RankState], clock_skew_s:
         return None
     close = []
     for other in failures[1:]:
-        if other.failure_time is None:
+        if other.failure_time is None or other.died_of is not None:
             continue
         gap = abs(other.failure_time - first.failure_time)
         if gap <= allowance_s(first, other, clock_skew_s):
@@ -366,6 +411,11 @@ def _notes(postmortem: Postmortem) -> list[str]:
                 f"rank {stopped.rank} ({stopped.status}) stopped {gap:.1f} s "
                 "before this CUDA OOM; a CUDA OOM is named first whenever there is one"
             )
+    if first is not None and first.lost_a_peer:
+        notes.append(
+            "every failed rank's end says it lost a peer: the rank that died first left no readable record "
+            "(see the ranks without one below), so the first of these is named"
+        )
     alive = [s.last_alive for s in postmortem.ranks if s.status == "unfinished" and s.last_alive is not None]
     period = max(s.period for s in postmortem.ranks)
     if alive and time.time() - max(alive) < 3 * period:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from .postmortem import Postmortem, RankState, allowance_s
-from .postmortem_render import fragmented, sentence
+from .postmortem_render import fragmented, sentence, stopped_after_first
 from .tables import iso_time
 
 _OOM_KEYS = (
@@ -58,7 +58,10 @@ def to_json(postmortem: Postmortem, png: str | None = None) -> dict:
         "sentence": sentence(postmortem),
         "first_failure": failure,
         "failed_ranks": [s.rank for s in postmortem.failures],
-        "ranks": [_rank_json(s) for s in postmortem.ranks],
+        "died_of_first_failure": [s.rank for s in postmortem.victims],
+        "ranks": [
+            _rank_json(s) | {"stopped_after_first_s": stopped_after_first(postmortem, s)} for s in postmortem.ranks
+        ],
         "missing_ranks": postmortem.missing_ranks,
         "unreadable_files": [
             {"path": str(path), "rank": rank, "error": why} for path, rank, why in postmortem.unreadable
@@ -90,6 +93,8 @@ def _rank_json(state: RankState) -> dict:
         "last_iteration": state.last_iteration,
         "last_alive": state.last_alive,
         "last_alive_iso": iso_time(state.last_alive),
+        "stopped": state.failure_time,
+        "died_of": None if state.died_of is None else state.died_of.rank,
         "peak_reserved_gb": state.peak_reserved_gb,
         "headroom_gb": state.headroom_gb,
         "host_rss_gb": state.live("host_rss_gb"),

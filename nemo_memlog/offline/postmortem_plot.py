@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .plotting import finish_axes, new_figure, save
+from .plotting import finish_axes, integer_ticks, new_figure, save
 from .postmortem import Postmortem, RankState
 from .tables import finite_number
 
@@ -21,17 +21,20 @@ def write_png(postmortem: Postmortem, path) -> Path:
 
     Top: per pipeline stage, the records still in the ring of the rank holding the stage's
     highest memory metric (peak_reserved_gb, else host RSS) in its last record; the first
-    failure's own records in red, its last point (the OOM, or its last record) marked. Bottom: each
-    rank's failure or last-alive time relative to the first failure, coloured by status, the first
-    failure starred.
+    failure's own records in red, its last point (the OOM, or its last record) marked. Bottom, only
+    when there is a failure: each rank's stop (``failure_time``, as the table's "stopped" columns)
+    relative to the first failure, coloured by status, the ranks that died of its loss apart, the
+    first failure starred.
     """
-    figure = new_figure(11, 8)
-    top, bottom = figure.subplots(2, 1)
     first = postmortem.first_failure
+    failed = first is not None and first.failure_time is not None
+    figure = new_figure(11, 8 if failed else 4.5)
+    top, bottom = figure.subplots(2, 1) if failed else (figure.subplots(1, 1), None)
     metric = _metric(postmortem.ranks)
     _stage_lines(top, postmortem.ranks, metric, first)
-    _stop_times(bottom, postmortem, first)
-    title = f"post-mortem of run {postmortem.run_id}: " + (
+    if failed:  # on a clean run the stop times differ by noise: nothing to show
+        _stop_times(bottom, postmortem, first)
+    title = f"post-mortem of {postmortem.run_dir.name or postmortem.run_dir}: " + (
         f"first failure rank {first.rank} ({first.status})" if first else "no failure"
     )
     figure.suptitle(title)
@@ -73,7 +76,7 @@ def _stage_lines(axes, ranks: list[RankState], metric: str, first: RankState | N
                 marker="o",
                 markersize=3,
                 linewidth=1.2,
-                label=f"stage {stage} (rank {holders[stage].rank}, its highest)",
+                label=f"stage {stage}: rank {holders[stage].rank}, the stage's highest {metric}",
             )
     if first is not None:
         points = _series(first, metric)
@@ -81,39 +84,41 @@ def _stage_lines(axes, ranks: list[RankState], metric: str, first: RankState | N
             axes.plot(*zip(*points), color="red", linewidth=2.5, label=f"rank {first.rank} (first failure)")
             axes.plot(*points[-1], marker="X", markersize=14, color="red", linestyle="none")
     axes.set_xlabel("iteration (records still in the rings)")
+    integer_ticks(axes.xaxis)
     axes.set_ylabel(f"{metric} (GB)")
     axes.set_ylim(bottom=0)
     finish_axes(axes)
 
 
-def _stop_times(axes, postmortem: Postmortem, first: RankState | None) -> None:
+def _stop_times(axes, postmortem: Postmortem, first: RankState) -> None:
     """Each rank's failure (or last-alive) time, relative to the first failure's, coloured by status."""
-    times = [s.failure_time for s in postmortem.ranks if s.failure_time is not None]
-    if not times:
-        return
-    zero = first.failure_time if first is not None and first.failure_time is not None else min(times)
-    for status, color in _STATUS_COLOR.items():
-        group = [s for s in postmortem.ranks if s.status == status and s.failure_time is not None]
+    zero = first.failure_time
+    stopped = [s for s in postmortem.ranks if s.failure_time is not None]
+    groups = [
+        (f"{status} ({{}})", color, [s for s in stopped if s.status == status and s.died_of is None])
+        for status, color in _STATUS_COLOR.items()
+    ]
+    groups.append((f"died of rank {first.rank}'s loss ({{}})", "tab:gray", [s for s in stopped if s.died_of]))
+    for label, color, group in groups:
         if group:
             axes.scatter(
                 [s.rank for s in group],
                 [s.failure_time - zero for s in group],
-                s=8,
+                s=12,
                 color=color,
-                label=f"{status} ({len(group)})",
+                label=label.format(len(group)),
             )
-    if first is not None and first.failure_time is not None:
-        axes.scatter(
-            [first.rank],
-            [0.0],
-            s=250,
-            marker="*",
-            color="red",
-            edgecolor="black",
-            zorder=3,
-            label=f"first failure: rank {first.rank}",
-        )
+    axes.scatter(
+        [first.rank],
+        [0.0],
+        s=250,
+        marker="*",
+        color="red",
+        edgecolor="black",
+        zorder=3,
+        label=f"first failure: rank {first.rank}",
+    )
     axes.set_xlabel("rank")
-    failed = first is not None and first.failure_time is not None
-    axes.set_ylabel("stopped (s after the first failure)" if failed else "stopped (s after the first rank)")
+    integer_ticks(axes.xaxis)
+    axes.set_ylabel("stopped (s after the first failure)")
     finish_axes(axes)

@@ -11,6 +11,7 @@ import math
 import time
 from collections import Counter
 
+from ..failure.records import PEER_LOSS
 from .postmortem import STATUSES, Postmortem, RankState
 from .tables import Column, cell, clock, date_time, gb_cell, gb_text, render_block, whole_number
 
@@ -20,6 +21,8 @@ FULL_TABLE_MAX_RANKS = 64
 SHOWN_FAILURES = 8
 SHOWN_PROBLEMS = 20
 FRAGMENTATION_FIX = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+#: A clean end's reason (the recorder's word) in words.
+END_WORDS = {"close": "closed by the run", "sigterm": "stopped by SIGTERM", "exit": "ended at interpreter exit"}
 
 
 # ---- the sentence -------------------------------------------------------------------------
@@ -38,10 +41,10 @@ def sentence(postmortem: Postmortem) -> str:
     first = postmortem.first_failure
     if first is None:
         reasons = Counter(s.end_reason or "?" for s in postmortem.ranks)
-        counts = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons.items()))
+        counts = ", ".join(f"{n} {END_WORDS.get(reason, reason)}" for reason, n in sorted(reasons.items()))
         gaps = len(postmortem.missing_ranks) + len(postmortem.unreadable)
         tail = f"; {gaps} rank(s) left no readable record (see below)" if gaps else ""
-        return f"no failure: all {len(postmortem.ranks)} ranks read closed ({counts}){tail}"
+        return f"no failure: all {len(postmortem.ranks)} ranks recorded a clean end ({counts}){tail}"
     if first.status == "cuda_oom":
         return _oom_sentence(first)
     if first.status == "closed":  # an exception: the only closed status that is a failure
@@ -140,9 +143,40 @@ def ambiguity_line(postmortem: Postmortem) -> str | None:
     more = len(ambiguity.others) - 1
     if more:
         line += f"; {more} more failed rank(s) stopped within the same allowance"
-    if len(ambiguity.others) + 1 >= max(2, len(postmortem.ranks) // 2):
+    if not postmortem.victims and len(ambiguity.others) + 1 >= max(2, len(postmortem.ranks) // 2):
         line += ". Most ranks stopped together: the job was probably stopped from outside (scheduler, node loss)"
     return line
+
+
+def victims_line(postmortem: Postmortem) -> str | None:
+    """The ranks that died of the first failure's loss, and what their ends said."""
+    victims = postmortem.victims
+    if not victims:
+        return None
+    first = postmortem.first_failure
+    ends = Counter(_victim_end(s) for s in victims)
+    said = "; ".join(f"{n} {text}" for text, n in ends.most_common(3))
+    return (
+        f"died of rank {first.rank}'s loss ({len(victims)}): ranks {_ranges(sorted(s.rank for s in victims))}, "
+        f"after it ({said}): consequences, not other failures"
+    )
+
+
+def _victim_end(state: RankState) -> str:
+    if state.end_reason == "sigterm":
+        return "stopped by SIGTERM"
+    # The last match: our own "a peer left" quotes gloo's or NCCL's words after it.
+    matches = list(PEER_LOSS.finditer(str((state.end or {}).get("detail") or "")))
+    return f"raised '{matches[-1].group(0)}'" if matches else "raised"
+
+
+def stopped_after_first(postmortem: Postmortem, state: RankState) -> float | None:
+    """Seconds from the first failure to this rank's stop (``failure_time``): what the table's
+    "after first" column, the JSON's ``stopped_after_first_s`` and the PNG's lower panel show."""
+    first = postmortem.first_failure
+    if first is None or first.failure_time is None or state.failure_time is None:
+        return None
+    return state.failure_time - first.failure_time
 
 
 # ---- the text -----------------------------------------------------------------------------
@@ -163,7 +197,7 @@ def format_text(postmortem: Postmortem, all_rows: bool = False) -> str:
     if first is not None and first.oom and first.oom.get("snapshot"):
         snapshot = first.file.path.parent / first.oom["snapshot"]
         lines.append(f"allocator snapshot: {snapshot} (open it at pytorch.org/memory_viz)")
-    lines += [line for line in [ambiguity_line(postmortem)] if line]
+    lines += [line for line in [ambiguity_line(postmortem), victims_line(postmortem)] if line]
     lines += [f"note: {note}" for note in postmortem.notes]
     counts = Counter(s.status for s in ranks)
     lines += [
@@ -222,6 +256,8 @@ def _finding(postmortem: Postmortem, state: RankState) -> str:
         parts.append("FIRST")
     elif postmortem.ambiguity and state in postmortem.ambiguity.others:
         parts.append("first?")
+    elif state.died_of is not None:
+        parts.append(f"died of r{state.died_of.rank}'s loss")
     if state.end_reason:
         parts.append(state.end_reason)
     if state.oom is not None and fragmented(state.oom):
@@ -250,8 +286,14 @@ def _rank_columns(postmortem: Postmortem, shown: list[RankState]) -> list[Column
         Column("device GB", "headroom", [gb_cell(s.headroom_gb) for s in shown]),
         Column("host GB", "RSS", [gb_cell(s.live("host_rss_gb")) for s in shown]),
         Column("host GB", "MemAvailable", [gb_cell(s.live("host_available_gb")) for s in shown]),
-        Column("", "last alive", [clock(s.last_alive, fraction=True) for s in shown]),
+        Column("stopped", "at", [clock(s.failure_time, fraction=True) for s in shown]),
+        Column("stopped", "after first", [_after_first(postmortem, s) for s in shown]),
     ]
+
+
+def _after_first(postmortem: Postmortem, state: RankState) -> str:
+    gap = stopped_after_first(postmortem, state)
+    return "-" if gap is None else f"{gap:+.2f} s"
 
 
 def _stage_columns(ranks: list[RankState]) -> list[Column]:
@@ -268,7 +310,7 @@ def _stage_columns(ranks: list[RankState]) -> list[Column]:
         return f"{gb_cell(number)} (r{rank})"
 
     def alive_range(group):
-        times = [s.last_alive for s in group if s.last_alive is not None]
+        times = [s.failure_time for s in group if s.failure_time is not None]
         return f"{clock(min(times), True)}..{clock(max(times), True)}" if times else "-"
 
     def iterations(group):
@@ -287,7 +329,7 @@ def _stage_columns(ranks: list[RankState]) -> list[Column]:
         Column("GB", "least headroom", [extreme(g, lambda s: s.headroom_gb, min) for _, g in rows]),
         Column("GB", "max host RSS", [extreme(g, lambda s: s.live("host_rss_gb"), max) for _, g in rows]),
         Column("GB", "least MemAvailable", [extreme(g, lambda s: s.live("host_available_gb"), min) for _, g in rows]),
-        Column("", "last alive", [alive_range(group) for _, group in rows]),
+        Column("", "stopped", [alive_range(group) for _, group in rows]),
     ]
 
 

@@ -38,6 +38,7 @@ class Rank:
     cgroup_oom_kill: int | None = None
     oom: dict | None = None  # fields of an OOM record (bytes_requested, ...)
     end: str | None = None  # end reason; None: killed without a trace
+    end_detail: str = "simulated"  # the end record's detail (an exception's "Type: message")
 
     def identity(self, run_id: str) -> dict:
         return {
@@ -136,6 +137,6 @@ def write_rank(directory, rank: Rank, run_id: str = "sim-run", slots: int | None
     if rank.oom is not None:
         flight.record_oom(rank.oom, rank.report(rank.iterations[-1]))
     if rank.end is not None:
-        flight.end(rank.end, "simulated")
+        flight.end(rank.end, rank.end_detail)
     flight.abandon()  # no end marker of its own: as a SIGKILL leaves the file
     return flight.path
