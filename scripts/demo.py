@@ -254,6 +254,8 @@ def _check_fail(cfg: DemoConfig) -> None:
 
 # ---- the run folder: one per run, never shared -------------------------------------------
 
+#: The failure demo's launcher log in the run folder: the ranks' and torchrun's output.
+LAUNCH_LOG = "torchrun.log"
 #: Stands for the run's folder name until claim_run_dir has chosen it.
 PENDING_NAME = "demo-<date>-<time>"
 
@@ -265,7 +267,7 @@ def claim_run_dir(run: RunConfig) -> str:
     run.name whose folder holds anything is refused with ConfigError, unless run.overwrite,
     which deletes it first: two runs in one folder would show as one series in TensorBoard
     and in ``nemo-memlog report``. An existing empty folder is taken (the launcher claims it
-    for the ranks it starts)."""
+    for the ranks it starts, and the failure demo's launcher may have opened its LAUNCH_LOG there)."""
     root = Path(run.root)
     if run.name is None:
         stamp = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -277,7 +279,7 @@ def claim_run_dir(run: RunConfig) -> str:
                 continue
         raise ConfigError(f"no free run folder {root / stamp}-N: give run.name")
     folder = root / run.name
-    if folder.is_dir() and any(folder.iterdir()):
+    if folder.is_dir() and any(entry.name != LAUNCH_LOG for entry in folder.iterdir()):
         if not run.overwrite:
             raise ConfigError(
                 f"run.name={run.name}: {folder} already holds a run, and runs never share a folder. "
@@ -560,7 +562,7 @@ def failure_demo(cfg: DemoConfig, name: str, argv: list[str]) -> int:
     0 when the rank died as planned; 1 when the job ended without the failure."""
     cfg = load_config([*argv, f"run.name={name}"])
     run_dir = Path(cfg.run.root) / name
-    log = run_dir / "torchrun.log"
+    log = run_dir / LAUNCH_LOG
     fail = cfg.fail
     print(
         f"demo.py: training until pipeline stage {fail.kill_stage}'s first rank SIGKILLs itself at iteration "
@@ -569,8 +571,8 @@ def failure_demo(cfg: DemoConfig, name: str, argv: list[str]) -> int:
     )
     code = relaunch([*argv, f"run.name={name}"], log=log)
     records = nemo_memlog.config.resolve(cfg.logger).record_dir
-    if code == 0:
-        print(f"demo.py: the job ended without the planned failure (see {log})", file=sys.stderr)
+    if code == 0 or not Path(records).is_dir():
+        print(f"demo.py: the job did not fail as planned (torchrun's exit code {code}; see {log})", file=sys.stderr)
         return 1
     print(
         "\n".join(

@@ -231,6 +231,48 @@ def test_the_dashboard_commands_are_printed_with_working_paths_and_the_account_n
     assert all(str(run) in command for command in local + uploads[:2])
 
 
+def run_as_printed(command: str) -> subprocess.CompletedProcess:
+    """``command`` through a shell, from the repository root (where the demo was started), with a
+    PATH that does not hold the environment's bin: as a user pastes it without activating the venv."""
+    env = {**os.environ, "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_every_printed_command_runs_as_printed(demo):
+    """The in-run note (rank 0, stderr), the closing lines' report and post-mortem commands."""
+    result, run, _ = demo
+    (note,) = re.findall(r"nemo_memlog: memory flight records in \S+ \(after a failure: (.+)\)$", result.stderr, re.M)
+    (report,) = command_after(result.stdout, "Per-stage table and PNG of this run:")
+    (postmortem,) = command_after(result.stdout, "After a failure, which rank failed first and what every rank held")
+    assert note == postmortem and str(run / "memory_records") in postmortem
+    for command in (report, postmortem):
+        done = run_as_printed(command)
+        assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+    assert "no failure: all 4 ranks recorded a clean end (4 closed by the run)" in done.stdout
+
+
+def test_the_failure_demo_kills_a_stage_and_its_post_mortem_tells_one_story(tmp_path):
+    result = run_demo(
+        f"run.root={tmp_path}",
+        "fail.kill_stage=0",
+        "train.iters=4",
+        "train.micro_batch_size=16",
+        "train.seq_len=32",
+        "logger.wandb_project=null",
+        "logger.mlflow_experiment=null",
+        "logger.comet_project=null",
+    )
+    assert result.returncode == 0, f"failure demo:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert "SIGKILLs itself at iteration 3 of 4" in result.stdout
+    (command,) = command_after(result.stdout, "Which rank failed first, and what every rank held")
+    done = run_as_printed(command)
+    assert done.returncode == 1, (done.stdout[-3000:], done.stderr[-2000:])
+    text = done.stdout
+    assert "FIRST FAILURE: rank 0 (pp stage 0, tp 0, dp 0)" in text and "vanished" in text
+    assert "died of rank 0's loss (3): ranks 1-3" in text
+    assert "cannot tell" not in text and "from outside" not in text
+
+
 def test_no_backend_info_lines_in_the_output(two_runs):
     _, _, second = two_runs
     output = second.stdout + second.stderr

@@ -437,7 +437,9 @@ def test_report_command_mentions_the_post_mortem(tmp_path):
     assert code == 2  # no TensorBoard events here
     from nemo_memlog.commands import postmortem_command
 
-    assert f"flight records found under {tmp_path / 'memory_records'}: `{postmortem_command(tmp_path)}`" in err.getvalue()
+    assert (
+        f"flight records found under {tmp_path / 'memory_records'}: `{postmortem_command(tmp_path)}`" in err.getvalue()
+    )
 
 
 def test_the_command_imports_no_torch(tmp_path):

@@ -34,7 +34,9 @@ def write_png(postmortem: Postmortem, path) -> Path:
     _stage_lines(top, postmortem.ranks, metric, first)
     if failed:  # on a clean run the stop times differ by noise: nothing to show
         _stop_times(bottom, postmortem, first)
-    title = f"post-mortem of {postmortem.run_dir.name or postmortem.run_dir}: " + (
+    folder = postmortem.run_dir.resolve()
+    named = f"{folder.parent.name}/{folder.name}" if folder.name == "memory_records" else folder.name
+    title = f"post-mortem of {named or folder}: " + (
         f"first failure rank {first.rank} ({first.status})" if first else "no failure"
     )
     figure.suptitle(title)
