@@ -234,3 +234,17 @@ def test_a_second_run_that_starts_over_in_the_same_folder_is_not_stitched(tmp_pa
     assert f"NOTE: {tmp_path} holds 2 runs" in out and "steps 0..70, started " in out and str(old) in out
     assert main(["report", str(old)]) == 0  # the other one, by its event file
     assert "steps 0..70 (8 logged)" in capsys.readouterr().out
+
+
+def test_png_marks_the_last_stage_as_stock_dashboards_and_labels_the_gap(report, run_dir):
+    """The gap the PNG labels: at the last step, the peak over stages minus the last stage's value
+    (what stock Megatron dashboards, written by the last rank, show); the Title names the folder."""
+    from nemo_memlog.offline.events import load_run
+    from nemo_memlog.offline.report_plot import gap_to_last_stage
+
+    run = load_run(run_dir)
+    k = STEPS[-1] // 10
+    step, peak, shown, stage = gap_to_last_stage(run.per_stage("peak_reserved_gb"), 3)
+    assert (step, stage) == (STEPS[-1], 1)
+    assert (peak, shown) == (pytest.approx(reserved(1, k)), pytest.approx(reserved(3, k)))
+    assert b"demo: peak_reserved_gb per pipeline stage" in (run_dir / "memory_report.png").read_bytes()

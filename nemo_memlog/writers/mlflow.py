@@ -21,6 +21,7 @@ import functools
 import re
 import time
 import zlib
+from pathlib import Path
 
 from ..config import scrubbed
 
@@ -68,7 +69,9 @@ def open_backend(settings, params: dict, secrets: list[str]) -> MlflowBackend:
         experiment_id = experiment.experiment_id
     else:
         try:
-            experiment_id = client.create_experiment(name)
+            experiment_id = client.create_experiment(
+                name, artifact_location=artifact_location(settings.mlflow_tracking_uri)
+            )
         except MlflowException:  # another process created it first
             experiment_id = client.get_experiment_by_name(name).experiment_id
     tags = {mlflow_name(str(k)): scrubbed(str(v), secrets) for k, v in (settings.mlflow_tags or {}).items()}
@@ -78,6 +81,17 @@ def open_backend(settings, params: dict, secrets: list[str]) -> MlflowBackend:
     for start in range(0, len(values), PARAMS_PER_BATCH):
         client.log_batch(run_id, params=values[start : start + PARAMS_PER_BATCH], synchronous=True)
     return MlflowBackend(client, run_id)
+
+
+def artifact_location(tracking_uri: str | None) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a SQLite store's file (``mlartifacts``
+    in its folder), so that a run folder holds all of its run; None (MLflow's choice) otherwise.
+    MLflow's own default for a SQLite store is ``./mlruns`` under the working directory."""
+    prefix = "sqlite:///"
+    if not tracking_uri or not tracking_uri.startswith(prefix) or tracking_uri == prefix + ":memory:":
+        return None
+    database = Path(tracking_uri[len(prefix) :]).absolute()
+    return (database.parent / "mlartifacts").as_uri()
 
 
 def adopt(obj, spell=None) -> MlflowBackend | None:

@@ -85,7 +85,7 @@ def test_every_metric_reads_back_at_its_step(run):
 
 
 def test_run_name_tags_params_and_status(run):
-    _, client, run_id, second_id, cfg = run
+    root, client, run_id, second_id, cfg = run
     stored = client.get_run(run_id)
     assert stored.info.run_name == "pp-run" and stored.info.status == "FINISHED"
     assert stored.data.tags["team"] == "infra" and stored.data.tags["token_source"] == REDACTED
@@ -96,6 +96,10 @@ def test_run_name_tags_params_and_status(run):
     assert params.keys() == flat_params(cfg).keys()  # every one, dotted names kept
     assert params["mlflow_tags.token_source"] == REDACTED
     assert client.get_run(second_id).info.experiment_id == stored.info.experiment_id
+    # Artifacts beside the store, inside the run's folder, not under the working directory's mlruns:
+    experiment = client.get_experiment(stored.info.experiment_id)
+    assert experiment.artifact_location == (root / "mlartifacts").as_uri()
+    assert not (root / "mlruns").exists()
 
 
 def test_secret_is_written_nowhere(run):
