@@ -8,9 +8,13 @@ From one GatheredMemory (position i = pipeline stage i) it derives:
     memory/headroom_gb                min over stages of device_total - device_other - peak_reserved (CUDA)
     memory/headroom_stage             int: that stage
     memory/peak_reserved_pct          100 * peak_reserved / device_total at that stage
-    memory/host_headroom_gb           min over stages of the host's MemAvailable (SIGKILL distance)
+    memory/host_headroom_gb           min over stages of the distance to the OOM killer (SIGKILL): the
+                                      host's MemAvailable, or, inside a memory cgroup with a limit,
+                                      the smaller of it and the limit minus the cgroup's usage
     memory/host_headroom_stage        int: that stage
-    memory/peak_host_rss_pct          max over stages of 100 * peak_host_rss / host_total
+    memory/host_limit_gb              the cgroup memory limit binding a stage (max over stages); absent
+                                      when no stage has one (each rank reports NaN), as before the limit
+    memory/peak_host_rss_pct          max over stages of 100 * peak_host_rss / (the limit, else host_total)
 
 The ``peak_*`` inputs cover the window memory.py measured them over (memory_peak_window:
 the run, or the interval since the previous logging step); everything above follows.
@@ -23,7 +27,7 @@ from functools import lru_cache
 
 PREFIX = "memory/"
 #: Capacity keys (memory.capacity_report) feed headroom; their max has no "peak stage".
-CAPACITY = frozenset({"device_total_gb", "host_total_gb", "host_available_gb"})
+CAPACITY = frozenset({"device_total_gb", "host_total_gb", "host_available_gb", "host_limit_gb"})
 
 
 def memory_metrics(gathered, per_stage_patterns=("peak_*",), stage_names=None) -> dict:
@@ -80,14 +84,34 @@ def _headroom(keys, per_rank) -> dict:
                     PREFIX + "peak_reserved_pct": 100.0 * used,
                 }
             )
-    available = _column(keys, per_rank, "host_available_gb")
-    if available and any(a is not None for a in available):
-        headroom, stage = min((a, s) for s, a in enumerate(available) if a is not None)
+    out.update(_host_headroom(keys, per_rank))
+    return out
+
+
+def _host_headroom(keys, per_rank) -> dict:
+    """Per stage: MemAvailable, or the smaller of it and (limit - usage) of its memory cgroup."""
+    out = {}
+    none = [None] * len(per_rank)
+    available = _column(keys, per_rank, "host_available_gb") or none
+    limits = _column(keys, per_rank, "host_limit_gb") or none
+    used = _column(keys, per_rank, "host_limit_used_gb") or none
+    left = []
+    for stage, (a, limit, u) in enumerate(zip(available, limits, used)):
+        to_limit = None if limit is None or u is None else limit - u
+        candidates = [v for v in (a, to_limit) if v is not None]
+        if candidates:
+            left.append((min(candidates), stage))
+    if left:
+        headroom, stage = min(left)
         out.update({PREFIX + "host_headroom_gb": headroom, PREFIX + "host_headroom_stage": stage})
-    host_totals = _column(keys, per_rank, "host_total_gb")
+    host_totals = _column(keys, per_rank, "host_total_gb") or none
     rss = _column(keys, per_rank, "peak_host_rss_gb")
-    if host_totals and rss:
-        shares = [100.0 * r / t for t, r in zip(host_totals, rss) if t and r is not None]
+    if rss:
+        shares = [
+            100.0 * r / (limit or total)
+            for total, limit, r in zip(host_totals, limits, rss)
+            if (limit or total) and r is not None
+        ]
         if shares:
             out[PREFIX + "peak_host_rss_pct"] = max(shares)
     return out
@@ -114,11 +138,20 @@ _HEADROOM_KINDS = (
 )
 
 
+_LIMIT_SENTENCE = (
+    "pipeline stage {stage} has {left:.2f} GB left before its memory cgroup's limit ({pct:.1f}% of "
+    "{total:.1f} GB): close to the OOM killer (SIGKILL)"
+)
+
+
 def low_headroom(metrics: dict, fraction: float) -> list[tuple[str, int, str]]:
     """(kind, stage, sentence) for each headroom below ``fraction`` of capacity."""
     found = []
+    limit = metrics.get(PREFIX + "host_limit_gb")
     for kind, left_key, total_key, stage_key, sentence in _HEADROOM_KINDS:
         left, total = metrics.get(PREFIX + left_key), metrics.get(PREFIX + total_key)
+        if kind == "host" and limit is not None and limit == limit:  # a cgroup limit binds first
+            total, sentence = limit, _LIMIT_SENTENCE
         if left is not None and total and left < fraction * total:
             stage = metrics[PREFIX + stage_key]
             found.append((kind, stage, sentence.format(stage=stage, left=left, pct=100 * left / total, total=total)))

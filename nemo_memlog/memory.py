@@ -16,6 +16,7 @@ from functools import cache, lru_cache
 import torch
 
 from . import process_wide
+from .host_limit import limit_of_process
 from .process_wide import read_proc
 from .warn import WarnOnce
 
@@ -290,14 +291,27 @@ def capacity_report() -> dict[str, float]:
 
     ``host_available_gb`` is the kernel's MemAvailable: shared by every rank on the node,
     it is the real distance to the OOM killer (SIGKILL), where a per-process share of
-    total RAM would not be.
+    total RAM would not be. Inside a memory cgroup with a limit (SLURM, Kubernetes, a container)
+    the OOM killer fires at that limit first: ``host_limit_gb`` and ``host_limit_used_gb`` are the
+    limit and the usage of the cgroup holding it (NaN without one); attribution.py takes the
+    smaller distance.
     """
     device_total = device_total_bytes()
+    limit = host_limit_bytes()
     return {
         "device_total_gb": MISSING if device_total is None else device_total / GB,
         "host_total_gb": host_total_bytes() / GB,
         "host_available_gb": host_available_bytes() / GB,
+        "host_limit_gb": MISSING if limit is None else limit[0] / GB,
+        "host_limit_used_gb": MISSING if limit is None else limit[1] / GB,
     }
+
+
+def host_limit_bytes() -> tuple[int, int] | None:
+    """(limit, usage) of the memory cgroup whose limit binds this process (host_limit.py), in
+    bytes; None without one (no cgroup limit below the machine's RAM, or unreadable)."""
+    limit = limit_of_process(os.getpid(), host_total_bytes())
+    return None if limit is None else limit.read()
 
 
 def host_available_bytes() -> int:

@@ -531,3 +531,23 @@ def test_an_end_followed_by_records_does_not_count(tmp_path):
         40,
         50.0,
     )
+
+
+def test_a_rank_killed_at_its_cgroup_limit_is_said_so_against_the_limit_not_the_node(tmp_path):
+    """Four ranks on one node in a 2.85 GB memory cgroup: the lead sentence and the table speak of
+    the limit, and usage at 95% of it or more at the last beat is evidence of the OOM killer."""
+    ranks = closed_after(layout(pp=4, tp=1, dp=1), 5.0)
+    for rank in ranks:
+        rank.host_limit_gb, rank.host_limit_used_gb, rank.host_rss_gb = 2.85, 2.10, 0.6
+    victim = ranks[2]
+    victim.stopped, victim.end, victim.host_rss_gb, victim.host_limit_used_gb = T0, None, 1.5, 2.84
+    write_run(tmp_path, ranks)
+    code, result = run_json(tmp_path)
+    assert code == 1 and result["first_failure"]["rank"] == 2
+    assert "with host RSS 1.5 GB, the job's memory cgroup at 2.84 of its 2.85 GB limit while " in result["sentence"]
+    assert "its memory cgroup was at 2.84 of its 2.85 GB limit at its last beat" in result["sentence"]
+    assert "probably the kernel's OOM killer" in result["sentence"] and "of 512 GB" not in result["sentence"]
+    assert by_rank(result)[2]["host_limit_gb"] == 2.85 and by_rank(result)[0]["host_limit_used_gb"] == 2.10
+    code, text, _ = run_cli(tmp_path, "--no-png")
+    header = next(line for line in text.splitlines() if line.startswith("rank "))
+    assert "cgroup used" in header and "limit" in header

@@ -1,7 +1,8 @@
 """The host's side of a death by the kernel's OOM killer, as the liveness beat records it.
 
 A rank killed by the OOM killer (SIGKILL) writes nothing more; what the post-mortem can show
-is what the host looked like up to then: MemAvailable, this process's RSS, /proc/vmstat's
+is what the host looked like up to then: MemAvailable, the memory cgroup's limit and usage
+(host_limit.py: SLURM, Kubernetes, containers), this process's RSS, /proc/vmstat's
 ``oom_kill`` and the job cgroup's ``oom_kill`` (cgroup v2 ``memory.events``, or v1
 ``memory.oom_control``). Each file is re-read through a descriptor kept open
 (``process_wide.read_proc``): the beat costs microseconds and never allocates a descriptor.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from ..host_limit import limit_of_process
 from ..process_wide import read_proc
 
 GB = 1e9
@@ -22,9 +24,13 @@ class HostEvidence:
 
     def __init__(self):
         self.cgroup = cgroup_events_path()
+        self.limit = limit_of_process(os.getpid(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
     def read(self) -> dict:
+        limit = None if self.limit is None else self.limit.read()
         return {
+            "host_limit_gb": None if limit is None else limit[0] / GB,
+            "host_limit_used_gb": None if limit is None else limit[1] / GB,
             "host_available_gb": _gb(_field("/proc/meminfo", b"MemAvailable:", 1024)),
             "host_rss_gb": _gb(_field("/proc/self/status", b"VmRSS:", 1024)),
             "vmstat_oom_kill": _field("/proc/vmstat", b"oom_kill "),

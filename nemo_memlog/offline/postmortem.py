@@ -51,6 +51,9 @@ DEFAULT_LIVENESS_PERIOD_S = 1.0
 #: MemAvailable below this share of the host's RAM at a rank's last beat counts as evidence
 #: that the kernel's OOM killer took it.
 LOW_AVAILABLE_FRACTION = 0.05
+#: A memory cgroup at or above this share of its limit at a rank's last beat counts as evidence
+#: that the kernel's OOM killer took it (the kernel reclaims caches first, so usage sits just under).
+NEAR_LIMIT_FRACTION = 0.95
 STATUSES = ("closed", "cuda_oom", "unfinished")
 _RANK_IN_NAME = re.compile(r"rank-(\d+)")
 
@@ -335,7 +338,8 @@ def _state(file: RankFile) -> RankState:
 def _host_evidence(states: list[RankState]) -> None:
     """For each unfinished rank, the host's signs of the kernel's OOM killer: an oom_kill counter
     (vmstat: the host's; cgroup: the job's) that a rank on the same host saw higher after this
-    rank's last beat, and MemAvailable under LOW_AVAILABLE_FRACTION of the RAM at its last beat."""
+    rank's last beat, MemAvailable under LOW_AVAILABLE_FRACTION of the RAM at its last beat, and its
+    memory cgroup at NEAR_LIMIT_FRACTION of its limit or more then."""
     by_host: dict[str, list[RankState]] = {}
     for state in states:
         by_host.setdefault(state.host, []).append(state)
@@ -359,6 +363,11 @@ def _host_evidence(states: list[RankState]) -> None:
         if available is not None and total and available < LOW_AVAILABLE_FRACTION * total:
             state.host_oom_kill_evidence.append(
                 f"MemAvailable was {available:.1f} GB of {total:.1f} GB at its last beat"
+            )
+        limit, used = state.live("host_limit_gb"), state.live("host_limit_used_gb")
+        if limit and used is not None and used >= NEAR_LIMIT_FRACTION * limit:
+            state.host_oom_kill_evidence.append(
+                f"its memory cgroup was at {used:.2f} of its {limit:.2f} GB limit at its last beat"
             )
 
 

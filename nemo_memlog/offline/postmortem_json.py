@@ -100,6 +100,8 @@ def _rank_json(state: RankState) -> dict:
         "host_rss_gb": state.live("host_rss_gb"),
         "host_available_gb": state.live("host_available_gb"),
         "host_total_gb": state.value("host_total_gb"),
+        "host_limit_gb": state.live("host_limit_gb"),
+        "host_limit_used_gb": state.live("host_limit_used_gb"),
         "probable_host_oom_kill": state.probable_host_oom_kill,
         "host_oom_kill_evidence": state.host_oom_kill_evidence,
         "oom": oom,

@@ -98,8 +98,11 @@ def fragmented(oom: dict) -> bool:
 
 def _vanished_sentence(state: RankState) -> str:
     rss, total = state.live("host_rss_gb"), state.value("host_total_gb")
+    limit, used = state.live("host_limit_gb"), state.live("host_limit_used_gb")
     memory = ""
-    if rss is not None:
+    if rss is not None and limit:  # the job's limit binds, not the node's RAM: say that one
+        memory = f" with host RSS {gb_text(rss, 1)}, the job's memory cgroup at {used:.2f} of its {limit:.2f} GB limit"
+    elif rss is not None:
         memory = f" with host RSS {gb_text(rss, 1)}" + (f" of {gb_text(total, 1)}" if total else "")
     text = f"{who(state)} vanished at {clock(state.last_alive)} (last alive){_at_iteration(state)}{memory}"
     if state.host_oom_kill_evidence:
@@ -286,8 +289,19 @@ def _rank_columns(postmortem: Postmortem, shown: list[RankState]) -> list[Column
         Column("device GB", "headroom", [gb_cell(s.headroom_gb) for s in shown]),
         Column("host GB", "RSS", [gb_cell(s.live("host_rss_gb")) for s in shown]),
         Column("host GB", "MemAvailable", [gb_cell(s.live("host_available_gb")) for s in shown]),
+        *_limit_columns(shown),
         Column("stopped", "at", [clock(s.failure_time, fraction=True) for s in shown]),
         Column("stopped", "after first", [_after_first(postmortem, s) for s in shown]),
+    ]
+
+
+def _limit_columns(shown: list[RankState]) -> list[Column]:
+    """The memory cgroup's usage and limit at the last beat, where any rank ran under a limit."""
+    if not any(s.live("host_limit_gb") for s in shown):
+        return []
+    return [
+        Column("host GB", "cgroup used", [gb_cell(s.live("host_limit_used_gb")) for s in shown]),
+        Column("host GB", "limit", [gb_cell(s.live("host_limit_gb")) for s in shown]),
     ]
 
 

@@ -36,6 +36,8 @@ class Rank:
     host_available_gb: float = 400.0
     vmstat_oom_kill: int | None = 0
     cgroup_oom_kill: int | None = None
+    host_limit_gb: float | None = None  # the memory cgroup's limit and usage at the last beat
+    host_limit_used_gb: float | None = None
     oom: dict | None = None  # fields of an OOM record (bytes_requested, ...)
     end: str | None = None  # end reason; None: killed without a trace
     end_detail: str = "simulated"  # the end record's detail (an exception's "Type: message")
@@ -132,6 +134,8 @@ def write_rank(directory, rank: Rank, run_id: str = "sim-run", slots: int | None
                 "host_rss_gb": rank.host_rss_gb,
                 "vmstat_oom_kill": rank.vmstat_oom_kill,
                 "cgroup_oom_kill": rank.cgroup_oom_kill,
+                "host_limit_gb": rank.host_limit_gb,
+                "host_limit_used_gb": rank.host_limit_used_gb,
             }
         )
     if rank.oom is not None:
