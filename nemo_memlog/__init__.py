@@ -16,6 +16,7 @@ _EXPORTS = {
     "DEFAULT_MEMORY_KEYS": "memory",
     "report_memory": "memory",
     "reset_peaks": "memory",
+    "memory_phase": "phase",
     "GatheredMemory": "reduce",
     "MemoryReduceError": "reduce",
     "gather_memory": "reduce",

@@ -88,11 +88,16 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | 
             value = None
         if type(value) is not int:  # absent here, or a name that stops at a sub-dict
             report[logged_name] = MISSING
-        elif in_bytes:
+            continue
+        if _kept and path[-1] == "peak":  # a phase reset the counter: the window's peak is kept here
+            value = max(value, _kept.get(path, 0))
+        if in_bytes:
             report[logged_name] = value / GB
         else:
             report[logged_name] = value
     rss, peak_rss = host_rss_bytes()
+    if _kept:
+        peak_rss = max(peak_rss, _kept.get(HOST_PEAK, 0))
     report["host_rss_gb"] = rss / GB
     report["peak_host_rss_gb"] = peak_rss / GB
     used, other = _device_usage(device, stats)
@@ -192,6 +197,7 @@ def reset_peaks() -> None:
     Both are process-wide state: anything else reading the same peaks (Megatron's own
     text log, torch.cuda.max_memory_allocated) sees them reset too. No collective.
     """
+    _kept.clear()
     if _cuda_in_use():
         torch.cuda.reset_peak_memory_stats()
     problem = reset_host_peak()
@@ -201,6 +207,38 @@ def reset_peaks() -> None:
             f"memory_peak_window='interval' cannot reset the host peak here: {problem}. "
             "peak_host_rss_gb stays the process's lifetime peak; CUDA peaks (if any) are still reset.",
         )
+
+
+#: Peaks read and reset in the middle of a peak window (by a memory phase, phase.py), by their
+#: path in torch's nested statistics (HOST_PEAK: the host's VmHWM), in bytes: report_memory
+#: reports the max of these and the counters, so that a phase's reset loses nothing of the
+#: window's peak; reset_peaks() starts the window anew. Per process (a forked child's own
+#: counters start from its parent's; it clears these at its first fold, see fold_peaks).
+_kept: dict = {}
+HOST_PEAK = ("host_hwm",)
+
+
+def fold_peaks() -> tuple[dict, int]:
+    """Read every peak counter now, keep each in ``_kept`` (max), and reset the counters, so that
+    from now on they measure a new span (a memory phase) while report_memory still reports the
+    window's peak. Returns (the device peaks read, by path; {} without CUDA in use, the host peak
+    read in bytes). Never creates a CUDA context; no collective."""
+    if _kept.get("pid") != os.getpid():
+        _kept.clear()
+        _kept["pid"] = os.getpid()
+    device_peaks = {}
+    device, stats = allocator_stats()
+    if device is not None:
+        for kind, pools in stats.items():
+            if isinstance(pools, dict) and isinstance(pools.get("all"), dict) and "peak" in pools["all"]:
+                path = (kind, "all", "peak")
+                device_peaks[path] = pools["all"]["peak"]
+                _kept[path] = max(_kept.get(path, 0), device_peaks[path])
+        torch.cuda.reset_peak_memory_stats()
+    host = host_rss_bytes()[1]
+    _kept[HOST_PEAK] = max(_kept.get(HOST_PEAK, 0), host)
+    reset_host_peak()  # where it cannot be reset the lifetime peak stays: phases then see it too
+    return device_peaks, host
 
 
 def reset_host_peak() -> str | None:

@@ -20,7 +20,7 @@ import os
 
 import torch.distributed as dist
 
-from . import attribution, megatron, memory
+from . import attribution, megatron, memory, phase
 from .config import resolve, secrets_of
 from .payload import scalar
 from .reduce import Reduction, takes_part
@@ -75,6 +75,7 @@ class MemoryMonitor:
             self.place()
         settings = self.settings
         report = self._report()
+        report.update(phase.take_pending())  # the memory phases ended since the last logging step
         if settings.interval_peaks:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
         if self.recorder is not None:  # before the collective: a rank that dies in it has this step

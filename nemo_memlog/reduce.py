@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import math
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -216,7 +217,34 @@ def _agree_on_layout(channel, layout, group, iteration, timeout_s) -> None:
     key_lists = [
         bytes(everyone[r * width : r * width + n]).decode().split("\x1f") if n else [] for r, n in enumerate(lengths)
     ]
+    union = optional_union(key_lists)
+    if union is not None:  # they differ in optional keys only: every rank adopts the union
+        channel.adopt(payload.layout_of(union), group)
+        return
     raise MemoryReduceError(_key_mismatch_message(key_lists, group))
+
+
+#: Keys a rank may report while others do not: a memory phase (phase.py) only some stages ran.
+#: Ranks that differ only in these agree on the union, and a rank sends those it lacks as missing.
+OPTIONAL_PREFIX = "phase/"
+
+
+def optional_union(key_lists: list) -> tuple[str, ...] | None:
+    """The agreed keys of ranks that differ in optional keys only: the common keys in their order,
+    then every optional key, sorted (the same on every rank). None when other keys differ."""
+    required = [[k for k in keys if not k.startswith(OPTIONAL_PREFIX)] for keys in key_lists]
+    if any(keys != required[0] for keys in required):
+        return None
+    optional = sorted({k for keys in key_lists for k in keys if k.startswith(OPTIONAL_PREFIX)})
+    return (*required[0], *optional)
+
+
+@functools.lru_cache(maxsize=64)
+def fits(mine: tuple[str, ...], agreed: tuple[str, ...]) -> bool:
+    """Whether a rank reporting ``mine`` can send in the ``agreed`` layout: the same required keys in
+    the same order, and its optional keys among the agreed ones."""
+    required = tuple(k for k in mine if not k.startswith(OPTIONAL_PREFIX))
+    return required == tuple(k for k in agreed if not k.startswith(OPTIONAL_PREFIX)) and set(mine) <= set(agreed)
 
 
 def _key_mismatch_message(key_lists: list, group) -> str:
@@ -268,6 +296,10 @@ class Reduction:
         if channel.layout is None:
             _agree_on_layout(channel, layout, group, iteration, timeout_s)
         while True:
+            if layout is not channel.layout and fits(layout.keys, channel.layout.keys):
+                # Optional keys (a phase other ranks ran) agreed on: send this rank's lacking ones as missing.
+                memory_report = {key: memory_report.get(key, math.nan) for key in channel.layout.keys}
+                layout = channel.layout
             # Always the agreed size: a rank whose keys changed sends just its header.
             reports = channel.exchange(layout, memory_report, group, iteration, timeout_s, self.warn_value)
             fingerprint = channel.layout.fingerprint

@@ -73,6 +73,9 @@ ESSENTIAL_KEYS = (
 # open_recorder hands every run of this process that asks for a folder the recorder already
 # open there. Weak: the runs own their recorder, this only finds it.
 _open_by_directory: weakref.WeakValueDictionary[str, FlightRecorder] = weakref.WeakValueDictionary()
+#: Every recorder this process opened (a custom loop's own FlightRecorder too), weakly: a memory
+#: phase (phase.py), which belongs to the process, is recorded in each.
+_opened: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 
 
 class FlightRecorder:
@@ -113,6 +116,7 @@ class FlightRecorder:
         self.clock = clock
         self.warn = warn or WarnOnce()
         self.iteration = None  # the last iteration recorded: an OOM record names it
+        self.phases: list[dict] = []  # the memory phases this rank is in (phase.py), innermost last
         self.ended = None  # the end reason written, if any
         self.oom_count = 0
         self._fd = None
@@ -137,6 +141,7 @@ class FlightRecorder:
             "liveness_period_s": liveness_period_s,
         }
         if self._open_file():
+            _opened.add(self)
             self._register_hooks()
             if liveness:
                 self._thread = _Liveness(self)
@@ -168,6 +173,18 @@ class FlightRecorder:
             self._oom_pending = not oom.attach_when_ready(warn=self.warn)
         if self._fd is not None:
             self._write({"kind": "step", "time": self.clock(), "iteration": iteration, "report": report})
+
+    def phase(self, name: str, event: str, iteration: int | None, started: float) -> None:
+        """Write a ``phase`` record (phase.py's start or end of ``name``) and keep the phases this
+        rank is in for the liveness beat. Never raises."""
+        at = self.iteration if iteration is None else iteration
+        if event == "start":
+            self.phases.append({"phase": name, "phase_started": started, "phase_iteration": at})
+        else:
+            self.phases = [p for p in self.phases if (p["phase"], p["phase_started"]) != (name, started)]
+        if self._fd is not None:
+            record = {"kind": "phase", "time": self.clock(), "iteration": at, "report": {}}
+            self._write(record | {"name": name, "event": event, "started": started})
 
     def write_liveness(self, liveness: dict) -> None:
         """Rewrite the liveness slot with ``liveness`` (records.py's liveness object). Never raises."""
@@ -207,6 +224,7 @@ class FlightRecorder:
                 "report": {},
                 "reason": reason,
                 "detail": detail[:500],
+                **_counters(),  # a host-mate killed just before: this end may be the only later sight of it
             }
         )
         if reason != "sigterm":
@@ -301,6 +319,11 @@ class FlightRecorder:
         self.end("sigterm")
 
 
+def open_recorders() -> list[FlightRecorder]:
+    """The recorders open in this process (phase.py records its phases in each)."""
+    return [recorder for recorder in list(_opened) if recorder.is_open]
+
+
 def open_recorder(directory, **kwargs) -> FlightRecorder:
     """The recorder for ``directory`` in this process: a new one (``kwargs`` as FlightRecorder
     takes them), or the one already open there (shared: each user closes it once, the last
@@ -359,6 +382,15 @@ def _default_report() -> dict:
     return report
 
 
+def _counters() -> dict:
+    """The OOM-kill counters now (host and memory cgroup), for an end record. Never raises."""
+    try:
+        evidence = HostEvidence().read()
+    except Exception:
+        return {}
+    return {key: evidence.get(key) for key in ("vmstat_oom_kill", "cgroup_oom_kill")}
+
+
 class _Liveness(threading.Thread):
     """Rewrites the recorder's liveness slot every ``liveness_period_s`` until it is shut. Holds
     the recorder weakly: a recorder dropped without close() stops its thread too."""
@@ -379,7 +411,9 @@ class _Liveness(threading.Thread):
                 break
             beats += 1
             try:
-                recorder.write_liveness({"alive": self.clock(), "beats": beats, **self.evidence.read()})
+                phases = recorder.phases  # the innermost phase this rank is in, if any
+                beat = {"alive": self.clock(), "beats": beats, **self.evidence.read(), **(phases[-1] if phases else {})}
+                recorder.write_liveness(beat)
             except Exception:  # never let this thread die noisily; the next beat tries again
                 pass
             del recorder

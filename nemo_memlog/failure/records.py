@@ -27,7 +27,12 @@ The liveness object (``alive`` is unix time; the rest is host evidence, null whe
 does not show it)::
 
     {"alive": float, "beats": int, "host_available_gb": float, "host_rss_gb": float,
-     "vmstat_oom_kill": int|null, "cgroup_oom_kill": int|null}
+     "vmstat_oom_kill": int|null, "cgroup_oom_kill": int|null,
+     "host_limit_gb": float|null, "host_limit_used_gb": float|null,
+     "phase": str (only inside a memory phase), "phase_started": float, "phase_iteration": int|null}
+
+(the memory cgroup's limit and usage: host_limit.py; the phase: phase.py. Added within
+version 1: a reader that does not know a field ignores it.)
 
 A record object: ``{"seq": int, "kind": KIND, "time": float, "iteration": int|null, "report": {...}}``
 plus, per kind:
@@ -38,7 +43,11 @@ plus, per kind:
   the allocator snapshot was taken, ``"snapshot": file name beside the record`` and
   ``"largest_free_block": int`` (bytes), ``"reserved_free": int`` (bytes free inside segments).
 - ``"end"``: the process ended in a way it could record: ``"reason"``: one of END_REASONS,
-  ``"detail": str``.
+  ``"detail": str``, and the OOM-kill counters then, ``"vmstat_oom_kill"``, ``"cgroup_oom_kill"``
+  (int|null; added within version 1).
+- ``"phase"``: a memory phase (phase.py) began or ended: ``"name": str``, ``"event"``: "start"
+  or "end", ``"started": float`` (the phase's start); ``report`` is {}. Added within version 1:
+  older readers skip a kind they do not know.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ RECORDS_AT = HEADER_BYTES + LIVENESS_BYTES
 #: Default ring: 16 records of 2 KB, about 37 KB per rank with header and liveness.
 DEFAULT_SLOTS = 16
 DEFAULT_SLOT_BYTES = 2048
-KINDS = ("step", "oom", "end")
+KINDS = ("step", "oom", "end", "phase")
 #: "close": a normal close; "sigterm": our SIGTERM handler ran; "exit": interpreter exit without
 #: a close (sys.exit, end of script); "exception": exit through an unhandled exception.
 END_REASONS = ("close", "sigterm", "exit", "exception")

@@ -122,6 +122,22 @@ class RankState:
         return self.end_reason == "exception" and bool(records.PEER_LOSS.search(detail))
 
     @property
+    def open_phase(self) -> dict | None:
+        """The memory phase (phase.py) this rank was in when it stopped: {"name", "started",
+        "iteration"}, from its last beat, else from a phase record with no end after it; None."""
+        beat = self.file.liveness or {}
+        if isinstance(beat.get("phase"), str):
+            return {
+                "name": beat["phase"],
+                "started": beat.get("phase_started"),
+                "iteration": beat.get("phase_iteration"),
+            }
+        newest = self.file.newest("phase")
+        if newest is not None and newest.get("event") == "start":
+            return {"name": newest.get("name"), "started": newest.get("started"), "iteration": newest.get("iteration")}
+        return None
+
+    @property
     def failure_time_exact(self) -> bool:
         """A record's time is the event's; a last beat is up to one liveness period before it."""
         return self.oom is not None or self.end is not None
@@ -338,8 +354,9 @@ def _state(file: RankFile) -> RankState:
 def _host_evidence(states: list[RankState]) -> None:
     """For each unfinished rank, the host's signs of the kernel's OOM killer: an oom_kill counter
     (vmstat: the host's; cgroup: the job's) that a rank on the same host saw higher after this
-    rank's last beat, MemAvailable under LOW_AVAILABLE_FRACTION of the RAM at its last beat, and its
-    memory cgroup at NEAR_LIMIT_FRACTION of its limit or more then."""
+    rank's last beat (in a later beat, or in its end record), MemAvailable under
+    LOW_AVAILABLE_FRACTION of the RAM at its last beat, and its memory cgroup at
+    NEAR_LIMIT_FRACTION of its limit or more then."""
     by_host: dict[str, list[RankState]] = {}
     for state in states:
         by_host.setdefault(state.host, []).append(state)
@@ -350,9 +367,11 @@ def _host_evidence(states: list[RankState]) -> None:
         for key, label in (("vmstat_oom_kill", "vmstat oom_kill"), ("cgroup_oom_kill", "cgroup oom_kill")):
             before = own.get(key)
             later = [
-                (s.file.liveness or {}).get(key)
-                for s in by_host[state.host]
-                if s is not state and (s.last_alive or 0) > (state.last_alive or 0)
+                seen.get(key)
+                for mate in by_host[state.host]
+                if mate is not state
+                for seen, when in _sightings(mate)
+                if isinstance(when, (int, float)) and when > (state.last_alive or 0)
             ]
             later = [v for v in later if isinstance(v, int)]
             if isinstance(before, int) and later and max(later) > before:
@@ -369,6 +388,12 @@ def _host_evidence(states: list[RankState]) -> None:
             state.host_oom_kill_evidence.append(
                 f"its memory cgroup was at {used:.2f} of its {limit:.2f} GB limit at its last beat"
             )
+
+
+def _sightings(state: RankState) -> tuple:
+    """(fields, time) of what a rank saw of its host last: its last beat, and its end record."""
+    end = state.end or {}
+    return ((state.file.liveness or {}), state.last_alive), (end, end.get("time"))
 
 
 def _failure_order(state: RankState) -> tuple:

@@ -95,6 +95,7 @@ def _rank_json(state: RankState) -> dict:
         "last_alive_iso": iso_time(state.last_alive),
         "stopped": state.failure_time,
         "died_of": None if state.died_of is None else state.died_of.rank,
+        "phase": state.open_phase,
         "peak_reserved_gb": state.peak_reserved_gb,
         "headroom_gb": state.headroom_gb,
         "host_rss_gb": state.live("host_rss_gb"),

@@ -51,7 +51,7 @@ def sentence(postmortem: Postmortem) -> str:
         detail = (first.end or {}).get("detail") or "no detail recorded"
         return (
             f"{who(first)} exited through an unhandled exception at {clock(first.failure_time)}"
-            f"{_at_iteration(first)}: {detail}"
+            f"{_at_iteration(first)}{during_phase(first)}: {detail}"
         )
     return _vanished_sentence(first)
 
@@ -105,6 +105,7 @@ def _vanished_sentence(state: RankState) -> str:
     elif rss is not None:
         memory = f" with host RSS {gb_text(rss, 1)}" + (f" of {gb_text(total, 1)}" if total else "")
     text = f"{who(state)} vanished at {clock(state.last_alive)} (last alive){_at_iteration(state)}{memory}"
+    text += during_phase(state)
     if state.host_oom_kill_evidence:
         return (
             f"{text} while {'; '.join(state.host_oom_kill_evidence)}: probably the kernel's OOM killer "
@@ -114,6 +115,22 @@ def _vanished_sentence(state: RankState) -> str:
         f"{text}, without recording an end: a SIGKILL (scheduler, OOM killer), a crash or a lost node; "
         f"no sign of the OOM killer in what {state.host}'s ranks recorded"
     )
+
+
+def during_phase(state: RankState) -> str:
+    """ ", during checkpoint_save, which began at iteration 4000, 12 s before its last beat"", or ""."""
+    phase = state.open_phase
+    if phase is None:
+        return ""
+    text = f", during {phase['name']}"
+    parts = []
+    if isinstance(phase.get("iteration"), int):
+        parts.append(f"at iteration {phase['iteration']}")
+    started, stopped = phase.get("started"), state.failure_time
+    if isinstance(started, (int, float)) and stopped is not None:
+        end = "its last beat" if not state.failure_time_exact else "it stopped"
+        parts.append(f"{stopped - started:.0f} s before {end}")
+    return text + (f", which began {', '.join(parts)}" if parts else "")
 
 
 def _at_iteration(state: RankState) -> str:

@@ -1,0 +1,169 @@
+"""``memory_phase(name)``: name what the run is doing (a checkpoint save, a load, an evaluation),
+so that its memory peaks are logged under its name and a rank that dies inside it is said to.
+
+    with nemo_memlog.memory_phase("checkpoint_save"):
+        save_checkpoint(...)
+
+For each phase, on this rank:
+
+- Peaks over the phase alone: the host's peak RSS and the CUDA allocator's peak allocated and
+  reserved bytes. Entering and leaving read the peak counters and reset them
+  (``memory.fold_peaks``), which keeps what it resets, so the logging interval's own peak_*
+  lose nothing.
+- Logged at the next logging step, inside its one gather (no collective of its own), as
+  ``memory/phase/<name>/peak_host_rss_gb``, ``.../peak_allocated_gb``, ``.../peak_reserved_gb``
+  (CUDA) and ``.../seconds``: max over stages, ``memory/peak_stage/phase/<name>/...`` naming the
+  stage. A phase run several times between two logging steps gives its largest values. A phase
+  some stages ran and others did not lines up (reduce.py's optional ``phase/`` keys).
+- Recorded: its start and end go into every open flight record of this process, and the liveness
+  beat carries the phase a rank is in, so the post-mortem says a rank died during it.
+
+Phases nest (an evaluation inside a save is measured as both); a phase left out of order (two
+threads) is closed where it stands. A name that is not a short identifier raises ValueError at
+entry. Measuring never raises into training: a failure there warns once and the phase goes on
+unmeasured. Entering and leaving cost microseconds on CPU (docs/performance.md).
+
+Per process, by nature: the open phases and the peaks waiting for a logging step belong to the
+process (peak counters are per process), so they live here, not in a run; the first run of the
+process to log takes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+
+from . import memory
+from .warn import WarnOnce
+
+NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+PREFIX = "phase/"
+GB = 1e9
+
+_lock = threading.Lock()
+_open: list[_Phase] = []  # innermost last
+_pending: dict[str, dict[str, float]] = {}  # name -> report values waiting for a logging step
+_owner = [os.getpid()]  # a forked child starts with no phase
+_warnings = WarnOnce()
+
+
+class _Phase:
+    __slots__ = ("name", "iteration", "started", "device", "host")
+
+    def __init__(self, name: str, iteration: int | None):
+        self.name, self.iteration, self.started = name, iteration, time.time()
+        self.device: dict = {}
+        self.host = 0
+
+    def fold(self, device: dict, host: int) -> None:
+        for path, value in device.items():
+            self.device[path] = max(self.device.get(path, 0), value)
+        self.host = max(self.host, host)
+
+
+def check_name(name) -> str:
+    """``name`` if it is a phase name (a lower-case identifier of at most 40 characters), else ValueError."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(
+            f"memory_phase name {name!r} is not a short identifier: use lower-case letters, digits and "
+            f"underscores, starting with a letter, at most 40 characters (e.g. 'checkpoint_save', 'eval')"
+        )
+    return name
+
+
+@contextlib.contextmanager
+def memory_phase(name: str, *, iteration: int | None = None):
+    """Measure and record the ``with`` block as phase ``name`` (see the module docstring).
+    ``iteration``: the training iteration it belongs to, for the flight record (default: the
+    last one a flight recorder of this process recorded)."""
+    check_name(name)
+    phase = enter(name, iteration)
+    try:
+        yield
+    finally:
+        leave(phase)
+
+
+def enter(name: str, iteration: int | None = None) -> _Phase:
+    """Start phase ``name`` (for integrations whose start and end are two callbacks); ``leave`` ends it."""
+    check_name(name)
+    phase = _Phase(name, iteration)
+    try:
+        with _lock:
+            _own()
+            _fold_into_open()
+            _open.append(phase)
+        _record(phase, "start")
+    except Exception as error:  # measuring must not stop training
+        _warnings(("enter", type(error)), f"memory_phase({name!r}) could not read the peaks: {error}")
+    return phase
+
+
+def leave(phase: _Phase) -> None:
+    """End ``phase`` (what ``enter`` returned): its peaks wait for the next logging step. Never raises."""
+    try:
+        with _lock:
+            _own()
+            if phase not in _open:
+                return  # left already, or entered before a fork
+            _fold_into_open()
+            _open.remove(phase)
+            _remember(phase)
+        _record(phase, "end")
+    except Exception as error:
+        _warnings(("leave", type(error)), f"memory_phase({phase.name!r}) could not read the peaks: {error}")
+
+
+def current() -> _Phase | None:
+    """The innermost open phase of this process, or None."""
+    return _open[-1] if _open and _owner[0] == os.getpid() else None
+
+
+def take_pending() -> dict[str, float]:
+    """The report values of the phases ended since the last call (``phase/<name>/<key>``), and
+    forget them. Called by a run at its logging step; cheap when there are none."""
+    if not _pending:
+        return {}
+    with _lock:
+        _own()
+        taken = {f"{PREFIX}{name}/{key}": value for name, values in _pending.items() for key, value in values.items()}
+        _pending.clear()
+    return taken
+
+
+def _own() -> None:
+    """A forked child inherits its parent's lists: it starts with none."""
+    if _owner[0] != os.getpid():
+        _owner[0] = os.getpid()
+        _open.clear()
+        _pending.clear()
+
+
+def _fold_into_open() -> None:
+    device, host = memory.fold_peaks()
+    for phase in _open:
+        phase.fold(device, host)
+
+
+def _remember(phase: _Phase) -> None:
+    values = {"peak_host_rss_gb": phase.host / GB, "seconds": time.time() - phase.started}
+    for path, name in (
+        (("allocated_bytes", "all", "peak"), "peak_allocated_gb"),
+        (("reserved_bytes", "all", "peak"), "peak_reserved_gb"),
+    ):
+        if path in phase.device:
+            values[name] = phase.device[path] / GB
+    kept = _pending.get(phase.name)
+    if kept is not None:  # run again before a logging step: its largest values
+        values = {key: max(value, kept.get(key, value)) for key, value in values.items()}
+    _pending[phase.name] = values
+
+
+def _record(phase: _Phase, event: str) -> None:
+    from .failure.recorder import open_recorders
+
+    for recorder in open_recorders():
+        recorder.phase(phase.name, event, phase.iteration, phase.started)
