@@ -30,6 +30,15 @@ loggers into a MemoryMonitor, and nothing in the core imports this module.
   process (a caught ``SystemExit``, a driver that trains again). A process that exits
   leaves no one to read the flag.
 - MLflow names: as the installed Bridge spells its report dicts there (``bridge_mlflow_spelling``).
+- Memory phases (phase.py), on every rank: ``eval`` from ``on_eval_start`` to ``on_eval_end``;
+  ``checkpoint_save`` from the ``on_train_step_end`` of an iteration Bridge saves at (the step it
+  is about to count is a multiple of ``cfg.checkpoint.save_interval``, with ``cfg.checkpoint.save``
+  set) to ``on_checkpoint_save`` where Bridge fires it at once (0.4+, synchronous saves), else to
+  the next ``on_train_step_start`` or ``on_train_end``: with ``async_save`` Bridge fires
+  ``on_checkpoint_save`` at finalisation, steps later, so the phase covers the synchronous part
+  (staging the state) and not the background write; Bridge 0.3.1 has no such event. The phase
+  spans what Bridge does between the step and the save: its logging, and an evaluation due at
+  the same iteration (then measured as both: phases nest).
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ import re
 
 from megatron.bridge.training.callbacks import Callback
 
+from . import phase
 from .config import LoggerConfig, checked_settings, memory_record_dir, resolve
 from .monitor import MemoryMonitor
 
@@ -67,6 +77,7 @@ class MemoryLogCallback(Callback):
         )
         self.monitor: MemoryMonitor | None = None
         self._bridge_logger = None
+        self._phases: dict[str, object] = {}  # open memory phases by name
 
     def on_train_start(self, context) -> None:
         bridge_logger = context.state.cfg.logger
@@ -99,10 +110,40 @@ class MemoryLogCallback(Callback):
 
     def on_train_step_end(self, context) -> None:
         monitor = self.monitor
-        if monitor is not None:
-            monitor.log(context.state.train_state.step + 1)
+        if monitor is None:
+            return
+        step = context.state.train_state.step + 1
+        monitor.log(step)
+        checkpoint = getattr(context.state.cfg, "checkpoint", None)
+        interval = getattr(checkpoint, "save_interval", None)
+        if interval and getattr(checkpoint, "save", None) and step % interval == 0:
+            self._enter("checkpoint_save", step)
+
+    def on_train_step_start(self, context) -> None:
+        self._leave("checkpoint_save")  # an async save's staging, or a Bridge without on_checkpoint_save
+
+    def on_checkpoint_save(self, context) -> None:
+        self._leave("checkpoint_save")
+
+    def on_eval_start(self, context) -> None:
+        if self.monitor is not None:
+            self._enter("eval", context.state.train_state.step)
+
+    def on_eval_end(self, context) -> None:
+        self._leave("eval")
+
+    def _enter(self, name: str, iteration: int) -> None:
+        self._leave(name)
+        self._phases[name] = phase.enter(name, iteration)
+
+    def _leave(self, name: str) -> None:
+        entered = self._phases.pop(name, None)
+        if entered is not None:
+            phase.leave(entered)
 
     def on_train_end(self, context) -> None:
+        for name in list(self._phases):
+            self._leave(name)
         self._end_training(flush=True)
 
     def _end_training(self, flush: bool) -> None:

@@ -23,6 +23,13 @@ MemoryMonitor, and nothing in the core imports this module.
   ``trainer.log_dir`` (a broadcast: a collective that only some ranks entered would hang).
   Lightning's own metrics are not touched: memory goes in a ``log_metrics`` call of its own.
 - Settings: keyword arguments, named and validated as LoggerConfig's fields.
+- Memory phases (phase.py), on every rank: ``eval`` from ``on_validation_start`` to
+  ``on_validation_end``; ``checkpoint_save`` from ``on_save_checkpoint`` to the next hook this
+  callback sees (the next batch, a validation, the end of training). Lightning calls
+  ``on_save_checkpoint`` at the end of building the checkpoint dict, before the strategy writes
+  it: the write is measured, the collection of the model and optimizer state before it is not
+  (Lightning has no hook before it), nor is an asynchronous write (``AsyncCheckpointIO``) after
+  the call returns.
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import dataclasses
 import importlib
 import warnings
 
-from . import megatron
+from . import megatron, phase
 from .config import LoggerConfig, checked_settings, resolve
 from .monitor import MemoryMonitor
 from .writers import adopt_writers
@@ -83,6 +90,7 @@ class MemoryLogCallback(*_callback_bases()):
             ". It writes into the Trainer's own loggers: add one there (Trainer(logger=...)), not a writer setting",
         )
         self.monitor: MemoryMonitor | None = None
+        self._phases: dict[str, object] = {}  # open memory phases by name
         self.interval: int | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -115,6 +123,7 @@ class MemoryLogCallback(*_callback_bases()):
         self.monitor, self.interval = monitor, interval
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._leave("checkpoint_save")
         monitor = self.monitor
         if monitor is None:
             return
@@ -124,7 +133,33 @@ class MemoryLogCallback(*_callback_bases()):
             return
         monitor.log_step(step)
 
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._leave("checkpoint_save")
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if self.monitor is not None:
+            self._enter("checkpoint_save", trainer.global_step)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._leave("checkpoint_save")
+        if self.monitor is not None:
+            self._enter("eval", trainer.global_step)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._leave("eval")
+
+    def _enter(self, name: str, iteration: int) -> None:
+        self._leave(name)
+        self._phases[name] = phase.enter(name, iteration)
+
+    def _leave(self, name: str) -> None:
+        entered = self._phases.pop(name, None)
+        if entered is not None:
+            phase.leave(entered)
+
     def on_train_end(self, trainer, pl_module) -> None:
+        for name in list(self._phases):
+            self._leave(name)
         if self.monitor is not None:
             self.monitor.flush()  # the loggers' save(); the Trainer finalizes them
             self.monitor.release_reduction()  # its gloo group, if it made one

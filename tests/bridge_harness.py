@@ -45,6 +45,9 @@ class RunSpec:
     log_interval: int = 1
     ballast_mb: int = 300
     backends: tuple = ("tensorboard", "wandb", "mlflow")
+    save_interval: int | None = None  # cfg.checkpoint.save_interval: a save staged at these steps (see _run)
+    eval_at: tuple = ()  # steps after which Bridge's eval events fire, around an evaluation
+    phase_ballast_mb: int = 150  # what stage 0 holds during a save or an evaluation
 
     @property
     def tensorboard_dir(self):
@@ -133,7 +136,7 @@ def _config(spec: RunSpec, pp: int):
         dataset=bc.MockGPTDatasetConfig(random_seed=1, seq_length=16),
         logger=logger,
         tokenizer=TokenizerConfig(),
-        checkpoint=bc.CheckpointConfig(save=os.path.join(spec.root, "checkpoints")),
+        checkpoint=bc.CheckpointConfig(save=os.path.join(spec.root, "checkpoints"), save_interval=spec.save_interval),
     )
     cfg.set_data_parallel_size()
     return cfg
@@ -236,6 +239,30 @@ def _callbacks(spec: RunSpec):
     return normalize_callbacks([MemoryLogCallback(**spec.callback_kwargs)])
 
 
+def _phases(spec: RunSpec, manager, record, events, stage: int, step: int) -> None:
+    """Where Bridge's train loop evaluates and saves after a step: its eval events around an
+    evaluation, and a save (stage 0 stages ``phase_ballast_mb`` of state) ended by
+    ``on_checkpoint_save`` where the installed Bridge has that event (0.4+) and fires it at once.
+    Bridge's own save_checkpoint is not run: it writes torch distributed checkpoints of a real model."""
+    import numpy
+
+    def work():
+        if stage == 0:
+            ballast = numpy.full(spec.phase_ballast_mb * 2**20, 1, dtype=numpy.uint8)
+            del ballast
+
+    if step in spec.eval_at:
+        _fire(manager, "on_eval_start", record, f"on_eval_start@{step}", **events)
+        work()
+        _fire(manager, "on_eval_end", record, f"on_eval_end@{step}", **events)
+    if spec.save_interval and step % spec.save_interval == 0:
+        work()
+        from megatron.bridge.training import callbacks
+
+        if "on_checkpoint_save" in callbacks.VALID_EVENTS:
+            _fire(manager, "on_checkpoint_save", record, f"on_checkpoint_save@{step}", **events)
+
+
 def _run(spec: RunSpec, cfg, manager, record: RankRecord) -> None:
     """One run of Bridge's training loop over ``cfg`` (a fresh GlobalState), into ``record``."""
     import sys
@@ -321,6 +348,7 @@ def _run(spec: RunSpec, cfg, manager, record: RankRecord) -> None:
                     None,
                     model,
                 )  # keyword-only after model from 0.6
+                _phases(spec, manager, record, events, stage, state.train_state.step)
                 if cfg.train.exit_interval:  # Bridge's own decision (its checkpoint manager/context: unused)
                     from megatron.bridge.training.train import checkpoint_and_decide_exit  # imports ModelOpt: slow
 

@@ -430,3 +430,42 @@ def test_off_interval_step_end_cost_on_every_rank(pp2dp2_bridge, tmp_path):
         f"{[round(r['callback_us'], 2) for r in results]}, nemo_memlog.training_log "
         f"{[round(r['training_log_us'], 2) for r in results]}; medians {callback:.2f} vs {hook:.2f}"
     )
+
+
+@pytest.fixture(scope="module")
+def with_phases(pp2, tmp_path_factory):
+    """Saves at steps 2 and 4 (save_interval=2), an evaluation after step 3: stage 0 holds
+    phase_ballast_mb inside each; logging steps 2 and 4, TensorBoard only."""
+    return _run(
+        pp2,
+        tmp_path_factory.mktemp("phases"),
+        callback_kwargs=CALLBACK,
+        train_iters=4,
+        save_interval=2,
+        eval_at=(3,),
+        backends=("tensorboard",),
+    )
+
+
+def test_bridge_saves_and_evaluations_are_memory_phases_logged_at_the_next_logging_step(with_phases):
+    run = with_phases
+    _, tb = tensorboard_events(run.spec.root)
+    for name in ("checkpoint_save", "eval"):
+        peak = tb[f"memory/phase/{name}/peak_host_rss_gb"]
+        assert [s for s, _ in peak] == [4], (name, "the save at 2 and the evaluation at 3: logged at step 4")
+        assert peak[0][1] > run.spec.phase_ballast_mb * 2**20 / 1e9
+        assert tb[f"memory/peak_stage/phase/{name}/peak_host_rss_gb"] == [(4, 0)], "stage 0 held the ballast"
+        assert [s for s, _ in tb[f"memory/phase/{name}/seconds"]] == [4]
+    from nemo_memlog.offline.rank_files import find_record_files, read_rank_file
+
+    (stage0,) = [p for p in find_record_files(run.spec.root) if read_rank_file(p).header["pp_rank"] == 0]
+    phases = [(r["name"], r["event"], r["iteration"]) for r in read_rank_file(stage0).records if r["kind"] == "phase"]
+    # The save at 4 is the last one: it ends at on_checkpoint_save (0.4+) or at on_train_end (0.3.1).
+    assert phases == [
+        ("checkpoint_save", "start", 2),
+        ("checkpoint_save", "end", 2),
+        ("eval", "start", 3),
+        ("eval", "end", 3),
+        ("checkpoint_save", "start", 4),
+        ("checkpoint_save", "end", 4),
+    ]
