@@ -78,6 +78,8 @@ class TrainConfig:
     """Peak learning rate (warm-up, then cosine decay)."""
     seed: int = 1234
     """Seed of the weights and the synthetic data."""
+    save_every: int = 4
+    """Save a checkpoint (each stage its weights and Adam state) every N iterations, inside a memory phase; 0: never."""
 
 
 @dataclass
@@ -407,6 +409,8 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
         if dp_size > 1:
             loss = _average_over_data_parallel(module, loss, dp_group, dp_size)
         optimizer.step()
+        if t.save_every and iteration % t.save_every == 0:
+            save_checkpoint(cfg, module, optimizer, pipe.stage, dp_rank, iteration)
         metrics = {"lr": lr} if loss is None else {"lr": lr, "loss": loss}  # only last stages have a loss
         logged = nemo_memlog.training_log(iteration, cfg, metrics=metrics)
         if logged is not None:
@@ -428,6 +432,16 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
             progress.set_postfix(loss=f"{loss:.3f}")
     progress.close()
     return last_logged
+
+
+def save_checkpoint(cfg: DemoConfig, module, optimizer, stage: int, dp_rank: int, iteration: int) -> None:
+    """This stage's weights and optimizer state into the run folder, inside a memory phase: its host
+    peak is logged as memory/phase/checkpoint_save/* at this iteration's logging step."""
+    folder = Path(cfg.run.root) / cfg.run.name / "checkpoints" / f"iter-{iteration:05d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    with nemo_memlog.memory_phase("checkpoint_save", iteration=iteration):
+        state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration}
+        torch.save(state, folder / f"stage-{stage}-dp-{dp_rank}.pt")
 
 
 def _pipeline(ps, device: torch.device) -> Pipeline:

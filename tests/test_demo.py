@@ -75,7 +75,8 @@ def printed_run_folder(stdout: str) -> Path:
 
 def test_memory_and_caller_metrics_logged_at_exactly_the_logging_steps(demo):
     _, _, scalars = demo
-    memory_tags = [tag for tag in scalars if tag.startswith("memory/")]
+    # (A phase's series are logged at the logging steps after it ran only: see the checkpoint test.)
+    memory_tags = [tag for tag in scalars if tag.startswith("memory/") and "phase/" not in tag]
     assert f"memory/{PEAK}" in memory_tags
     for tag in memory_tags + ["loss", "lr"]:
         assert sorted(scalars[tag]) == LOGGED_STEPS, tag
@@ -94,6 +95,16 @@ def test_first_stage_holds_more_than_the_last(demo):
     _, _, scalars = demo
     step = LOGGED_STEPS[-1]
     assert scalars[f"memory/pp_stage_0/{PEAK}"][step] > scalars[f"memory/pp_stage_{STAGES - 1}/{PEAK}"][step]
+
+
+def test_the_checkpoint_save_is_a_memory_phase_logged_with_its_peak_and_stage(demo):
+    """train.save_every=4 (the default): each stage saves at iteration 4 inside memory_phase."""
+    _, run, scalars = demo
+    save = scalars["memory/phase/checkpoint_save/peak_host_rss_gb"]
+    assert list(save) == [4], "saved at 4, a logging step (INTERVAL 2): logged there, once"
+    assert scalars["memory/peak_stage/phase/checkpoint_save/peak_host_rss_gb"][4] in range(STAGES)
+    assert 0.1 < save[4] <= scalars[f"memory/{PEAK}"][4] + 1e-6  # within the interval's own peak
+    assert len(list((run / "checkpoints" / "iter-00004").glob("stage-*-dp-*.pt"))) == STAGES
 
 
 def test_loss_falls_below_chance(demo):
