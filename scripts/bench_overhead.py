@@ -51,6 +51,8 @@ loop of calls per round, rounds interleaved. On a logging step: MemoryMonitor.lo
 without a group (report, record, attribution, hand-off to a writer that does nothing), each
 call timed alone, variants in a rotating order; and ``record`` alone. Also the liveness
 thread's beat (the /proc reads and one pwrite), which runs about once a second.
+Part 7 (this process): the memory cgroup limit's reads in capacity_report, and an empty
+memory_phase (enter and leave), against report_memory, interleaved.
 Part 4 (not with --smoke or --no-memory): tests/trainer.py three times, logging off and in
 each mode, with the same backends: the writer rank's host RSS after 20 logged steps.
 
@@ -80,6 +82,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from nemo_memlog.testing.bench.cuda import cuda_markdown, cuda_part  # noqa: E402
 from nemo_memlog.testing.bench.flight_recorder import recorder_markdown, recorder_part  # noqa: E402
+from nemo_memlog.testing.bench.host_limit import host_limit_markdown, host_limit_part  # noqa: E402
 from nemo_memlog.testing.bench.host_memory import host_memory_part, memory_markdown  # noqa: E402
 from nemo_memlog.testing.bench.pp_group import (  # noqa: E402
     DEFAULT_ITERS,
@@ -173,9 +176,10 @@ def main(argv=None) -> int:
     recorder_reps = args.recorder_reps if args.recorder_reps is not None else (100 if smoke else 2000)
     rec = recorder_part(recorder_reps, 2000 if smoke else 20000, 5 if smoke else 15) if recorder_reps else None
     cuda = cuda_part(smoke, args.no_gpu)
+    limit = host_limit_part(200 if smoke else 3000)
     command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = header(wake, command.strip()) + pp_markdown(rows) + non_logging_markdown(non_log)
-    lines += writer_markdown(writer) + memory_markdown(memory) + recorder_markdown(rec)
+    lines += writer_markdown(writer) + memory_markdown(memory) + recorder_markdown(rec) + host_limit_markdown(limit)
     print("\n".join(lines))
     print("\n" + "\n".join(cuda_markdown(cuda)))
     if args.json:
@@ -189,6 +193,7 @@ def main(argv=None) -> int:
                     "wake": wake,
                     "recorder": rec,
                     "cuda": cuda,
+                    "host_limit": limit,
                 },
                 out,
                 indent=1,
