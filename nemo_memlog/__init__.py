@@ -17,6 +17,7 @@ _EXPORTS = {
     "report_memory": "memory",
     "reset_peaks": "memory",
     "memory_phase": "phase",
+    "report_model_state": "composition",
     "GatheredMemory": "reduce",
     "MemoryReduceError": "reduce",
     "gather_memory": "reduce",

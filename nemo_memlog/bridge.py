@@ -113,7 +113,7 @@ class MemoryLogCallback(Callback):
         if monitor is None:
             return
         step = context.state.train_state.step + 1
-        monitor.log(step)
+        monitor.log(step, model=context.model, optimizer=getattr(context, "optimizer", None))
         checkpoint = getattr(context.state.cfg, "checkpoint", None)
         interval = getattr(checkpoint, "save_interval", None)
         if interval and getattr(checkpoint, "save", None) and step % interval == 0:

@@ -59,7 +59,19 @@ class LoggerConfig:
     # --- nemo_memlog's own ---
     comet_offline_directory: str | None = None
     """Write a Comet offline archive here; also used when no API key is available."""
-    memory_per_stage_keys: list[str] = field(default_factory=lambda: ["peak_*", "device_used_gb", "device_other_gb"])
+    memory_per_stage_keys: list[str] = field(
+        default_factory=lambda: [
+            "peak_*",
+            "device_used_gb",
+            "device_other_gb",
+            "params_gb",
+            "grads_gb",
+            "optimizer_state_gb",
+            "model_state_gb",
+            "activations_gb",
+            "allocator_slack_gb",
+        ]
+    )
     """Logged names (fnmatch patterns) that also get memory/pp_stage_{i}/<name>."""
     memory_peak_window: str = "run"
     """What each ``peak_*`` value (CUDA allocator peaks and the host's VmHWM) covers.

@@ -53,7 +53,15 @@ _warnings = WarnOnce()  # per process
 
 
 def training_log(
-    iteration: int, config, *, pg_collection=None, pp_group=None, writers=None, metrics: dict | None = None
+    iteration: int,
+    config,
+    *,
+    pg_collection=None,
+    pp_group=None,
+    writers=None,
+    metrics: dict | None = None,
+    model=None,
+    optimizer=None,
 ) -> dict | None:
     """Log pipeline-wide memory (and ``metrics``) every ``tensorboard_log_interval`` iterations.
 
@@ -62,7 +70,9 @@ def training_log(
     object (see the module docstring for which run a call belongs to). Returns the unified
     dict on every rank on logging iterations, None otherwise. Only the writer rank (global
     rank world_size - 1) hands it to ``writers`` (default: the fan-out built once from the
-    settings). See the README's metric table for the keys.
+    settings). See the README's metric table for the keys. ``model`` (a module or a list of
+    chunks) and ``optimizer``, read on logging iterations only, add what the memory is made of:
+    parameters, gradients, optimizer state, activations, allocator slack (docs/composition.md).
     """
     key = id(config) if writers is None else (id(config), id(writers))
     entry = _by_object.get(key)
@@ -71,7 +81,7 @@ def training_log(
     run = entry.run
     if not run.enabled or iteration % run.interval:  # run.log's gate, one call fewer
         return None
-    return run.log_step(iteration, metrics)
+    return run.log_step(iteration, metrics, model=model, optimizer=optimizer)
 
 
 def _entry_for(config, writers, key, pg_collection, pp_group) -> _Entry:

@@ -131,7 +131,7 @@ class MemoryLogCallback(*_callback_bases()):
         step = epoch_loop._batches_that_stepped  # the step Lightning logs this batch's metrics at
         if (step + 1) % self.interval or epoch_loop._should_accumulate():
             return
-        monitor.log_step(step)
+        monitor.log_step(step, model=pl_module, optimizer=list(trainer.optimizers))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._leave("checkpoint_save")

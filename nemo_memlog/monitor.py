@@ -20,7 +20,7 @@ import os
 
 import torch.distributed as dist
 
-from . import attribution, megatron, memory, phase
+from . import attribution, composition, megatron, memory, phase
 from .config import resolve, secrets_of
 from .payload import scalar
 from .reduce import Reduction, takes_part
@@ -61,20 +61,27 @@ class MemoryMonitor:
         self._groups = (pp_group, pg_collection)
         self.writer_rank = writer_rank
         self._placed = False  # group, coordinates and writer rank resolved (first logging step)
+        self.model_state = composition.ModelState()
+        self._state: dict | None = None  # the last model state counted (for the OOM record)
 
-    def log(self, iteration: int, metrics: dict | None = None) -> dict | None:
+    def log(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict | None:
         """Every rank, every iteration. On logging iterations: report, reduce, merge with
-        ``metrics``, hand to the writers (writer rank), and return the unified dict."""
+        ``metrics``, hand to the writers (writer rank), and return the unified dict. ``model``
+        and ``optimizer`` (read on logging iterations only): add what the memory is made of
+        (composition.py); every rank of the group passes them, or none."""
         if not self.enabled or iteration % self.interval:
             return None
-        return self.log_step(iteration, metrics)
+        return self.log_step(iteration, metrics, model=model, optimizer=optimizer)
 
-    def log_step(self, iteration: int, metrics: dict | None = None) -> dict:
+    def log_step(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict:
         """``log`` past its gate: callers that gate themselves (training_log) call it directly."""
         if not self._placed:
             self.place()
         settings = self.settings
         report = self._report()
+        if model is not None:  # counted again only when it can change (composition.ModelState)
+            self._state = self.model_state.report(model, optimizer)
+            report = composition.breakdown(report, self._state)
         report.update(phase.take_pending())  # the memory phases ended since the last logging step
         if settings.interval_peaks:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
@@ -134,7 +141,7 @@ class MemoryMonitor:
                 self.record_dir,
                 pp_group=pp_group,
                 pg_collection=pg_collection,
-                report=self._report,
+                report=self._oom_report,
                 record_history=settings.memory_record_history,
                 warn=self.warnings,  # the run's one set of once-only warnings
             )
@@ -145,6 +152,11 @@ class MemoryMonitor:
         report = memory.report_memory(self.settings.memory_keys)
         report.update(memory.capacity_report())
         return report
+
+    def _oom_report(self) -> dict:
+        """The report the flight recorder writes at a CUDA OOM: with the breakdown, once a model was seen."""
+        report = self._report()
+        return report if self._state is None else composition.breakdown(report, self._state)
 
     def _writer_rank(self, world_size: int) -> int:
         if self.writer_rank is None:

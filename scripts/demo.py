@@ -412,7 +412,7 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
         if t.save_every and iteration % t.save_every == 0:
             save_checkpoint(cfg, module, optimizer, pipe.stage, dp_rank, iteration)
         metrics = {"lr": lr} if loss is None else {"lr": lr, "loss": loss}  # only last stages have a loss
-        logged = nemo_memlog.training_log(iteration, cfg, metrics=metrics)
+        logged = nemo_memlog.training_log(iteration, cfg, metrics=metrics, model=module, optimizer=optimizer)
         if logged is not None:
             last_logged = (iteration, logged)
         if iteration == 1:

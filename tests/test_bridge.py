@@ -380,7 +380,8 @@ def test_flag_off_costs_no_collective_and_writes_no_memory(flag_off):
     run = flag_off
     for record in run.records:
         fired = sorted(record.collectives)
-        assert fired == sorted(["on_train_start", "on_train_end"] + [f"on_train_step_end@{s}" for s in ALL_STEPS]), (
+        steps = [f"on_train_step_{edge}@{s}" for s in ALL_STEPS for edge in ("start", "end")]  # start: phases
+        assert fired == sorted(["on_train_start", "on_train_end", *steps]), (
             "every event the callback handles fired (and was counted)"
         )
         assert all(calls == [] for calls in record.collectives.values()), (record.rank, record.collectives)
@@ -450,6 +451,9 @@ def with_phases(pp2, tmp_path_factory):
 def test_bridge_saves_and_evaluations_are_memory_phases_logged_at_the_next_logging_step(with_phases):
     run = with_phases
     _, tb = tensorboard_events(run.spec.root)
+    # context.model / context.optimizer: the harness's Linear(8, 8) and plain SGD on every stage.
+    assert tb["memory/params_gb"] == [(2, f32((8 * 8 + 8) * 4 / 1e9)), (4, f32((8 * 8 + 8) * 4 / 1e9))]
+    assert [s for s, _ in tb["memory/model_state_gb"]] == [2, 4]  # (per stage: not in CALLBACK's keys)
     for name in ("checkpoint_save", "eval"):
         peak = tb[f"memory/phase/{name}/peak_host_rss_gb"]
         assert [s for s, _ in peak] == [4], (name, "the save at 2 and the evaluation at 3: logged at step 4")

@@ -1,0 +1,151 @@
+"""What the memory is made of (composition.py): exact bytes for test models whose sizes and dtypes
+give the answer, each storage counted once; then per stage over real gloo ranks (PP 4, each stage
+a different size), through training_log, read back from TensorBoard."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from nemo_memlog import report_model_state
+from nemo_memlog.composition import ModelState, breakdown
+
+GB = 1e9
+
+
+def mlp(width: int, dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)).to(dtype)
+
+
+def numel(width: int) -> int:
+    return width * 2 * width + 2 * width + 2 * width * width + width
+
+
+def step(model, optimizer, dtype=torch.float32):
+    loss = model(torch.ones(3, model[0].in_features, dtype=dtype)).float().sum()
+    loss.backward()
+    optimizer.step()
+
+
+def test_sgd_with_momentum_params_grads_and_one_buffer_per_param():
+    model = mlp(16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before = report_model_state(model, optimizer)
+    assert before == {
+        "params_gb": numel(16) * 4 / GB,
+        "grads_gb": 0.0,
+        "optimizer_state_gb": 0.0,
+        "model_state_gb": numel(16) * 4 / GB,
+    }
+    step(model, optimizer)
+    after = report_model_state(model, optimizer)
+    assert after["grads_gb"] == after["optimizer_state_gb"] == after["params_gb"] == numel(16) * 4 / GB
+    assert after["model_state_gb"] == pytest.approx(3 * numel(16) * 4 / GB)
+
+
+def test_adam_two_moments_and_a_step_tensor_per_param():
+    model = mlp(8)
+    optimizer = torch.optim.Adam(model.parameters())
+    step(model, optimizer)
+    state = report_model_state(model, optimizer)
+    steps = 4 * 4  # one float32 "step" tensor per parameter tensor (4 of them)
+    assert state["optimizer_state_gb"] == (2 * numel(8) * 4 + steps) / GB
+
+
+def test_adam_over_fp32_master_copies_of_bf16_params():
+    model = mlp(8, torch.bfloat16)
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    optimizer = torch.optim.Adam(masters)
+    model(torch.ones(3, 8, dtype=torch.bfloat16)).float().sum().backward()
+    for master, param in zip(masters, model.parameters()):
+        master.grad = param.grad.float()
+    optimizer.step()
+    state = report_model_state(model, optimizer)
+    n = numel(8)
+    assert state["params_gb"] == 2 * n / GB  # bf16
+    assert state["grads_gb"] == (2 * n + 4 * n) / GB  # the bf16 grads and the masters' fp32 grads
+    assert state["optimizer_state_gb"] == (4 * n + 2 * 4 * n + 4 * 4) / GB  # masters, two moments, steps
+
+
+def test_grads_as_views_into_one_flat_buffer_are_counted_once_at_its_whole_size():
+    model = mlp(8)
+    padded = numel(8) + 13  # a bucket's padding is memory held
+    flat = torch.zeros(padded)
+    offset = 0
+    for param in model.parameters():
+        view = flat[offset : offset + param.numel()].view_as(param)
+        param.main_grad = view  # Megatron's DDP: main_grad a view into the grad buffer
+        param.grad = view  # and .grad pointing into the same buffer
+        offset += param.numel()
+    state = report_model_state([model], None)  # a list of chunks, as Megatron passes it
+    assert state["grads_gb"] == padded * 4 / GB
+
+
+def test_the_count_is_cached_until_the_optimizer_creates_its_state():
+    model = mlp(8)
+    optimizer = torch.optim.Adam(model.parameters())
+    cache = ModelState()
+    first = cache.report(model, optimizer)
+    assert first["optimizer_state_gb"] == 0.0 and cache.report(model, optimizer) == first
+    step(model, optimizer)
+    assert cache.report(model, optimizer)["optimizer_state_gb"] > 0  # state appeared: recounted
+
+
+def test_breakdown_adds_up_to_the_peak_reserved_on_a_gpu_and_is_nan_without_one():
+    state = {"params_gb": 6.1, "grads_gb": 6.1, "optimizer_state_gb": 18.3, "model_state_gb": 30.5}
+    gpu = breakdown({"peak_allocated_gb": 74.5, "peak_reserved_gb": 77.6}, state)
+    assert gpu["activations_gb"] == pytest.approx(44.0) and gpu["allocator_slack_gb"] == pytest.approx(3.1)
+    assert gpu["model_state_gb"] + gpu["activations_gb"] + gpu["allocator_slack_gb"] == pytest.approx(77.6)
+    cpu = breakdown({"peak_allocated_gb": math.nan, "host_rss_gb": 1.0}, state)
+    assert math.isnan(cpu["activations_gb"]) and math.isnan(cpu["allocator_slack_gb"])
+
+
+# ---- per stage, through training_log --------------------------------------------------------
+
+
+def log_stage_models(tensorboard_dir):
+    """Stage s holds an MLP of width 8 * (s + 1) with Adam; two steps, logging at 2."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_memlog import LoggerConfig, close_writers, training_log
+
+    stage = ps.get_pipeline_model_parallel_rank()
+    model = mlp(8 * (stage + 1))
+    optimizer = torch.optim.Adam(model.parameters())
+    cfg = LoggerConfig(
+        log_memory_to_tensorboard=True,
+        tensorboard_log_interval=2,
+        tensorboard_dir=tensorboard_dir,
+        memory_record_dir="off",
+    )
+    logged = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for iteration in (1, 2):
+            step(model, optimizer)
+            logged = training_log(iteration, cfg, model=model, optimizer=optimizer) or logged
+        close_writers()
+    return logged
+
+
+def test_every_stage_its_own_breakdown_the_max_and_its_stage(pp4, tmp_path):
+    results = pp4.run_ok(log_stage_models, str(tmp_path / "tb"))
+    logged = results[0]
+    assert all(r == logged for r in results[1:])
+    expected = [(2 * 4 * numel(8 * (s + 1)) + 16) / GB for s in range(4)]  # two moments, four step tensors
+    for s in range(4):
+        assert logged[f"memory/pp_stage_{s}/optimizer_state_gb"] == pytest.approx(expected[s], rel=1e-12)
+        assert logged[f"memory/pp_stage_{s}/params_gb"] == numel(8 * (s + 1)) * 4 / GB
+    assert logged["memory/optimizer_state_gb"] == pytest.approx(expected[3], rel=1e-12)
+    assert logged["memory/peak_stage/model_state_gb"] == 3
+    assert "memory/activations_gb" not in logged  # NaN on every CPU stage: no allocator peak
+
+    from nemo_memlog.offline.events import load_run
+
+    run = load_run(tmp_path / "tb")
+    written = run.per_stage("model_state_gb")
+    assert [written[s].values[0] for s in range(4)] == pytest.approx(
+        [logged[f"memory/pp_stage_{s}/model_state_gb"] for s in range(4)], rel=1e-6
+    )
