@@ -551,3 +551,25 @@ def test_a_rank_killed_at_its_cgroup_limit_is_said_so_against_the_limit_not_the_
     code, text, _ = run_cli(tmp_path, "--no-png")
     header = next(line for line in text.splitlines() if line.startswith("rank "))
     assert "cgroup used" in header and "limit" in header
+
+
+def test_a_cuda_oom_of_a_run_that_passed_its_model_says_what_the_memory_was_made_of(tmp_path):
+    ranks = closed_after(layout(pp=2, tp=1, dp=1), 30.0)
+    ranks[0].stopped, ranks[0].end = T0, "exception"
+    ranks[0].oom = dict(FRAGMENTED_OOM, reserved_free=int(0.5e9), largest_free_block=int(0.3e9))
+    ranks[0].composition = {
+        "params_gb": 6.1,
+        "grads_gb": 6.1,
+        "optimizer_state_gb": 18.3,
+        "model_state_gb": 30.5,
+        "activations_gb": 44.0,
+        "allocator_slack_gb": 3.1,
+    }
+    ranks[0].peak_reserved_gb = 77.6
+    write_run(tmp_path, ranks)
+    code, result = run_json(tmp_path)
+    assert code == 1 and result["first_failure"]["rank"] == 0
+    assert (
+        "; of 78.7 GB, 30.5 is model state (6.1 parameters, 6.1 gradients, 18.3 optimizer), 44.0 activations, "
+        "3.1 allocator slack, 1.1 outside the allocator" in result["sentence"]
+    ), result["sentence"]

@@ -13,7 +13,7 @@ from collections import Counter
 
 from ..failure.records import PEER_LOSS
 from .postmortem import STATUSES, Postmortem, RankState
-from .tables import Column, cell, clock, date_time, gb_cell, gb_text, render_block, whole_number
+from .tables import Column, cell, clock, date_time, finite_number, gb_cell, gb_text, render_block, whole_number
 
 #: Up to this many ranks the table has every rank; above it, the failures, the first one's
 #: pipeline and host, and a summary per pipeline stage (``--all`` for every row).
@@ -62,6 +62,7 @@ def _oom_sentence(state: RankState) -> str:
     reserved_free, largest = whole_number(oom.get("reserved_free")), whole_number(oom.get("largest_free_block"))
     at = _oom_iteration(state)
     text = f"{who(state)} hit a CUDA OOM {at} asking for {gb_text(requested)} with {gb_text(free)} free"
+    text += composition_clause((state.oom or {}).get("report") or state.last_report)
     if fragmented(oom):
         return (
             f"{text}; {gb_text(free + reserved_free)} was free in total, but the largest free block was "
@@ -75,6 +76,34 @@ def _oom_sentence(state: RankState) -> str:
     if reserved_free is None:
         return f"{text} (no allocator snapshot, so fragmentation cannot be told){does_not_fit}"
     return f"{text}; {gb_text(free + reserved_free)} was free in total with the allocator's cache{does_not_fit}"
+
+
+def composition_clause(report: dict) -> str:
+    """ "; of 79.1 GB, 30.5 is model state (6.1 parameters, 6.1 gradients, 18.3 optimizer), 44.0
+    activations, 3.1 allocator slack, 1.5 outside the allocator": what the memory was made of, from
+    a report with the breakdown (a run that passed its model); "" without one."""
+    parts = {key: finite_number(report.get(key)) for key in COMPOSITION}
+    if parts["model_state_gb"] is None or parts["activations_gb"] is None:
+        return ""
+    other = parts["device_other_gb"] or 0.0
+    total = parts["model_state_gb"] + parts["activations_gb"] + (parts["allocator_slack_gb"] or 0.0) + other
+    return (
+        f"; of {total:.1f} GB, {parts['model_state_gb']:.1f} is model state ({parts['params_gb'] or 0:.1f} "
+        f"parameters, {parts['grads_gb'] or 0:.1f} gradients, {parts['optimizer_state_gb'] or 0:.1f} optimizer), "
+        f"{parts['activations_gb']:.1f} activations, {parts['allocator_slack_gb'] or 0:.1f} allocator slack, "
+        f"{other:.1f} outside the allocator"
+    )
+
+
+COMPOSITION = (
+    "params_gb",
+    "grads_gb",
+    "optimizer_state_gb",
+    "model_state_gb",
+    "activations_gb",
+    "allocator_slack_gb",
+    "device_other_gb",
+)
 
 
 def _oom_iteration(state: RankState) -> str:

@@ -41,6 +41,7 @@ class Rank:
     oom: dict | None = None  # fields of an OOM record (bytes_requested, ...)
     end: str | None = None  # end reason; None: killed without a trace
     end_detail: str = "simulated"  # the end record's detail (an exception's "Type: message")
+    composition: dict | None = None  # what the memory is made of (composition.py's keys), in every report
 
     def identity(self, run_id: str) -> dict:
         return {
@@ -75,6 +76,7 @@ class Rank:
             "device_total_gb": 80.0,
             "host_total_gb": 512.0,
             "host_available_gb": self.host_available_gb,
+            **(self.composition or {}),
         }
 
 
