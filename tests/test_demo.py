@@ -107,6 +107,22 @@ def test_the_checkpoint_save_is_a_memory_phase_logged_with_its_peak_and_stage(de
     assert len(list((run / "checkpoints" / "iter-00004").glob("stage-*-dp-*.pt"))) == STAGES
 
 
+def test_the_demo_passes_its_model_and_the_report_draws_each_stages_composition(demo, tmp_path, capsys):
+    """Stage 0 holds the embedding, the last stage the output layer: their model state is larger."""
+    from nemo_memlog.cli import main
+
+    _, run, scalars = demo
+    last = LOGGED_STEPS[-1]
+    params = [scalars[f"memory/pp_stage_{s}/params_gb"][last] for s in range(STAGES)]
+    assert params[0] > params[1] == pytest.approx(params[2]) and params[3] > params[2]
+    state = [scalars[f"memory/pp_stage_{s}/model_state_gb"][last] for s in range(STAGES)]
+    assert scalars["memory/peak_stage/model_state_gb"][last] == state.index(max(state))
+    assert "memory/activations_gb" not in scalars  # CPU stages: no allocator peak
+    assert main(["report", str(run), "--png", str(tmp_path / "r.png")]) == 0
+    assert f"what each stage's memory is made of: {tmp_path / 'r_composition.png'}" in capsys.readouterr().out
+    assert (tmp_path / "r_composition.png").stat().st_size > 10_000
+
+
 def test_loss_falls_below_chance(demo):
     _, _, scalars = demo
     assert scalars["loss"][LOGGED_STEPS[-1]] < math.log(VOCAB)

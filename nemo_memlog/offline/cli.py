@@ -158,6 +158,7 @@ def _postmortem_png(postmortem, path) -> Path | None:
 
 def _report(args) -> int:
     """Exit code 0; raises ReportError when the run cannot be reported on."""
+    from . import composition_plot
     from .report import choose_metric, format_report, load_run
     from .report_plot import write_png
 
@@ -170,6 +171,9 @@ def _report(args) -> int:
     folder = args.run_dir.parent if args.run_dir.is_file() else args.run_dir
     png = write_png(run, metric, args.png or folder / PNG_NAME)
     print(f"\nplot of {metric} per stage: {png}")
+    if composition_plot.has_composition(run):
+        parts = composition_plot.write_png(run, png.with_name(png.stem + "_composition.png"))
+        print(f"what each stage's memory is made of: {parts}")
     return 0
 
 

@@ -98,8 +98,8 @@ def metric_cell(name: str, value: float | None) -> str:
         return "-"
     if unit(name) == "%":
         return f"{value:.1f}"
-    if unit(name) == "GB":
-        return f"{value:.2f}"
+    if unit(name) == "GB":  # a small model's state (MB) keeps two significant digits, not "0.00"
+        return f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.2g}"
     if float(value).is_integer():  # counters (alloc_retries) and stage indices
         return str(int(value))
     return f"{value:.3g}"
