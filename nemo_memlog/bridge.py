@@ -30,6 +30,10 @@ loggers into a MemoryMonitor, and nothing in the core imports this module.
   process (a caught ``SystemExit``, a driver that trains again). A process that exits
   leaves no one to read the flag.
 - MLflow names: as the installed Bridge spells its report dicts there (``bridge_mlflow_spelling``).
+- What the memory is made of (composition.py): ``context.model`` and ``context.optimizer`` at
+  each logging step; on Bridge 0.6+ its own ``estimate_training_memory`` once, at
+  ``on_train_start``, logged beside the measurement (estimate.py; 0.3.1 has no estimator: none
+  is logged); activations per in-flight microbatch from Bridge's microbatch count.
 - Memory phases (phase.py), on every rank: ``eval`` from ``on_eval_start`` to ``on_eval_end``;
   ``checkpoint_save`` from the ``on_train_step_end`` of an iteration Bridge saves at (the step it
   is about to count is a multiple of ``cfg.checkpoint.save_interval``, with ``cfg.checkpoint.save``
@@ -48,7 +52,7 @@ import re
 
 from megatron.bridge.training.callbacks import Callback
 
-from . import phase
+from . import estimate, phase
 from .config import LoggerConfig, checked_settings, memory_record_dir, resolve
 from .monitor import MemoryMonitor
 
@@ -105,6 +109,8 @@ class MemoryLogCallback(Callback):
             # config they record shows the user's setting.
             monitor.use_writers(_adopt_open_loggers(context.state))
         bridge_logger.log_memory_to_tensorboard = False
+        monitor.microbatches = _microbatches()
+        monitor.estimate = estimate.bridge_estimate(context.state.cfg, monitor.microbatches)  # None before 0.6
         self.monitor, self._bridge_logger = monitor, bridge_logger
         _holding.add(self)
 
@@ -171,6 +177,16 @@ def bridge_memory_keys(memory_keys: dict | None) -> dict | None:
     if not memory_keys:
         return None
     return {stat: name.replace("bytes", "gigabytes") if "bytes" in stat else name for stat, name in memory_keys.items()}
+
+
+def _microbatches() -> int | None:
+    """Microbatches per iteration, as Bridge's calculator has them (None where it is not set up)."""
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return get_num_microbatches()
+    except Exception:  # not initialised (a harness without it): no per-microbatch figure
+        return None
 
 
 def _pg_collection(model):

@@ -20,7 +20,7 @@ import os
 
 import torch.distributed as dist
 
-from . import attribution, composition, megatron, memory, phase
+from . import attribution, composition, estimate, megatron, memory, phase
 from .config import resolve, secrets_of
 from .payload import scalar
 from .reduce import Reduction, takes_part
@@ -62,6 +62,8 @@ class MemoryMonitor:
         self.writer_rank = writer_rank
         self._placed = False  # group, coordinates and writer rank resolved (first logging step)
         self.model_state = composition.ModelState()
+        self.estimate: dict | None = None  # the framework's estimate (estimate.py), set by an integration
+        self.microbatches: int | None = None  # microbatches per iteration (1F1B): activations per microbatch
         self._state: dict | None = None  # the last model state counted (for the OOM record)
 
     def log(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict | None:
@@ -99,6 +101,8 @@ class MemoryMonitor:
             logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys)
         else:
             logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
+        if self.estimate or self.microbatches:  # the framework's estimate, per-microbatch activations
+            logged.update(estimate.derived(logged, self.estimate, self.microbatches))
         unified = self._merge(metrics, logged)
         if self.is_writer_rank:
             self._writers().log(unified, iteration)

@@ -454,6 +454,15 @@ def test_bridge_saves_and_evaluations_are_memory_phases_logged_at_the_next_loggi
     # context.model / context.optimizer: the harness's Linear(8, 8) and plain SGD on every stage.
     assert tb["memory/params_gb"] == [(2, f32((8 * 8 + 8) * 4 / 1e9)), (4, f32((8 * 8 + 8) * 4 / 1e9))]
     assert [s for s, _ in tb["memory/model_state_gb"]] == [2, 4]  # (per stage: not in CALLBACK's keys)
+    # Bridge's own estimate beside it, from 0.6 (its estimate_training_memory over the recipe's config):
+    estimated = [name for name in tb if name.startswith("memory/estimate/")]
+    if BRIDGE >= (0, 6):
+        assert [s for s, _ in tb["memory/estimate/model_state_gb"]] == [2, 4] and tb["memory/estimate/model_state_gb"][
+            0
+        ][1] > 0
+        assert "memory/estimate/activations_gb" in tb
+    else:
+        assert estimated == [], "0.3.1 has no estimator: nothing is logged for it"
     for name in ("checkpoint_save", "eval"):
         peak = tb[f"memory/phase/{name}/peak_host_rss_gb"]
         assert [s for s, _ in peak] == [4], (name, "the save at 2 and the evaluation at 3: logged at step 4")

@@ -149,3 +149,17 @@ def test_every_stage_its_own_breakdown_the_max_and_its_stage(pp4, tmp_path):
     assert [written[s].values[0] for s in range(4)] == pytest.approx(
         [logged[f"memory/pp_stage_{s}/model_state_gb"] for s in range(4)], rel=1e-6
     )
+
+
+def test_the_estimate_its_gap_and_activations_per_in_flight_microbatch():
+    from nemo_memlog.estimate import derived, in_flight
+
+    unified = {f"memory/pp_stage_{s}/activations_gb": [8.0, 6.0, 4.0, 2.0][s] for s in range(4)}
+    unified["memory/pp_stage_0/model_state_gb"] = 30.5
+    out = derived(unified, {"model_state_gb": 28.0, "activations_gb": 9.5}, microbatches=8)
+    assert out["memory/estimate/model_state_gb"] == 28.0 and out["memory/estimate/gap/model_state_gb"] == 2.5
+    assert out["memory/estimate/gap/activations_gb"] == -1.5
+    # 1F1B, PP 4, 8 microbatches: stage s holds 4 - s in flight
+    assert [out[f"memory/pp_stage_{s}/activations_per_microbatch_gb"] for s in range(4)] == [2.0] * 4
+    assert in_flight(0, 4, 2) == 2  # fewer microbatches than stages: all of them
+    assert derived({}, None, None) == {}
