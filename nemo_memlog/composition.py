@@ -50,10 +50,14 @@ class ModelState:
     def __init__(self):
         self._key = None
         self._values: dict[str, float] = {}
+        self._first = (None, None)  # (the modules' ids, their first parameter): found once per model
 
     def report(self, model, optimizer=None) -> dict[str, float]:
         modules = _modules(model)
-        key = (tuple(map(id, modules)), id(optimizer), _fingerprint(modules, optimizer))
+        ids = tuple(map(id, modules))
+        if self._first[0] != ids:  # Module.parameters() walks the module tree: once, not every step
+            self._first = (ids, next((p for m in modules for p in m.parameters()), None))
+        key = (ids, id(optimizer), _fingerprint(self._first[1], optimizer))
         if key != self._key:
             self._values, self._key = _count(modules, optimizer), key
         return dict(self._values)
@@ -101,11 +105,10 @@ def _master_groups(optimizer) -> list:
     return groups
 
 
-def _fingerprint(modules: list, optimizer) -> tuple:
+def _fingerprint(first, optimizer) -> tuple:
     """What can change the counts between steps, cheaply: the optimizers' state sizes, and whether
     the first parameter has a gradient now (set_to_none frees them all together)."""
     sizes = tuple(len(getattr(each, "state", ())) for each in _optimizers(optimizer))
-    first = next((p for m in modules for p in m.parameters()), None)
     has_grad = first is not None and (first.grad is not None or getattr(first, "main_grad", None) is not None)
     return sizes, has_grad
 

@@ -53,6 +53,8 @@ call timed alone, variants in a rotating order; and ``record`` alone. Also the l
 thread's beat (the /proc reads and one pwrite), which runs about once a second.
 Part 7 (this process): the memory cgroup limit's reads in capacity_report, and an empty
 memory_phase (enter and leave), against report_memory, interleaved.
+Part 8 (this process): a logging step with and without the model and optimizer (1,000 parameter
+tensors, Adam; the count cached), and the count from scratch.
 Part 4 (not with --smoke or --no-memory): tests/trainer.py three times, logging off and in
 each mode, with the same backends: the writer rank's host RSS after 20 logged steps.
 
@@ -80,6 +82,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from nemo_memlog.testing.bench.composition import composition_markdown, composition_part  # noqa: E402
 from nemo_memlog.testing.bench.cuda import cuda_markdown, cuda_part  # noqa: E402
 from nemo_memlog.testing.bench.flight_recorder import recorder_markdown, recorder_part  # noqa: E402
 from nemo_memlog.testing.bench.host_limit import host_limit_markdown, host_limit_part  # noqa: E402
@@ -177,9 +180,11 @@ def main(argv=None) -> int:
     rec = recorder_part(recorder_reps, 2000 if smoke else 20000, 5 if smoke else 15) if recorder_reps else None
     cuda = cuda_part(smoke, args.no_gpu)
     limit = host_limit_part(200 if smoke else 3000)
+    parts = composition_part(20 if smoke else 1000)
     command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = header(wake, command.strip()) + pp_markdown(rows) + non_logging_markdown(non_log)
     lines += writer_markdown(writer) + memory_markdown(memory) + recorder_markdown(rec) + host_limit_markdown(limit)
+    lines += composition_markdown(parts)
     print("\n".join(lines))
     print("\n" + "\n".join(cuda_markdown(cuda)))
     if args.json:
@@ -194,6 +199,7 @@ def main(argv=None) -> int:
                     "recorder": rec,
                     "cuda": cuda,
                     "host_limit": limit,
+                    "composition": parts,
                 },
                 out,
                 indent=1,
