@@ -88,6 +88,8 @@ def test_memory_at_lightnings_own_steps_in_one_run(job, backend):
     assert runs(backend, fit.root) == 1, f"{backend}: one run, the Trainer's; the callback opens none"
     names = memory_names(stored)
     assert "memory/peak_host_rss_gb" in names and "memory/peak_rank/peak_host_rss_gb" in names, names
+    # pl_module and trainer.optimizers: the TinyModel's Linear(8, 1), 9 float32 parameters, plain SGD
+    assert [v for _, v in stored["memory/params_gb"]] == pytest.approx([9 * 4 / 1e9] * len(LOGGING_STEPS), rel=1e-6)
     assert [s for s, _ in stored["train_loss"]] == LOGGING_STEPS, "Lightning's own logging steps"
     for name in names:
         assert [s for s, _ in stored[name]] == LOGGING_STEPS, f"{backend} {name}: once at each of Lightning's steps"
