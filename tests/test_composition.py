@@ -163,3 +163,58 @@ def test_the_estimate_its_gap_and_activations_per_in_flight_microbatch():
     assert [out[f"memory/pp_stage_{s}/activations_per_microbatch_gb"] for s in range(4)] == [2.0] * 4
     assert in_flight(0, 4, 2) == 2  # fewer microbatches than stages: all of them
     assert derived({}, None, None) == {}
+
+
+MEGATRON_DDP = """
+import json, os, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from nemo_memlog import report_model_state
+ps.initialize_model_parallel()
+cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True)
+model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128, max_sequence_length=32)
+current = torch.cuda.current_device
+torch.cuda.current_device = lambda: "cpu"  # DDP allocates its buffers there: the CPU, here
+try:
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+finally:
+    torch.cuda.current_device = current
+params = list(model.parameters())
+print(json.dumps({
+    "state": report_model_state([ddp]),
+    "param_bytes": sum(p.numel() * p.element_size() for p in params),
+    "grad_buffer_bytes": sum(b.grad_data.untyped_storage().nbytes() for b in ddp.buffers),
+    "views": all(p.main_grad.untyped_storage().data_ptr() in
+                 {b.grad_data.untyped_storage().data_ptr() for b in ddp.buffers} for p in params),
+}))
+"""
+
+
+def test_megatrons_real_ddp_grad_buffer_is_the_gradients_counted_once():
+    """megatron-core 0.19's DistributedDataParallel over a GPTModel, built on CPU: every
+    param.main_grad is a view into its grad buffer, which is counted once at its whole size."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from nemo_memlog.testing.cluster import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", MEGATRON_DDP, str(free_port())], capture_output=True, text=True, timeout=180, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["views"]
+    assert seen["state"]["params_gb"] == seen["param_bytes"] / GB
+    assert seen["state"]["grads_gb"] == seen["grad_buffer_bytes"] / GB
