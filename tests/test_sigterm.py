@@ -105,7 +105,8 @@ def test_report_on_the_real_run_directory(preempted, capsys):
     assert last["memory/peak_stage/peak_host_rss_gb"] == per_stage.index(max(per_stage))
     assert main(["report", str(run)]) == 0
     out = capsys.readouterr().out
-    (row,) = [line for line in out.splitlines() if line.startswith("peak_host_rss_gb")]
+    # The first block's row (a wide table, phase and model-state rows included, wraps into blocks).
+    row = next(line for line in out.splitlines() if line.startswith("peak_host_rss_gb"))
     assert f"{max(per_stage):.2f}" in row and "pipeline stages: 4" in out
     assert "peak window: run (each peak_* point is the peak since its process started)" in out  # the default
     (width, height), size = png_size(run / "memory_report.png")
