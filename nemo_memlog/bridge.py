@@ -81,7 +81,7 @@ class MemoryLogCallback(Callback):
         )
         self.monitor: MemoryMonitor | None = None
         self._bridge_logger = None
-        self._phases: dict[str, object] = {}  # open memory phases by name
+        self._phases = phase.Slots()  # the memory phases this callback opened
 
     def on_train_start(self, context) -> None:
         bridge_logger = context.state.cfg.logger
@@ -123,33 +123,23 @@ class MemoryLogCallback(Callback):
         checkpoint = getattr(context.state.cfg, "checkpoint", None)
         interval = getattr(checkpoint, "save_interval", None)
         if interval and getattr(checkpoint, "save", None) and step % interval == 0:
-            self._enter("checkpoint_save", step)
+            self._phases.enter("checkpoint_save", step)
 
     def on_train_step_start(self, context) -> None:
-        self._leave("checkpoint_save")  # an async save's staging, or a Bridge without on_checkpoint_save
+        self._phases.leave("checkpoint_save")  # an async save's staging, or a Bridge without on_checkpoint_save
 
     def on_checkpoint_save(self, context) -> None:
-        self._leave("checkpoint_save")
+        self._phases.leave("checkpoint_save")
 
     def on_eval_start(self, context) -> None:
         if self.monitor is not None:
-            self._enter("eval", context.state.train_state.step)
+            self._phases.enter("eval", context.state.train_state.step)
 
     def on_eval_end(self, context) -> None:
-        self._leave("eval")
-
-    def _enter(self, name: str, iteration: int) -> None:
-        self._leave(name)
-        self._phases[name] = phase.enter(name, iteration)
-
-    def _leave(self, name: str) -> None:
-        entered = self._phases.pop(name, None)
-        if entered is not None:
-            phase.leave(entered)
+        self._phases.leave("eval")
 
     def on_train_end(self, context) -> None:
-        for name in list(self._phases):
-            self._leave(name)
+        self._phases.leave_all()
         self._end_training(flush=True)
 
     def _end_training(self, flush: bool) -> None:

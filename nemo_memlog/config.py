@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .composition import DERIVED, NAMES
+
 SECRET_NAME = re.compile(r"api[_-]?key|token|password|passwd|secret|credential|auth", re.IGNORECASE)
 REDACTED = "***redacted***"
 #: memory_peak_window's values: the peaks of the whole run, or of each logging interval.
@@ -60,17 +62,7 @@ class LoggerConfig:
     comet_offline_directory: str | None = None
     """Write a Comet offline archive here; also used when no API key is available."""
     memory_per_stage_keys: list[str] = field(
-        default_factory=lambda: [
-            "peak_*",
-            "device_used_gb",
-            "device_other_gb",
-            "params_gb",
-            "grads_gb",
-            "optimizer_state_gb",
-            "model_state_gb",
-            "activations_gb",
-            "allocator_slack_gb",
-        ]
+        default_factory=lambda: ["peak_*", "device_used_gb", "device_other_gb", *NAMES, *DERIVED]
     )
     """Logged names (fnmatch patterns) that also get memory/pp_stage_{i}/<name>."""
     memory_peak_window: str = "run"

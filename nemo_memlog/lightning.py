@@ -90,7 +90,7 @@ class MemoryLogCallback(*_callback_bases()):
             ". It writes into the Trainer's own loggers: add one there (Trainer(logger=...)), not a writer setting",
         )
         self.monitor: MemoryMonitor | None = None
-        self._phases: dict[str, object] = {}  # open memory phases by name
+        self._phases = phase.Slots()  # the memory phases this callback opened
         self.interval: int | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -123,7 +123,7 @@ class MemoryLogCallback(*_callback_bases()):
         self.monitor, self.interval = monitor, interval
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._leave("checkpoint_save")
+        self._phases.leave("checkpoint_save")
         monitor = self.monitor
         if monitor is None:
             return
@@ -134,32 +134,22 @@ class MemoryLogCallback(*_callback_bases()):
         monitor.log_step(step, model=pl_module, optimizer=list(trainer.optimizers))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._leave("checkpoint_save")
+        self._phases.leave("checkpoint_save")
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if self.monitor is not None:
-            self._enter("checkpoint_save", trainer.global_step)
+            self._phases.enter("checkpoint_save", trainer.global_step)
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        self._leave("checkpoint_save")
+        self._phases.leave("checkpoint_save")
         if self.monitor is not None:
-            self._enter("eval", trainer.global_step)
+            self._phases.enter("eval", trainer.global_step)
 
     def on_validation_end(self, trainer, pl_module) -> None:
-        self._leave("eval")
-
-    def _enter(self, name: str, iteration: int) -> None:
-        self._leave(name)
-        self._phases[name] = phase.enter(name, iteration)
-
-    def _leave(self, name: str) -> None:
-        entered = self._phases.pop(name, None)
-        if entered is not None:
-            phase.leave(entered)
+        self._phases.leave("eval")
 
     def on_train_end(self, trainer, pl_module) -> None:
-        for name in list(self._phases):
-            self._leave(name)
+        self._phases.leave_all()
         if self.monitor is not None:
             self.monitor.flush()  # the loggers' save(); the Trainer finalizes them
             self.monitor.release_reduction()  # its gloo group, if it made one

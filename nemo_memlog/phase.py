@@ -64,6 +64,27 @@ class _Phase:
         self.host = max(self.host, host)
 
 
+class Slots:
+    """Phases an integration opens in one callback and closes in another, by name: entering a
+    name again closes the open one first; ``leave`` of a name not open does nothing."""
+
+    def __init__(self):
+        self._open: dict[str, _Phase] = {}
+
+    def enter(self, name: str, iteration: int | None) -> None:
+        self.leave(name)
+        self._open[name] = enter(name, iteration)
+
+    def leave(self, name: str) -> None:
+        entered = self._open.pop(name, None)
+        if entered is not None:
+            leave(entered)
+
+    def leave_all(self) -> None:
+        for name in list(self._open):
+            self.leave(name)
+
+
 def check_name(name) -> str:
     """``name`` if it is a phase name (a lower-case identifier of at most 40 characters), else ValueError."""
     if not isinstance(name, str) or not NAME.fullmatch(name):

@@ -11,7 +11,6 @@ This file is also the rank script: ``torchrun tests/test_host_limit.py OUT_DIR``
 
 import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -115,11 +114,6 @@ def rank_main(out: str) -> int:
     return 0
 
 
-def _join(group_procs: str) -> None:
-    with open(group_procs, "w") as procs:  # before exec: torchrun and every rank it forks are inside
-        procs.write(str(os.getpid()))
-
-
 @pytest.fixture(scope="module")
 def under_a_limit(tmp_path_factory):
     ok, why = cgroups.available()
@@ -132,15 +126,7 @@ def under_a_limit(tmp_path_factory):
     command += ["--master-port", str(free_port()), __file__, str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with cgroups.memory_cgroup(LIMIT) as group:
-        done = subprocess.run(
-            command,
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            preexec_fn=lambda: _join(str(group.path / "cgroup.procs")),
-        )
+        done = group.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
 

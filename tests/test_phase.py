@@ -165,11 +165,6 @@ def rank_main(root: str) -> int:
     return 0
 
 
-def _join(procs: str) -> None:
-    with open(procs, "w") as out:
-        out.write(str(os.getpid()))
-
-
 def test_a_rank_killed_inside_a_phase_died_during_it_at_the_cgroup_limit(tmp_path):
     from nemo_memlog.testing import cgroups
     from nemo_memlog.testing.cluster import free_port
@@ -181,15 +176,7 @@ def test_a_rank_killed_inside_a_phase_died_during_it_at_the_cgroup_limit(tmp_pat
     command += ["--master-port", str(free_port()), "--monitor-interval", "1", __file__, str(tmp_path)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with cgroups.memory_cgroup(LIMIT) as group:
-        done = subprocess.run(
-            command,
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-            preexec_fn=lambda: _join(str(group.path / "cgroup.procs")),
-        )
+        done = group.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
         kills = group.oom_kills()
     assert done.returncode != 0 and kills >= 1, (kills, done.stdout[-2000:], done.stderr[-2000:])
     pm = subprocess.run(

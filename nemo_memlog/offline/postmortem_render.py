@@ -11,6 +11,7 @@ import math
 import time
 from collections import Counter
 
+from .. import composition
 from ..failure.records import PEER_LOSS
 from .postmortem import STATUSES, Postmortem, RankState
 from .tables import Column, cell, clock, date_time, finite_number, gb_cell, gb_text, render_block, whole_number
@@ -95,15 +96,7 @@ def composition_clause(report: dict) -> str:
     )
 
 
-COMPOSITION = (
-    "params_gb",
-    "grads_gb",
-    "optimizer_state_gb",
-    "model_state_gb",
-    "activations_gb",
-    "allocator_slack_gb",
-    "device_other_gb",
-)
+COMPOSITION = (*composition.NAMES, *composition.DERIVED, "device_other_gb")
 
 
 def _oom_iteration(state: RankState) -> str:

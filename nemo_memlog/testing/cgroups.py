@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -72,6 +73,17 @@ class MemoryCgroup:
 
     def pids(self) -> list[int]:
         return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+
+    def run(self, command: list[str], **kwargs) -> subprocess.CompletedProcess:
+        """``subprocess.run(command, **kwargs)`` with the child inside this cgroup from its first
+        instruction (it joins before exec): every process it starts (torchrun's ranks) is too."""
+        procs = str(self.path / "cgroup.procs")
+
+        def join() -> None:
+            with open(procs, "w") as out:
+                out.write(str(os.getpid()))
+
+        return subprocess.run(command, preexec_fn=join, **kwargs)
 
 
 @contextlib.contextmanager
