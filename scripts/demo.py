@@ -57,6 +57,7 @@ from demo_model import Pipeline, build_stage, learning_rate, one_f_one_b, synthe
 from nemo_memlog.commands import console_command, postmortem_command, report_command
 from nemo_memlog.config import did_you_mean
 from nemo_memlog.testing.cluster import free_port
+from nemo_memlog.testing.tmp import private_tmpdir
 
 DEFAULT_PROCESSES = 4
 
@@ -309,10 +310,13 @@ def relaunch(overrides: list[str], log: Path | None = None) -> int:
         *overrides,
     ]
     try:
-        if log is None:
-            return subprocess.call(command, env=env)
-        with open(log, "w") as out:
-            return subprocess.call(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        # torchrun's and W&B's temporary folders go in one of the job's own, removed at the end.
+        with private_tmpdir(prefix="nemo_memlog-demo-tmp-") as tmp:
+            env["TMPDIR"] = str(tmp)
+            if log is None:
+                return subprocess.call(command, env=env)
+            with open(log, "w") as out:
+                return subprocess.call(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the ranks
         return 130
 
