@@ -275,6 +275,9 @@ def test_every_printed_command_runs_as_printed(demo):
     for command in (report, postmortem):
         done = run_as_printed(command)
         assert done.returncode == 0, (command, done.stdout[-2000:], done.stderr[-2000:])
+        if command == report:  # its footer's post-mortem command too
+            (footer,) = re.findall(r"flight records found under \S+: `([^`]+)` says which rank", done.stdout)
+            assert run_as_printed(footer).returncode == 0, footer
     assert "no failure: all 4 ranks recorded a clean end (4 closed by the run)" in done.stdout
 
 
