@@ -82,6 +82,7 @@ class MemoryLogCallback(Callback):
         self.monitor: MemoryMonitor | None = None
         self._bridge_logger = None
         self._phases = phase.Slots()  # the memory phases this callback opened
+        self._save_interval = None  # cfg.checkpoint.save_interval, where Bridge saves (on_train_start)
 
     def on_train_start(self, context) -> None:
         bridge_logger = context.state.cfg.logger
@@ -110,6 +111,8 @@ class MemoryLogCallback(Callback):
             monitor.use_writers(_adopt_open_loggers(context.state))
         bridge_logger.log_memory_to_tensorboard = False
         monitor.microbatches = _microbatches()
+        checkpoint = getattr(context.state.cfg, "checkpoint", None)  # read once: Bridge saves where it says
+        self._save_interval = getattr(checkpoint, "save_interval", None) if getattr(checkpoint, "save", None) else None
         monitor.estimate = estimate.bridge_estimate(context.state.cfg, monitor.microbatches)  # None before 0.6
         self.monitor, self._bridge_logger = monitor, bridge_logger
         _holding.add(self)
@@ -120,9 +123,7 @@ class MemoryLogCallback(Callback):
             return
         step = context.state.train_state.step + 1
         monitor.log(step, model=context.model, optimizer=getattr(context, "optimizer", None))
-        checkpoint = getattr(context.state.cfg, "checkpoint", None)
-        interval = getattr(checkpoint, "save_interval", None)
-        if interval and getattr(checkpoint, "save", None) and step % interval == 0:
+        if self._save_interval and step % self._save_interval == 0:
             self._phases.enter("checkpoint_save", step)
 
     def on_train_step_start(self, context) -> None:
