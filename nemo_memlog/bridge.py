@@ -33,7 +33,8 @@ loggers into a MemoryMonitor, and nothing in the core imports this module.
 - What the memory is made of (composition.py): ``context.model`` and ``context.optimizer`` at
   each logging step; on Bridge 0.6+ its own ``estimate_training_memory`` once, at
   ``on_train_start``, logged beside the measurement (estimate.py; 0.3.1 has no estimator: none
-  is logged); activations per in-flight microbatch from Bridge's microbatch count.
+  is logged). Activations are measured on each logging step, between ``on_train_step_start`` and
+  ``on_train_step_end`` (activations.py).
 - Memory phases (phase.py), on every rank: ``eval`` from ``on_eval_start`` to ``on_eval_end``;
   ``checkpoint_save`` from the ``on_train_step_end`` of an iteration Bridge saves at (the step it
   is about to count is a multiple of ``cfg.checkpoint.save_interval``, with ``cfg.checkpoint.save``
@@ -110,10 +111,11 @@ class MemoryLogCallback(Callback):
             # config they record shows the user's setting.
             monitor.use_writers(_adopt_open_loggers(context.state))
         bridge_logger.log_memory_to_tensorboard = False
-        monitor.microbatches = _microbatches()
+        microbatches = _microbatches()
+        monitor.facts.update(_facts(context.state.cfg, microbatches))
         checkpoint = getattr(context.state.cfg, "checkpoint", None)  # read once: Bridge saves where it says
         self._save_interval = getattr(checkpoint, "save_interval", None) if getattr(checkpoint, "save", None) else None
-        monitor.estimate = estimate.bridge_estimate(context.state.cfg, monitor.microbatches)  # None before 0.6
+        monitor.estimate = estimate.bridge_estimate(context.state.cfg, microbatches)  # None before 0.6
         self.monitor, self._bridge_logger = monitor, bridge_logger
         _holding.add(self)
 
@@ -128,6 +130,8 @@ class MemoryLogCallback(Callback):
 
     def on_train_step_start(self, context) -> None:
         self._phases.leave("checkpoint_save")  # an async save's staging, or a Bridge without on_checkpoint_save
+        if self.monitor is not None:  # the step on_train_step_end will log: measure its activations
+            self.monitor.before_iteration(context.state.train_state.step + 1, context.model)
 
     def on_checkpoint_save(self, context) -> None:
         self._phases.leave("checkpoint_save")
@@ -178,6 +182,22 @@ def _microbatches() -> int | None:
         return get_num_microbatches()
     except Exception:  # not initialised (a harness without it): no per-microbatch figure
         return None
+
+
+def _facts(cfg, microbatches: int | None) -> dict:
+    """The run's facts the per-layer record carries (layer_record.py), as the recipe states them."""
+    train = getattr(cfg, "train", None)
+    optimizer = getattr(cfg, "optimizer", None)
+    facts = {
+        "microbatches": microbatches,
+        "micro_batch_size": getattr(train, "micro_batch_size", None),
+        "global_batch_size": getattr(train, "global_batch_size", None),
+        "optimizer": getattr(optimizer, "optimizer", None),
+        "distributed_optimizer": getattr(getattr(cfg, "ddp", None), "use_distributed_optimizer", None),
+        "recompute": getattr(getattr(cfg, "model", None), "recompute_granularity", None),
+        "framework": "megatron-bridge",
+    }
+    return {name: value for name, value in facts.items() if isinstance(value, (bool, int, float, str))}
 
 
 def _pg_collection(model):

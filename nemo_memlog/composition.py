@@ -21,13 +21,18 @@ mixed-precision or distributed optimizer (their ``.optimizer`` and ``.chained_op
 
 ``ModelState`` caches the count and recounts only when a figure can change: the optimizer's
 state entries (created lazily at its first step) or whether gradients exist (``zero_grad(
-set_to_none=True)`` frees them). ``breakdown(report, state)`` adds the derived names to a
-memory report: ``activations_gb`` = peak allocated - model state ("activations and temporaries")
-and ``allocator_slack_gb`` = peak reserved - peak allocated, so that on a GPU
+set_to_none=True)`` frees them). ``breakdown(report, state, measured)`` adds the derived names to
+a memory report, with ``measured`` (activations.py's Measurement of the logging iteration):
+``activations_gb`` (the retained activations, measured on every device),
+``activations_per_microbatch_gb``, ``microbatches_in_flight``, and from the allocator's peaks
+``temporaries_gb`` = peak allocated - model state - activations (workspaces and transient
+buffers; never below 0: the parts' maxima need not coincide) and ``allocator_slack_gb`` = peak
+reserved - peak allocated, so that on a GPU
 
-    peak_reserved_gb = model_state_gb + activations_gb + allocator_slack_gb
+    peak_reserved_gb = model_state_gb + activations_gb + temporaries_gb + allocator_slack_gb
 
-Without CUDA statistics (CPU) both are NaN: there is no allocator peak to subtract from.
+Without CUDA statistics (CPU) the last two are NaN; without a measurement the first three are.
+``layer_state`` splits the model state by layer (activations.find_layers).
 """
 
 from __future__ import annotations
@@ -36,7 +41,13 @@ import math
 
 GB = 1e9
 NAMES = ("params_gb", "grads_gb", "optimizer_state_gb", "model_state_gb")
-DERIVED = ("activations_gb", "allocator_slack_gb")
+DERIVED = (
+    "activations_gb",
+    "activations_per_microbatch_gb",
+    "microbatches_in_flight",
+    "temporaries_gb",
+    "allocator_slack_gb",
+)
 
 
 def report_model_state(model, optimizer=None) -> dict[str, float]:
@@ -63,13 +74,91 @@ class ModelState:
         return dict(self._values)
 
 
-def breakdown(report: dict, state: dict) -> dict:
-    """``report`` (report_memory's) with ``state`` and the derived names added (a new dict)."""
+def breakdown(report: dict, state: dict, measured=None) -> dict:
+    """``report`` (report_memory's) with ``state`` and the derived names added (a new dict).
+    ``measured``: the logging iteration's activations.Measurement, or None (not measured)."""
     out = {**report, **state}
     allocated, reserved = report.get("peak_allocated_gb", math.nan), report.get("peak_reserved_gb", math.nan)
-    out["activations_gb"] = allocated - state["model_state_gb"] if _number(allocated) else math.nan
+    activations = math.nan if measured is None else measured.activations_gb
+    out["activations_gb"] = activations
+    out["activations_per_microbatch_gb"] = math.nan if measured is None else measured.activations_per_microbatch_gb
+    out["microbatches_in_flight"] = math.nan if measured is None else measured.microbatches_in_flight
+    temporaries = allocated - state["model_state_gb"] - activations
+    out["temporaries_gb"] = max(temporaries, 0.0) if _number(allocated) and _number(activations) else math.nan
     out["allocator_slack_gb"] = reserved - allocated if _number(allocated) and _number(reserved) else math.nan
     return out
+
+
+def with_iteration_grads(state: dict, grads: dict) -> dict:
+    """``state`` with its gradients at least the iteration's: ``grads`` (id(param) -> (storage
+    key, storage bytes, element bytes)) noted as they were accumulated, each storage once. A new dict."""
+    seen = {}
+    for key, nbytes, _ in grads.values():
+        seen[key] = nbytes
+    held = sum(seen.values()) / GB
+    if held <= state["grads_gb"]:
+        return dict(state)
+    out = {**state, "grads_gb": held}
+    out["model_state_gb"] = out["params_gb"] + out["grads_gb"] + out["optimizer_state_gb"]
+    return out
+
+
+def layer_state(groups: list[list], optimizer=None, grads: dict | None = None, stage: dict | None = None) -> list[dict]:
+    """Per group of parameters (a layer's; the last group is the rest of the stage): its
+    ``params_gb``, ``grads_gb`` and ``optimizer_state_gb``, in element bytes (a flat buffer's
+    padding belongs to no layer). Gradients: ``.grad``/``.main_grad`` now, or as ``grads`` noted
+    them if more. Optimizer state: the torch optimizers' state of each parameter and of its fp32
+    master copy (Megatron's mixed-precision optimizer maps them); what no parameter maps to (the
+    distributed optimizer's shards) is spread over the groups by parameter bytes, when ``stage``
+    (the stage's totals) says how much that is. Mutates nothing."""
+    grads = grads or {}
+    optimizers = _optimizers(optimizer)
+    masters = _master_of(optimizers)
+    states = [getattr(each, "state", {}) for each in optimizers]
+    out, mapped = [], 0.0
+    for params in groups:
+        params = list({id(p): p for p in params}.values())
+        param_bytes = sum(_nbytes(p) for p in params)
+        grad_bytes = 0
+        for p in params:
+            now = _nbytes(p.grad) + _nbytes(getattr(p, "main_grad", None))
+            grad_bytes += max(now, grads.get(id(p), (0, 0, 0))[2])
+        optimizer_bytes = 0
+        for p in params:
+            for owner in (p, masters.get(id(p))):
+                if owner is None:
+                    continue
+                if owner is not p:
+                    optimizer_bytes += _nbytes(owner)
+                for state in states:
+                    values = state.get(owner)
+                    if isinstance(values, dict):
+                        optimizer_bytes += sum(_nbytes(v) for v in values.values())
+        mapped += optimizer_bytes / GB
+        out.append(
+            {"params_gb": param_bytes / GB, "grads_gb": grad_bytes / GB, "optimizer_state_gb": optimizer_bytes / GB}
+        )
+    unmapped = (stage or {}).get("optimizer_state_gb", 0.0) - mapped
+    total_params = sum(entry["params_gb"] for entry in out)
+    if unmapped > 1e-12 and total_params:
+        for entry in out:
+            entry["optimizer_state_gb"] += unmapped * entry["params_gb"] / total_params
+    return out
+
+
+def _nbytes(tensor) -> int:
+    return tensor.numel() * tensor.element_size() if tensor is not None and hasattr(tensor, "element_size") else 0
+
+
+def _master_of(optimizers: list) -> dict:
+    """id(model param) -> its fp32 master copy, where a Megatron wrapper pairs them."""
+    pairs = {}
+    for each in optimizers:
+        model_groups = getattr(each, "float16_groups", None) or []
+        for model_group, master_group in zip(model_groups, getattr(each, "fp32_from_float16_groups", None) or []):
+            for param, master in zip(model_group, master_group):
+                pairs[id(param)] = master
+    return pairs
 
 
 def _number(value) -> bool:

@@ -1,16 +1,14 @@
-"""The framework's estimate beside the measurement, and activations per in-flight microbatch.
+"""The framework's estimate beside the measurement.
 
 - ``bridge_estimate(config, num_microbatches)``: Megatron-Bridge 0.6+'s own formula,
   ``estimate_training_memory`` over the recipe's ConfigContainer, in GB: ``model_state_gb``
   (weights, gradients, optimizer state of the most-loaded shard) and ``activations_gb`` (the
   first pipeline stage's, which holds the most microbatches in flight). None where the installed
   Bridge has no estimator (0.3.1) or it cannot read the config. Computed once per run.
-- ``derived(unified, estimate, microbatches)``: pure, on the unified dict of a logging step:
+- ``derived(unified, estimate)``: pure, on the unified dict of a logging step:
   ``memory/estimate/<part>`` and ``memory/estimate/gap/<part>`` (measured on stage 0 minus the
-  estimate, GB) for the model state and, where measured (CUDA), the activations; and, where the
-  schedule is known (1F1B without interleaving: stage s holds min(PP - s, microbatches)
-  microbatches in flight at its peak), ``memory/pp_stage_{s}/activations_per_microbatch_gb``: the
-  figure that says whether one more microbatch fits.
+  estimate, GB) for the model state and, where measured, the activations. (Activations per
+  microbatch are measured now, activations.py: no schedule is assumed.)
 
 Megatron-LM's ``megatron/training/theoretical_memory_usage.py`` works on Megatron-LM's ``args``
 and ships in Megatron-LM's training package, not in the megatron-core wheel: not offered here.
@@ -43,31 +41,15 @@ def bridge_estimate(config, num_microbatches: int | None) -> dict[str, float] | 
     }
 
 
-def in_flight(stage: int, stages: int, microbatches: int) -> int:
-    """Microbatches stage ``stage`` holds at its peak under 1F1B without interleaving."""
-    return max(1, min(stages - stage, microbatches))
-
-
-def derived(unified: dict, estimate: dict | None, microbatches: int | None) -> dict:
-    """The estimate, its gap and the per-microbatch activations for ``unified`` (see the module docstring)."""
+def derived(unified: dict, estimate: dict | None) -> dict:
+    """The estimate and its gap for ``unified`` (see the module docstring)."""
     out = {}
-    if estimate:
-        for part in ("model_state_gb", "activations_gb"):
-            guess = estimate.get(part)
-            if guess is None or guess != guess:
-                continue
-            out[f"{PREFIX}estimate/{part}"] = guess
-            measured = unified.get(f"{PREFIX}pp_stage_{ESTIMATED_STAGE}/{part}")
-            if measured is not None and measured == measured:
-                out[f"{PREFIX}estimate/gap/{part}"] = measured - guess
-    if microbatches:
-        stages = sorted(
-            int(key[len(PREFIX) + len("pp_stage_") :].split("/")[0])
-            for key in unified
-            if key.startswith(PREFIX + "pp_stage_") and key.endswith("/activations_gb")
-        )
-        for stage in stages:
-            value = unified[f"{PREFIX}pp_stage_{stage}/activations_gb"]
-            held = in_flight(stage, len(stages), microbatches)
-            out[f"{PREFIX}pp_stage_{stage}/activations_per_microbatch_gb"] = value / held
+    for part in ("model_state_gb", "activations_gb"):
+        guess = (estimate or {}).get(part)
+        if guess is None or guess != guess:
+            continue
+        out[f"{PREFIX}estimate/{part}"] = guess
+        measured = unified.get(f"{PREFIX}pp_stage_{ESTIMATED_STAGE}/{part}")
+        if measured is not None and measured == measured:
+            out[f"{PREFIX}estimate/gap/{part}"] = measured - guess
     return out

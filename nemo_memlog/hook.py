@@ -4,8 +4,9 @@ Called on every rank at every iteration. The gate (``log_memory_to_tensorboard``
 ``iteration % tensorboard_log_interval``) depends only on the settings and the iteration,
 so every stage decides alike and enters the one collective together. Off the logging
 iterations it does one dictionary lookup and the run's two attribute reads, and returns
-None: no collective, no allocation, no backend call. The caller's ``metrics`` are logged
-only on logging iterations, in the same dict, at the same step.
+None: no collective, no allocation, no backend call. With a ``model``, the call before a
+logging iteration also arms the activation meter (activations.py) for that iteration. The
+caller's ``metrics`` are logged only on logging iterations, in the same dict, at the same step.
 
 Which run a call belongs to:
 
@@ -79,9 +80,12 @@ def training_log(
     if entry is None or entry.config is not config:  # the entry holds its config: an id match is that object
         entry = _entry_for(config, writers, key, pg_collection, pp_group)
     run = entry.run
-    if not run.enabled or iteration % run.interval:  # run.log's gate, one call fewer
+    if not run.enabled:
         return None
-    return run.log_step(iteration, metrics, model=model, optimizer=optimizer)
+    logged = None if iteration % run.interval else run.log_step(iteration, metrics, model=model, optimizer=optimizer)
+    if model is not None:  # the next iteration's activations, if it logs: measured from now to its call
+        run.before_iteration(iteration + 1, model)
+    return logged
 
 
 def _entry_for(config, writers, key, pg_collection, pp_group) -> _Entry:

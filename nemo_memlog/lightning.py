@@ -22,6 +22,9 @@ MemoryMonitor, and nothing in the core imports this module.
   is rank-zero-only). It opens no run or writer of its own, and never reads
   ``trainer.log_dir`` (a broadcast: a collective that only some ranks entered would hang).
   Lightning's own metrics are not touched: memory goes in a ``log_metrics`` call of its own.
+- Activations (activations.py): measured over the batches of each logging step, from the first
+  one's ``on_train_batch_start`` (every batch of a gradient-accumulation window) to the logging
+  ``on_train_batch_end``.
 - Settings: keyword arguments, named and validated as LoggerConfig's fields.
 - Memory phases (phase.py), on every rank: ``eval`` from ``on_validation_start`` to
   ``on_validation_end``; ``checkpoint_save`` from ``on_save_checkpoint`` to the next hook this
@@ -135,6 +138,8 @@ class MemoryLogCallback(*_callback_bases()):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._phases.leave("checkpoint_save")
+        if self.monitor is not None:  # a logging step's batches: measure their activations (activations.py)
+            self.monitor.before_iteration(trainer.fit_loop.epoch_loop._batches_that_stepped + 1, pl_module)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if self.monitor is not None:

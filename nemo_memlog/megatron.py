@@ -20,6 +20,19 @@ def pipeline_group(pp_group=None, pg_collection=None):
 
 def coordinates(pp_group=None, pg_collection=None) -> dict[str, int]:
     """This rank's (pp, tp, dp) ranks, from the groups at hand (0 where unknown)."""
+    return {name: rank for name, (rank, _) in _places(pp_group, pg_collection).items()}
+
+
+def layout(pp_group=None, pg_collection=None) -> dict[str, int]:
+    """This rank's place and the job's sizes: ``pp_rank``, ``pp_size``, ``tp_rank``,
+    ``tp_size``, ``dp_rank``, ``dp_size`` (rank 0 and size 1 where a group is unknown)."""
+    out = {}
+    for name, (rank, size) in _places(pp_group, pg_collection).items():
+        out[f"{name}_rank"], out[f"{name}_size"] = rank, size
+    return out
+
+
+def _places(pp_group, pg_collection) -> dict[str, tuple[int, int]]:
     import torch.distributed as dist
 
     groups = {"pp": pipeline_group(pp_group, pg_collection)}
@@ -31,7 +44,10 @@ def coordinates(pp_group=None, pg_collection=None) -> dict[str, int]:
     groups["dp"] = getattr(pg_collection, "dp", None) or (
         parallel_state.get_data_parallel_group() if initialised else None
     )
-    return {name: (dist.get_rank(group) if group is not None else 0) for name, group in groups.items()}
+    return {
+        name: (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+        for name, group in groups.items()
+    }
 
 
 def _parallel_state():

@@ -8,7 +8,10 @@ the once-only warnings (one ``WarnOnce``). ``close()`` releases them.
 
 ``log(iteration)`` is the per-iteration entry point, called on every rank: off the logging
 iterations it returns None after two attribute reads and a modulo, with no collective, no
-allocation and no backend call.
+allocation and no backend call. ``before_iteration(iteration, model)`` arms the activation meter
+(activations.py) when ``iteration`` is a logging iteration: called at the end of the iteration
+before it (training_log) or at the framework's step start (the callbacks); the logging step
+reads and disarms it, and writes the per-layer record (layer_record.py).
 
 ``training_log()`` (hook.py) finds the monitor for its config's settings; a framework
 integration (bridge.py, lightning.py) holds one.
@@ -17,10 +20,12 @@ integration (bridge.py, lightning.py) holds one.
 from __future__ import annotations
 
 import os
+import time
 
 import torch.distributed as dist
 
-from . import attribution, composition, estimate, megatron, memory, phase
+from . import attribution, composition, estimate, layer_record, megatron, memory, phase
+from .activations import ActivationMeter, chunks_of
 from .config import resolve, secrets_of
 from .payload import scalar
 from .reduce import Reduction, takes_part
@@ -63,8 +68,10 @@ class MemoryMonitor:
         self._placed = False  # group, coordinates and writer rank resolved (first logging step)
         self.model_state = composition.ModelState()
         self.estimate: dict | None = None  # the framework's estimate (estimate.py), set by an integration
-        self.microbatches: int | None = None  # microbatches per iteration (1F1B): activations per microbatch
+        self.facts: dict = {}  # the run's facts for the per-layer record (layer_record.py): as known
+        self.meter = ActivationMeter()  # armed on logging iterations only
         self._state: dict | None = None  # the last model state counted (for the OOM record)
+        self._measured = None  # the last activations measured (for the OOM record)
 
     def log(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict | None:
         """Every rank, every iteration. On logging iterations: report, reduce, merge with
@@ -75,15 +82,28 @@ class MemoryMonitor:
             return None
         return self.log_step(iteration, metrics, model=model, optimizer=optimizer)
 
+    def before_iteration(self, iteration: int, model) -> None:
+        """Arm the activation meter on ``model`` if ``iteration`` is a logging iteration (every
+        rank alike: the gate's inputs only). Off them: a modulo, nothing installed."""
+        if self.enabled and model is not None and not iteration % self.interval:
+            self.meter.arm(model)
+
     def log_step(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict:
         """``log`` past its gate: callers that gate themselves (training_log) call it directly."""
         if not self._placed:
             self.place()
         settings = self.settings
         report = self._report()
+        measured = self.meter.finish() if self.meter.armed else None
         if model is not None:  # counted again only when it can change (composition.ModelState)
-            self._state = self.model_state.report(model, optimizer)
-            report = composition.breakdown(report, self._state)
+            state = self.model_state.report(model, optimizer)
+            if measured is not None:  # gradients freed before this call still count: the iteration's most
+                state = composition.with_iteration_grads(state, measured.grads)
+                self._measured = measured
+            self._state = state
+            report = composition.breakdown(report, state, measured)
+            if measured is not None and self.record_dir is not None:
+                self._write_layers(iteration, report, measured, model, optimizer)
         report.update(phase.take_pending())  # the memory phases ended since the last logging step
         if settings.interval_peaks:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
@@ -101,8 +121,8 @@ class MemoryMonitor:
             logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys)
         else:
             logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
-        if self.estimate or self.microbatches:  # the framework's estimate, per-microbatch activations
-            logged.update(estimate.derived(logged, self.estimate, self.microbatches))
+        if self.estimate:  # the framework's estimate beside the measurement
+            logged.update(estimate.derived(logged, self.estimate))
         unified = self._merge(metrics, logged)
         if self.is_writer_rank:
             self._writers().log(unified, iteration)
@@ -138,6 +158,11 @@ class MemoryMonitor:
             timeout_s=settings.memory_reduce_timeout_s,
         )
         self.is_writer_rank = not distributed or dist.get_rank() == self._writer_rank(dist.get_world_size())
+        self._layout = {
+            "rank": dist.get_rank() if distributed else 0,
+            "world_size": dist.get_world_size() if distributed else 1,
+            **megatron.layout(pp_group, pg_collection),
+        }
         if self.record_dir is not None and self.recorder is None:
             from .failure.recorder import open_recorder
 
@@ -160,7 +185,39 @@ class MemoryMonitor:
     def _oom_report(self) -> dict:
         """The report the flight recorder writes at a CUDA OOM: with the breakdown, once a model was seen."""
         report = self._report()
-        return report if self._state is None else composition.breakdown(report, self._state)
+        return report if self._state is None else composition.breakdown(report, self._state, self._measured)
+
+    def _write_layers(self, iteration: int, report: dict, measured, model, optimizer) -> None:
+        """This rank's per-layer record (layer_record.py), beside its flight record. Never raises."""
+        try:
+            layers = measured.layers
+            owned = [list(layer.module.parameters()) for layer in layers if layer.module is not None]
+            in_layers = {id(p) for params in owned for p in params}
+            rest = [p for chunk in chunks_of(model) for p in chunk.parameters() if id(p) not in in_layers]
+            states = composition.layer_state([*owned, rest], optimizer, measured.grads, self._state)
+            stage_keys = (*composition.NAMES, *composition.DERIVED, "peak_allocated_gb", "peak_reserved_gb")
+            stage_keys += ("device_other_gb", "device_total_gb")
+            stage = {key: report[key] for key in stage_keys if key in report and report[key] == report[key]}
+            stage.update(microbatches=measured.microbatches, chunks=len(chunks_of(model)))
+            rows = []
+            for layer, state, activations, inputs in zip(
+                layers, states, measured.layer_activations_gb, measured.layer_inputs_gb
+            ):
+                rows.append(
+                    {
+                        "name": layer.name,
+                        "kind": layer.kind,
+                        "chunk": layer.chunk,
+                        "number": layer.number,
+                        **state,
+                        "activations_per_microbatch_gb": activations,
+                        "input_per_microbatch_gb": inputs,
+                    }
+                )
+            record = {**self._layout, "iteration": iteration, "time": time.time(), "run": dict(self.facts)}
+            layer_record.write(self.record_dir, {**record, "stage": stage, "layers": rows})
+        except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
+            self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")
 
     def _writer_rank(self, world_size: int) -> int:
         if self.writer_rank is None:

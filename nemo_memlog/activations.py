@@ -1,0 +1,344 @@
+"""Retained activations, measured: the bytes autograd keeps for backward, per microbatch and per
+layer, on any device.
+
+``ActivationMeter.arm(model)`` installs, until ``finish()``:
+
+- on each chunk of the stage's model (a module, or Megatron's list of chunks): a forward pre-hook
+  and a forward hook that bracket one *microbatch* (one forward of one chunk, with grad enabled,
+  outside a backward) with ``torch.autograd.graph.saved_tensors_hooks``;
+- on each layer (``find_layers``): a pre-hook and a hook that say which layer a saved tensor
+  belongs to, and record the layer's input (what full recompute would keep);
+- on each parameter: a post-accumulate-grad hook that notes its gradient, so gradients that
+  ``zero_grad(set_to_none=True)`` frees before the logging call still count (the iteration's most).
+
+The pack hook counts each storage once per microbatch at its whole size
+(``untyped_storage().nbytes()``), leaves out the model's parameters and buffers (model state, not
+activations), and hands autograd a holder of a detached view (a holder of the tensor itself would
+tie an op's saved output to its own graph in a cycle); the holder's release is the moment autograd
+lets the bytes go. So the meter sees, exactly, what is held at each instant: ``activations_gb`` is
+the most held at once over the iteration, ``microbatches_in_flight`` the most microbatches holding
+bytes at once, ``activations_per_microbatch_gb`` the mean of what one microbatch keeps.
+
+Hooks nest: a pair already installed outside the chunk's forward (the user's own, ``save_on_cpu``)
+is chained, ours counting and theirs packing; a pair installed inside (``torch.utils.checkpoint``'s
+non-reentrant region) wins for its region, whose recomputed tensors are indeed not held, while
+the region's inputs, saved outside it, are seen. Megatron's reentrant recompute saves only its
+inputs, and they are seen. Nothing here is a collective; nothing raises into training (a hook
+that fails counts nothing more and leaves training as it was).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+GB = 1e9
+#: The ``kind`` of a layer in the record: a transformer layer, Megatron's embedding and output
+#: layer, the items of a repeated container, and everything else on the stage.
+KINDS = ("layer", "embedding", "output", "other")
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of a stage: its name within its chunk, kind (KINDS), chunk index and module
+    (None for "other"); ``number`` is Megatron's global 1-based layer number where it has one."""
+
+    name: str
+    kind: str
+    chunk: int
+    module: nn.Module | None
+    number: int | None = None
+
+
+def chunks_of(model) -> list[nn.Module]:
+    """The stage's chunks: ``model`` itself, or the items of Megatron's list of chunks."""
+    if model is None:
+        return []
+    return [m for m in (model if isinstance(model, (list, tuple)) else [model]) if isinstance(m, nn.Module)]
+
+
+def find_layers(model) -> list[Layer]:
+    """The stage's layers, in forward order, then one "other" entry per stage for the rest.
+
+    Megatron (a chunk that is, or wraps through ``.module``, a model with ``decoder.layers``): its
+    embedding, its transformer layers, its output layer, where this stage has them. Any other
+    model: the items of its largest ``Sequential`` or ``ModuleList`` (the shallowest on a tie)."""
+    found = []
+    for index, chunk in enumerate(chunks_of(model)):
+        inner = _unwrapped(chunk)
+        decoder_layers = getattr(getattr(inner, "decoder", None), "layers", None)
+        if isinstance(decoder_layers, nn.ModuleList):
+            embedding = getattr(inner, "embedding", None)
+            if isinstance(embedding, nn.Module):
+                found.append(Layer("embedding", "embedding", index, embedding))
+            for i, layer in enumerate(decoder_layers):
+                number = getattr(layer, "layer_number", None)
+                found.append(Layer(f"decoder.layers.{i}", "layer", index, layer, number))
+            output = getattr(inner, "output_layer", None)
+            if isinstance(output, nn.Module):
+                found.append(Layer("output_layer", "output", index, output))
+            continue
+        name, container = _largest_repeat(inner)
+        prefix = f"{name}." if name else ""
+        found += [Layer(f"{prefix}{i}", "layer", index, item) for i, item in enumerate(container)]
+    found.append(Layer("other", "other", -1, None))
+    return found
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """Through DDP / Float16Module-style wrappers (``.module``) to the model."""
+    while isinstance(getattr(module, "module", None), nn.Module):
+        module = module.module
+    return module
+
+
+def _largest_repeat(module: nn.Module) -> tuple[str, list]:
+    """(name, items) of the largest Sequential/ModuleList under ``module``; ("", []) if none has two items."""
+    best_name, best = "", []
+    for name, child in module.named_modules():
+        if isinstance(child, (nn.Sequential, nn.ModuleList)) and len(child) >= 2 and len(child) > len(best):
+            best_name, best = name, list(child)
+    return best_name, best
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One logging iteration's activations on this rank (GB; see the module docstring)."""
+
+    activations_gb: float
+    microbatches_in_flight: int
+    activations_per_microbatch_gb: float
+    microbatches: int
+    layers: tuple[Layer, ...]
+    layer_activations_gb: tuple[float, ...]  # per layer: mean kept per microbatch it ran in
+    layer_inputs_gb: tuple[float, ...]  # per layer: mean input per microbatch it ran in
+    grads: dict  # id(param) -> (storage key, storage bytes, element bytes): the iteration's gradients
+
+
+class ActivationMeter:
+    """Arms on one iteration and measures it (module docstring). One per run."""
+
+    def __init__(self):
+        self._handles: list = []
+        self._session: _Session | None = None
+        self.armed = False
+
+    def arm(self, model) -> None:
+        """Begin measuring: hooks on ``model``'s chunks, layers and parameters. Idempotent while armed."""
+        if self.armed:
+            return
+        chunks = chunks_of(model)
+        if not chunks:
+            return
+        layers = find_layers(chunks)
+        session = _Session(layers, _model_storages(chunks))
+        self._session = session
+        add = self._handles.append
+        try:
+            for chunk in chunks:
+                add(chunk.register_forward_pre_hook(session.begin))
+                add(chunk.register_forward_hook(session.end, always_call=True))
+            for index, layer in enumerate(layers):
+                if layer.module is not None:
+                    add(layer.module.register_forward_pre_hook(session.layer_entered(index)))
+                    add(layer.module.register_forward_hook(session.layer_left, always_call=True))
+            for param in {id(p): p for chunk in chunks for p in chunk.parameters()}.values():
+                if param.requires_grad:
+                    add(param.register_post_accumulate_grad_hook(session.grad_accumulated))
+        except Exception:  # a module that refuses hooks: no measurement, never a failed step
+            self._remove()
+            self._session = None
+            return
+        self.armed = True
+
+    def finish(self) -> Measurement | None:
+        """Stop measuring and return what was seen (None: not armed, or no microbatch ran)."""
+        session, self._session = self._session, None
+        self._remove()
+        self.armed = False
+        return None if session is None else session.measurement()
+
+    def _remove(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+
+def _model_storages(chunks) -> set:
+    """The storage addresses of the model's parameters and buffers: model state, never activations."""
+    keys = set()
+    for chunk in chunks:
+        for tensor in (*chunk.parameters(), *chunk.buffers()):
+            if tensor.device.type != "meta":
+                keys.add(tensor.untyped_storage().data_ptr())
+    return keys
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _storage(tensor) -> tuple[int, int]:
+    """(key, bytes) of the storage under ``tensor``: its address and whole size."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):  # no storage (sparse, some subclasses)
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+class _Micro:
+    """One microbatch: the storages it holds (key -> [holders, bytes]) and its totals."""
+
+    __slots__ = ("session", "refs", "total", "live", "layer_bytes", "layer_inputs", "layers_run")
+
+    def __init__(self, session, layers: int):
+        self.session = session
+        self.refs: dict = {}
+        self.total = 0
+        self.live = 0
+        self.layer_bytes = [0] * layers
+        self.layer_inputs = [0] * layers
+        self.layers_run: set = set()
+
+
+class _Held:
+    """What autograd keeps in place of a saved tensor: the packed value, and who to tell at release."""
+
+    __slots__ = ("packed", "unpack", "micro", "key")
+
+    def __init__(self, packed, unpack, micro, key):
+        self.packed, self.unpack, self.micro, self.key = packed, unpack, micro, key
+
+    def __del__(self):
+        if self.micro is not None:
+            self.micro.session.release(self.micro, self.key)
+
+
+class _Session:
+    """One armed iteration's counts. Holders released after it ended update only it."""
+
+    def __init__(self, layers: list[Layer], excluded: set):
+        self.layers = layers
+        self.other = len(layers) - 1
+        self.excluded = excluded
+        self.micros: list[_Micro] = []
+        self.micro: _Micro | None = None  # the microbatch whose forward is running
+        self.outer = None  # the saved-tensor hooks installed outside that forward, chained
+        self.opened: list = []  # per chunk forward entered: its hooks context, or None
+        self.layer_stack: list[int] = []
+        self.live = self.peak = 0
+        self.live_micros = self.peak_micros = 0
+        self.grads: dict = {}
+
+    # -- microbatches: a chunk's forward ------------------------------------------------------
+    def begin(self, module, args) -> None:
+        if self.micro is not None or not torch.is_grad_enabled() or _in_backward():
+            self.opened.append(None)  # nested, no grad, or a recompute: not a microbatch
+            return
+        micro = _Micro(self, len(self.layers))
+        self.micros.append(micro)
+        self.micro = micro
+        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+        hooks.__enter__()
+        self.opened.append(hooks)
+
+    def end(self, module, args, output) -> None:
+        hooks = self.opened.pop() if self.opened else None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+            self.micro = None
+            self.layer_stack.clear()
+
+    # -- layers -------------------------------------------------------------------------------
+    def layer_entered(self, index: int):
+        def entered(module, args) -> None:
+            micro = self.micro
+            if micro is None or _in_backward():
+                return
+            self.layer_stack.append(index)
+            if index not in micro.layers_run:
+                micro.layers_run.add(index)
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                if first is not None:
+                    micro.layer_inputs[index] += _storage(first)[1]
+
+        return entered
+
+    def layer_left(self, module, args, output) -> None:
+        if self.micro is not None and self.layer_stack and not _in_backward():
+            self.layer_stack.pop()
+
+    # -- saved tensors ------------------------------------------------------------------------
+    def pack(self, tensor):
+        outer = self.outer
+        packed = outer[0](tensor) if outer is not None else tensor.detach()
+        unpack = outer[1] if outer is not None else None
+        micro = self.micro
+        if micro is None:
+            return _Held(packed, unpack, None, None)
+        key, nbytes = _storage(tensor)
+        if nbytes == 0 or key in self.excluded:
+            return _Held(packed, unpack, None, None)
+        self.hold(micro, key, nbytes)
+        return _Held(packed, unpack, micro, key)
+
+    def hold(self, micro: _Micro, key, nbytes: int) -> None:
+        entry = micro.refs.get(key)
+        if entry is not None:
+            entry[0] += 1
+            return
+        micro.refs[key] = [1, nbytes]
+        micro.total += nbytes
+        micro.layer_bytes[self.layer_stack[-1] if self.layer_stack else self.other] += nbytes
+        if not micro.live:
+            self.live_micros += 1
+            self.peak_micros = max(self.peak_micros, self.live_micros)
+        micro.live += nbytes
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def release(self, micro: _Micro, key) -> None:
+        entry = micro.refs[key]
+        entry[0] -= 1
+        if entry[0]:
+            return
+        del micro.refs[key]
+        micro.live -= entry[1]
+        self.live -= entry[1]
+        if not micro.live:
+            self.live_micros -= 1
+
+    # -- gradients ----------------------------------------------------------------------------
+    def grad_accumulated(self, param) -> None:
+        grad = param.grad
+        if grad is not None:
+            key, nbytes = _storage(grad)
+            self.grads[id(param)] = (key, nbytes, grad.numel() * grad.element_size())
+
+    def measurement(self) -> Measurement | None:
+        counted = [m for m in self.micros if m.total]
+        if not counted:
+            return None
+        layer_activations, layer_inputs = [], []
+        for index in range(len(self.layers)):
+            ran = [m for m in self.micros if index in m.layers_run] if index != self.other else counted
+            layer_activations.append(sum(m.layer_bytes[index] for m in ran) / len(ran) / GB if ran else 0.0)
+            layer_inputs.append(sum(m.layer_inputs[index] for m in ran) / len(ran) / GB if ran else 0.0)
+        return Measurement(
+            activations_gb=self.peak / GB,
+            microbatches_in_flight=self.peak_micros,
+            activations_per_microbatch_gb=sum(m.total for m in counted) / len(counted) / GB,
+            microbatches=len(counted),
+            layers=tuple(self.layers),
+            layer_activations_gb=tuple(layer_activations),
+            layer_inputs_gb=tuple(layer_inputs),
+            grads=dict(self.grads),
+        )
+
+
+def _unpack(held: _Held):
+    return held.packed if held.unpack is None else held.unpack(held.packed)

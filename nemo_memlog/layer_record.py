@@ -1,0 +1,70 @@
+"""The per-layer record: what each layer of a rank's stage holds, one JSON file per rank beside its
+flight record. Pure format, read and written here; no torch, no collective.
+
+``<record dir>/rank-<global rank, 5 digits>.layers.json``, rewritten (atomically: a temporary file,
+then a rename) at each logging step whose activations were measured (activations.py)::
+
+    {"format": "nemo_memlog.layers", "version": 1, "rank": int, "world_size": int,
+     "pp_rank": int, "pp_size": int, "tp_rank": int, "tp_size": int, "dp_rank": int, "dp_size": int,
+     "iteration": int, "time": float (unix time),
+     "run": {...}   the run's facts, as known: "microbatches", "micro_batch_size", "optimizer",
+                    "distributed_optimizer", ... (absent where unknown),
+     "stage": {"params_gb", "grads_gb", "optimizer_state_gb", "model_state_gb", "activations_gb",
+               "activations_per_microbatch_gb", "microbatches_in_flight", "microbatches",
+               "chunks"; on a GPU also "peak_allocated_gb", "peak_reserved_gb", "temporaries_gb",
+               "allocator_slack_gb", "device_other_gb", "device_total_gb"},
+     "layers": [{"name": str, "kind": "layer"|"embedding"|"output"|"other", "chunk": int,
+                 "number": int|null, "params_gb", "grads_gb", "optimizer_state_gb",
+                 "activations_per_microbatch_gb", "input_per_microbatch_gb"}, ...]}
+
+GB are 1e9 bytes. ``layers`` lists the stage's layers in forward order, chunk by chunk, then one
+"other" entry: what no layer owns (a final norm, the loss, a flat buffer's padding is in neither:
+the stage's figures count storages whole). A layer's activations are the bytes first saved while
+it was the innermost layer running, per microbatch it ran in; its input is its first tensor
+argument's storage, what full recompute keeps of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+FORMAT = "nemo_memlog.layers"
+VERSION = 1
+_NAME = re.compile(r"^rank-(\d+)\.layers\.json$")
+
+
+def file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.layers.json"
+
+
+def write(folder, record: dict) -> Path:
+    """Write ``record`` (its ``rank`` names the file) into ``folder``, atomically; returns the path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / file_name(int(record["rank"]))
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps({"format": FORMAT, "version": VERSION, **record}, allow_nan=True))
+    os.replace(temporary, path)
+    return path
+
+
+def read_folder(folder) -> list[dict]:
+    """Every rank's record in ``folder``, by rank; files of another format or a newer version raise
+    ValueError naming the file and what to do."""
+    records = []
+    for path in sorted(Path(folder).glob("rank-*.layers.json")):
+        if not _NAME.match(path.name):
+            continue
+        record = json.loads(path.read_text())
+        if record.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a nemo_memlog per-layer record (format {record.get('format')!r})")
+        if record.get("version", 0) > VERSION:
+            raise ValueError(
+                f"{path}: per-layer record version {record['version']}, newer than this nemo_memlog reads "
+                f"({VERSION}): upgrade nemo_memlog"
+            )
+        records.append(record)
+    return sorted(records, key=lambda record: record["rank"])
