@@ -64,7 +64,8 @@ def find_layers(model) -> list[Layer]:
 
     Megatron (a chunk that is, or wraps through ``.module``, a model with ``decoder.layers``): its
     embedding, its transformer layers, its output layer, where this stage has them. Any other
-    model: the items of its largest ``Sequential`` or ``ModuleList`` (the shallowest on a tie)."""
+    model: the items of its shallowest ``Sequential`` or ``ModuleList`` of one class of module
+    (the transformer blocks), else of its largest one."""
     found = []
     for index, chunk in enumerate(chunks_of(model)):
         inner = _unwrapped(chunk)
@@ -80,7 +81,7 @@ def find_layers(model) -> list[Layer]:
             if isinstance(output, nn.Module):
                 found.append(Layer("output_layer", "output", index, output))
             continue
-        name, container = _largest_repeat(inner)
+        name, container = _repeated(inner)
         prefix = f"{name}." if name else ""
         found += [Layer(f"{prefix}{i}", "layer", index, item) for i, item in enumerate(container)]
     found.append(Layer("other", "other", -1, None))
@@ -94,13 +95,20 @@ def _unwrapped(module: nn.Module) -> nn.Module:
     return module
 
 
-def _largest_repeat(module: nn.Module) -> tuple[str, list]:
-    """(name, items) of the largest Sequential/ModuleList under ``module``; ("", []) if none has two items."""
-    best_name, best = "", []
+def _repeated(module: nn.Module) -> tuple[str, list]:
+    """(name, items) of the shallowest Sequential/ModuleList of items of one class (the largest such
+    at that depth); failing that, the largest of two or more items of any kind; else ("", [])."""
+    same, mixed = [], []
     for name, child in module.named_modules():
-        if isinstance(child, (nn.Sequential, nn.ModuleList)) and len(child) >= 2 and len(child) > len(best):
-            best_name, best = name, list(child)
-    return best_name, best
+        if isinstance(child, (nn.Sequential, nn.ModuleList)) and len(child):
+            items = list(child)
+            entry = (name.count(".") + bool(name), -len(items), name, items)
+            if len({type(item) for item in items}) == 1:
+                same.append(entry)
+            elif len(items) >= 2:
+                mixed.append(entry)
+    best = min(same, default=None) or min(mixed, key=lambda entry: entry[1], default=None)
+    return (best[2], best[3]) if best else ("", [])
 
 
 @dataclass(frozen=True)

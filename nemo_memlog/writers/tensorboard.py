@@ -1,4 +1,6 @@
-"""TensorBoard backend: one ``add_scalar`` per metric, the run config once as text.
+"""TensorBoard backend: one ``add_scalar`` per metric, the run config once as text, and a
+custom-scalars layout: one chart per ``memory/pp_stage_{i}/<name>`` metric, every stage's line
+overlaid (written at the first step, again when a later step brings a new per-stage name).
 
 Enabled by ``tensorboard_dir``. Values are stored as TensorBoard's classic scalar
 (``simple_value``), which is a float32: ints come back as floats, and ints above 2**24
@@ -9,12 +11,16 @@ Tags are the metric names as given (TensorBoard accepts any string).
 from __future__ import annotations
 
 import json
+import re
 
 from ..config import scrubbed
 
 #: The text summary holding the run config; TensorBoard stores it as "<tag>/text_summary".
 CONFIG_TAG = "config"
 CONFIG_TENSOR_TAG = CONFIG_TAG + "/text_summary"
+#: The custom-scalars category holding one chart per per-stage metric.
+LAYOUT_CATEGORY = "memory per stage"
+_PER_STAGE = re.compile(r"memory/pp_stage_\d+/(.+)")
 
 
 def enabled(settings) -> bool:
@@ -52,14 +58,25 @@ def params_from_text(text: str) -> dict:
     return json.loads("\n".join(line.removeprefix("    ") for line in text.splitlines()))
 
 
+def layout(names) -> dict:
+    """The custom-scalars layout: per name, one chart overlaying every stage's line."""
+    charts = {name: ["Multiline", [rf"memory/pp_stage_\d+/{re.escape(name)}$"]] for name in sorted(names)}
+    return {LAYOUT_CATEGORY: charts}
+
+
 class TensorBoardBackend:
     def __init__(self, writer):
         self.writer = writer
+        self.charted: set[str] = set()  # the per-stage names the layout has a chart for
 
     def log(self, metrics: dict, step: int) -> None:
         """One scalar per metric at ``step``. Reads ``metrics`` only."""
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
+        names = {match.group(1) for match in map(_PER_STAGE.fullmatch, metrics) if match}
+        if not names <= self.charted:
+            self.charted |= names
+            self.writer.add_custom_scalars(layout(self.charted))
 
     def flush(self) -> None:
         self.writer.flush()
