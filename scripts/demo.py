@@ -530,18 +530,20 @@ def _stage_table(cfg: DemoConfig, iteration: int, logged: dict, name: str, label
     lines = [
         f"{label[0].upper() + label[1:]} per pipeline stage at iteration {iteration}{window} "
         f"(memory/pp_stage_{{i}}/{name}):",
-        f"  stage   microbatches in flight   {label}",
+        f"  stage   microbatches in flight   activations (measured)   {label}",
     ]
     last = len(stages) - 1
     for stage in stages:
-        in_flight = min(len(stages) - stage, cfg.train.micro_batches)
+        in_flight = logged.get(f"memory/pp_stage_{stage}/microbatches_in_flight", "-")
+        activations = logged.get(f"memory/pp_stage_{stage}/activations_gb")
+        held = "-" if activations is None else f"{activations:.3f} GB"
         notes = []
         if stage == peak_stage:
             notes.append("<- pipeline peak")
         if stage == last and cfg.logger.writer_mode == "thread":
             notes.append("(also runs the logging backends)")
         lines.append(
-            f"  {stage:>5}   {in_flight:>22}   {logged[f'memory/pp_stage_{stage}/{name}']:>10.3f} GB  "
+            f"  {stage:>5}   {in_flight:>22}   {held:>22}   {logged[f'memory/pp_stage_{stage}/{name}']:>10.3f} GB  "
             + " ".join(notes)
         )
     lines.append(f"  logged: memory/{name} = {peak:.3f} GB, memory/peak_stage/{name} = {peak_stage}")

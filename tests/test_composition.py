@@ -94,12 +94,20 @@ def test_the_count_is_cached_until_the_optimizer_creates_its_state():
 
 
 def test_breakdown_adds_up_to_the_peak_reserved_on_a_gpu_and_is_nan_without_one():
+    from nemo_memlog.activations import Measurement
+
     state = {"params_gb": 6.1, "grads_gb": 6.1, "optimizer_state_gb": 18.3, "model_state_gb": 30.5}
-    gpu = breakdown({"peak_allocated_gb": 74.5, "peak_reserved_gb": 77.6}, state)
-    assert gpu["activations_gb"] == pytest.approx(44.0) and gpu["allocator_slack_gb"] == pytest.approx(3.1)
-    assert gpu["model_state_gb"] + gpu["activations_gb"] + gpu["allocator_slack_gb"] == pytest.approx(77.6)
-    cpu = breakdown({"peak_allocated_gb": math.nan, "host_rss_gb": 1.0}, state)
-    assert math.isnan(cpu["activations_gb"]) and math.isnan(cpu["allocator_slack_gb"])
+    measured = Measurement(40.0, 4, 10.0, 8, (), (), (), {})
+    gpu = breakdown({"peak_allocated_gb": 74.5, "peak_reserved_gb": 77.6}, state, measured)
+    assert gpu["activations_gb"] == 40.0 and gpu["microbatches_in_flight"] == 4
+    assert gpu["temporaries_gb"] == pytest.approx(4.0) and gpu["allocator_slack_gb"] == pytest.approx(3.1)
+    parts = ("model_state_gb", "activations_gb", "temporaries_gb", "allocator_slack_gb")
+    assert sum(gpu[part] for part in parts) == pytest.approx(77.6)
+    cpu = breakdown({"peak_allocated_gb": math.nan, "host_rss_gb": 1.0}, state, measured)
+    assert cpu["activations_gb"] == 40.0  # measured on every device
+    assert math.isnan(cpu["temporaries_gb"]) and math.isnan(cpu["allocator_slack_gb"])
+    unmeasured = breakdown({"peak_allocated_gb": 74.5, "peak_reserved_gb": 77.6}, state)
+    assert math.isnan(unmeasured["activations_gb"]) and math.isnan(unmeasured["temporaries_gb"])
 
 
 # ---- per stage, through training_log --------------------------------------------------------
@@ -140,7 +148,7 @@ def test_every_stage_its_own_breakdown_the_max_and_its_stage(pp4, tmp_path):
         assert logged[f"memory/pp_stage_{s}/params_gb"] == numel(8 * (s + 1)) * 4 / GB
     assert logged["memory/optimizer_state_gb"] == pytest.approx(expected[3], rel=1e-12)
     assert logged["memory/peak_stage/model_state_gb"] == 3
-    assert "memory/activations_gb" not in logged  # NaN on every CPU stage: no allocator peak
+    assert "memory/temporaries_gb" not in logged  # NaN on every CPU stage: no allocator peak
 
     from nemo_memlog.offline.events import load_run
 
@@ -151,18 +159,15 @@ def test_every_stage_its_own_breakdown_the_max_and_its_stage(pp4, tmp_path):
     )
 
 
-def test_the_estimate_its_gap_and_activations_per_in_flight_microbatch():
-    from nemo_memlog.estimate import derived, in_flight
+def test_the_estimate_and_its_gap_on_stage_0():
+    from nemo_memlog.estimate import derived
 
     unified = {f"memory/pp_stage_{s}/activations_gb": [8.0, 6.0, 4.0, 2.0][s] for s in range(4)}
     unified["memory/pp_stage_0/model_state_gb"] = 30.5
-    out = derived(unified, {"model_state_gb": 28.0, "activations_gb": 9.5}, microbatches=8)
+    out = derived(unified, {"model_state_gb": 28.0, "activations_gb": 9.5})
     assert out["memory/estimate/model_state_gb"] == 28.0 and out["memory/estimate/gap/model_state_gb"] == 2.5
     assert out["memory/estimate/gap/activations_gb"] == -1.5
-    # 1F1B, PP 4, 8 microbatches: stage s holds 4 - s in flight
-    assert [out[f"memory/pp_stage_{s}/activations_per_microbatch_gb"] for s in range(4)] == [2.0] * 4
-    assert in_flight(0, 4, 2) == 2  # fewer microbatches than stages: all of them
-    assert derived({}, None, None) == {}
+    assert derived({}, None) == {}
 
 
 MEGATRON_DDP = """

@@ -97,6 +97,20 @@ def test_first_stage_holds_more_than_the_last(demo):
     assert scalars[f"memory/pp_stage_0/{PEAK}"][step] > scalars[f"memory/pp_stage_{STAGES - 1}/{PEAK}"][step]
 
 
+def test_activations_measured_on_every_stage_held_for_the_microbatches_in_flight(demo):
+    """1F1B measured, not assumed: stage s holds PP - s microbatches at once, and stages 1 and 2
+    (the same blocks) keep the same bytes per microbatch, so their activations stand 3 : 2."""
+    _, _, scalars = demo
+    for step in LOGGED_STEPS:  # each armed by the call at the iteration before it
+        in_flight = [scalars[f"memory/pp_stage_{s}/microbatches_in_flight"][step] for s in range(STAGES)]
+        assert in_flight == [4, 3, 2, 1]
+        held = [scalars[f"memory/pp_stage_{s}/activations_gb"][step] for s in range(STAGES)]
+        per_microbatch = [scalars[f"memory/pp_stage_{s}/activations_per_microbatch_gb"][step] for s in range(STAGES)]
+        assert held[1] / held[2] == pytest.approx(1.5, rel=1e-6) and per_microbatch[1] == per_microbatch[2]
+        assert held[0] == pytest.approx(4 * per_microbatch[0], rel=1e-6)
+        assert scalars["memory/peak_stage/activations_gb"][step] == 0
+
+
 def test_the_checkpoint_save_is_a_memory_phase_logged_with_its_peak_and_stage(demo):
     """train.save_every=4 (the default): each stage saves at iteration 4 inside memory_phase."""
     _, run, scalars = demo
@@ -117,7 +131,7 @@ def test_the_demo_passes_its_model_and_the_report_draws_each_stages_composition(
     assert params[0] > params[1] == pytest.approx(params[2]) and params[3] > params[2]
     state = [scalars[f"memory/pp_stage_{s}/model_state_gb"][last] for s in range(STAGES)]
     assert scalars["memory/peak_stage/model_state_gb"][last] == state.index(max(state))
-    assert "memory/activations_gb" not in scalars  # CPU stages: no allocator peak
+    assert "memory/temporaries_gb" not in scalars  # CPU stages: no allocator peak
     assert main(["report", str(run), "--png", str(tmp_path / "r.png")]) == 0
     assert f"what each stage's memory is made of: {tmp_path / 'r_composition.png'}" in capsys.readouterr().out
     assert (tmp_path / "r_composition.png").stat().st_size > 10_000

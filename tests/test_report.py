@@ -248,3 +248,41 @@ def test_png_marks_the_last_stage_as_stock_dashboards_and_labels_the_gap(report,
     assert (step, stage) == (STEPS[-1], 1)
     assert (peak, shown) == (pytest.approx(reserved(1, k)), pytest.approx(reserved(3, k)))
     assert b"demo: peak_reserved_gb per pipeline stage" in (run_dir / "memory_report.png").read_bytes()
+
+
+def write_composition(tensorboard_dir, activations_gb, steps=(0, 10)):
+    """Per-stage composition scalars as a CPU run logs them: no temporaries, slack or device_other."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(tensorboard_dir))
+    for step in steps:
+        for stage, activations in enumerate(activations_gb):
+            values = {
+                "params_gb": 0.002,
+                "grads_gb": 0.002,
+                "optimizer_state_gb": 0.004,
+                "model_state_gb": 0.008,
+                "activations_gb": activations,
+                "microbatches_in_flight": len(activations_gb) - stage,
+            }
+            for name, value in values.items():
+                writer.add_scalar(f"memory/pp_stage_{stage}/{name}", value, step)
+    writer.close()
+
+
+@pytest.mark.parametrize("activations_gb, unit", [((0.54, 0.41, 0.27, 0.14), "MB"), ((5.4, 4.1, 2.7, 1.4), "GB")])
+def test_composition_png_picks_its_unit_and_names_the_microbatches_in_flight(tmp_path, capsys, activations_gb, unit):
+    from nemo_memlog.offline import composition_plot
+    from nemo_memlog.offline.events import load_run
+
+    write_composition(tmp_path / "tb", activations_gb)
+    run = load_run(tmp_path)
+    step, parts = composition_plot.stage_parts(run)
+    assert step == 10 and parts[2]["activations_gb"] == pytest.approx(activations_gb[2])
+    assert composition_plot.unit(parts) == (unit, 1000.0 if unit == "MB" else 1.0)
+    labels = composition_plot.in_flight_labels(run, step)
+    assert labels == {0: "4 in flight", 1: "3 in flight", 2: "2 in flight", 3: "1 in flight"}
+    assert main(["report", str(tmp_path)]) == 0
+    png = tmp_path / "memory_report_composition.png"
+    assert f"what each stage's memory is made of: {png}" in capsys.readouterr().out
+    assert png_size(png)[1] > 10_000
