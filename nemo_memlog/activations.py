@@ -161,6 +161,17 @@ class ActivationMeter:
             return
         self.armed = True
 
+    def open_microbatch(self) -> None:
+        """Begin a microbatch here, for a framework whose step is not a module's forward (Lightning's
+        ``training_step``): as a chunk's forward pre-hook would. A chunk forward inside it is nested."""
+        if self._session is not None:
+            self._session.begin(None, ())
+
+    def close_microbatch(self) -> None:
+        """End the microbatch ``open_microbatch`` began (before its backward). No-op if none is open."""
+        if self._session is not None and self._session.opened:
+            self._session.end(None, (), None)
+
     def finish(self) -> Measurement | None:
         """Stop measuring and return what was seen (None: not armed, or no microbatch ran)."""
         session, self._session = self._session, None

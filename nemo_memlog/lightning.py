@@ -22,9 +22,12 @@ MemoryMonitor, and nothing in the core imports this module.
   is rank-zero-only). It opens no run or writer of its own, and never reads
   ``trainer.log_dir`` (a broadcast: a collective that only some ranks entered would hang).
   Lightning's own metrics are not touched: memory goes in a ``log_metrics`` call of its own.
-- Activations (activations.py): measured over the batches of each logging step, from the first
-  one's ``on_train_batch_start`` (every batch of a gradient-accumulation window) to the logging
-  ``on_train_batch_end``.
+- Activations (activations.py): measured over the batches of each logging step (every batch of a
+  gradient-accumulation window), armed at the first one's ``on_train_batch_start``, read at the
+  logging ``on_train_batch_end``. ``training_step`` is no module's forward, so each batch is one
+  microbatch, from ``on_train_batch_start`` to ``on_before_backward``. (Under NeMo 2's
+  MegatronStrategy, whose training_step runs a whole pipeline schedule, a step therefore counts
+  as one microbatch: use the Megatron-Bridge callback or training_log for per-microbatch figures.)
 - Settings: keyword arguments, named and validated as LoggerConfig's fields.
 - Memory phases (phase.py), on every rank: ``eval`` from ``on_validation_start`` to
   ``on_validation_end``; ``checkpoint_save`` from ``on_save_checkpoint`` to the next hook this
@@ -130,6 +133,7 @@ class MemoryLogCallback(*_callback_bases()):
         monitor = self.monitor
         if monitor is None:
             return
+        monitor.meter.close_microbatch()  # a batch without a backward (manual optimization skipped it)
         epoch_loop = trainer.fit_loop.epoch_loop
         step = epoch_loop._batches_that_stepped  # the step Lightning logs this batch's metrics at
         if (step + 1) % self.interval or epoch_loop._should_accumulate():
@@ -140,6 +144,11 @@ class MemoryLogCallback(*_callback_bases()):
         self._phases.leave("checkpoint_save")
         if self.monitor is not None:  # a logging step's batches: measure their activations (activations.py)
             self.monitor.before_iteration(trainer.fit_loop.epoch_loop._batches_that_stepped + 1, pl_module)
+            self.monitor.meter.open_microbatch()  # training_step is no module's forward: the batch is one
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.monitor is not None:
+            self.monitor.meter.close_microbatch()
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         if self.monitor is not None:

@@ -286,6 +286,23 @@ def test_flight_records_beside_the_recipes_logs_ended_at_on_train_end(with_callb
     assert len(found["ranks"]) == found["world_size"] >= 2
 
 
+def test_activations_measured_between_step_start_and_step_end_on_every_stage(with_callback):
+    """The harness's step runs one microbatch through ``model[0]``, a Linear(8, 8) on a (4, 8) float32
+    input, which autograd saves (128 bytes; its weight is a parameter, not counted): on every stage,
+    every logging step, measured between on_train_step_start and on_train_step_end."""
+    from nemo_memlog import layer_record
+
+    run = with_callback
+    _, tb = tensorboard_events(run.spec.root)
+    assert tb["memory/activations_gb"] == [(step, f32(4 * 8 * 4 / 1e9)) for step in LOGGING_STEPS]
+    assert tb["memory/microbatches_in_flight"] == [(step, 1) for step in LOGGING_STEPS]
+    records = layer_record.read_folder(os.path.join(run.spec.root, "memory_records"))  # every rank's own
+    assert len(records) >= 2 and all(r["iteration"] == LOGGING_STEPS[-1] for r in records)
+    assert {r["pp_rank"] for r in records} == {0, 1}
+    assert all(r["run"]["framework"] == "megatron-bridge" and r["run"]["microbatches"] >= 1 for r in records)
+    assert all(r["stage"]["activations_per_microbatch_gb"] == 128 / 1e9 for r in records)
+
+
 def test_tensorboard_bridge_series_unchanged(with_callback, bridge_alone):
     run = with_callback
     _, tb = tensorboard_events(run.spec.root)

@@ -90,6 +90,11 @@ def test_memory_at_lightnings_own_steps_in_one_run(job, backend):
     assert "memory/peak_host_rss_gb" in names and "memory/peak_rank/peak_host_rss_gb" in names, names
     # pl_module and trainer.optimizers: the TinyModel's Linear(8, 1), 9 float32 parameters, plain SGD
     assert [v for _, v in stored["memory/params_gb"]] == pytest.approx([9 * 4 / 1e9] * len(LOGGING_STEPS), rel=1e-6)
+    # activations, counted by hand: the Linear saves its (4, 8) input, mse_loss its (4, 1) input and
+    # target, float32: 160 bytes held by the one batch of each logging step, measured on every rank
+    held = stored["memory/activations_gb"]
+    assert [v for _, v in held] == pytest.approx([160 / 1e9] * len(LOGGING_STEPS), rel=1e-6)
+    assert [v for _, v in stored["memory/microbatches_in_flight"]] == [1] * len(LOGGING_STEPS)
     assert [s for s, _ in stored["train_loss"]] == LOGGING_STEPS, "Lightning's own logging steps"
     for name in names:
         assert [s for s, _ in stored[name]] == LOGGING_STEPS, f"{backend} {name}: once at each of Lightning's steps"
