@@ -562,7 +562,8 @@ def test_a_cuda_oom_of_a_run_that_passed_its_model_says_what_the_memory_was_made
         "grads_gb": 6.1,
         "optimizer_state_gb": 18.3,
         "model_state_gb": 30.5,
-        "activations_gb": 44.0,
+        "activations_gb": 40.0,
+        "temporaries_gb": 4.0,
         "allocator_slack_gb": 3.1,
     }
     ranks[0].peak_reserved_gb = 77.6
@@ -570,6 +571,6 @@ def test_a_cuda_oom_of_a_run_that_passed_its_model_says_what_the_memory_was_made
     code, result = run_json(tmp_path)
     assert code == 1 and result["first_failure"]["rank"] == 0
     assert (
-        "; of 78.7 GB, 30.5 is model state (6.1 parameters, 6.1 gradients, 18.3 optimizer), 44.0 activations, "
-        "3.1 allocator slack, 1.1 outside the allocator" in result["sentence"]
+        "; of 78.7 GB, 30.5 is model state (6.1 parameters, 6.1 gradients, 18.3 optimizer), 40.0 activations, "
+        "4.0 temporaries, 3.1 allocator slack, 1.1 outside the allocator" in result["sentence"]
     ), result["sentence"]

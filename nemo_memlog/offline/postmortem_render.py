@@ -80,19 +80,23 @@ def _oom_sentence(state: RankState) -> str:
 
 
 def composition_clause(report: dict) -> str:
-    """ "; of 79.1 GB, 30.5 is model state (6.1 parameters, 6.1 gradients, 18.3 optimizer), 44.0
-    activations, 3.1 allocator slack, 1.5 outside the allocator": what the memory was made of, from
-    a report with the breakdown (a run that passed its model); "" without one."""
+    """ "; of 79.1 GB, 30.5 is model state (6.1 parameters, 6.1 gradients, 18.3 optimizer), 40.0
+    activations, 4.0 temporaries, 3.1 allocator slack, 1.5 outside the allocator": what the memory was
+    made of, from a report with the breakdown (a run that passed its model); "" without one.
+    Temporaries are said where the record has them (activations measured, nemo_memlog 0.2+)."""
     parts = {key: finite_number(report.get(key)) for key in COMPOSITION}
     if parts["model_state_gb"] is None or parts["activations_gb"] is None:
         return ""
     other = parts["device_other_gb"] or 0.0
-    total = parts["model_state_gb"] + parts["activations_gb"] + (parts["allocator_slack_gb"] or 0.0) + other
+    temporaries = parts["temporaries_gb"]
+    total = parts["model_state_gb"] + parts["activations_gb"] + (temporaries or 0.0)
+    total += (parts["allocator_slack_gb"] or 0.0) + other
+    said_temporaries = "" if temporaries is None else f"{temporaries:.1f} temporaries, "
     return (
         f"; of {total:.1f} GB, {parts['model_state_gb']:.1f} is model state ({parts['params_gb'] or 0:.1f} "
         f"parameters, {parts['grads_gb'] or 0:.1f} gradients, {parts['optimizer_state_gb'] or 0:.1f} optimizer), "
-        f"{parts['activations_gb']:.1f} activations, {parts['allocator_slack_gb'] or 0:.1f} allocator slack, "
-        f"{other:.1f} outside the allocator"
+        f"{parts['activations_gb']:.1f} activations, {said_temporaries}"
+        f"{parts['allocator_slack_gb'] or 0:.1f} allocator slack, {other:.1f} outside the allocator"
     )
 
 
