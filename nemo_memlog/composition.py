@@ -180,10 +180,29 @@ def _optimizers(optimizer) -> list:
     chained = getattr(optimizer, "chained_optimizers", None)
     if chained is not None:
         return [inner for each in chained for inner in _optimizers(each)]
+    local = getattr(optimizer, "optim", None)  # torch's ZeroRedundancyOptimizer: this rank's shard
+    if local is not None and local is not optimizer and hasattr(local, "param_groups"):
+        return _optimizers(local)
     inner = getattr(optimizer, "optimizer", None)
     if inner is not None and inner is not optimizer and hasattr(inner, "param_groups"):
         return [optimizer, *_optimizers(inner)] if _master_groups(optimizer) else _optimizers(inner)
     return [optimizer]
+
+
+def optimizer_facts(optimizer) -> dict:
+    """What the per-layer record says of the optimizer: its class (the innermost torch optimizer's
+    name) and whether its state is already sharded over data parallelism (Megatron's distributed
+    optimizer, torch's ZeroRedundancyOptimizer). {} without one."""
+    if optimizer is None:
+        return {}
+    inner = _optimizers(optimizer)
+    wrappers = [optimizer, *(optimizer if isinstance(optimizer, (list, tuple)) else [])]
+    sharded = any(
+        getattr(w, "optim", None) is not None or hasattr(w, "shard_fp32_from_float16_groups") for w in wrappers
+    )
+    sharded = sharded or any(hasattr(each, "shard_fp32_from_float16_groups") for each in inner)
+    names = sorted({type(each).__name__ for each in inner if hasattr(each, "param_groups")})
+    return {"optimizer": ",".join(names), "optimizer_sharded": sharded}
 
 
 def _master_groups(optimizer) -> list:

@@ -63,6 +63,7 @@ def training_log(
     metrics: dict | None = None,
     model=None,
     optimizer=None,
+    facts: dict | None = None,
 ) -> dict | None:
     """Log pipeline-wide memory (and ``metrics``) every ``tensorboard_log_interval`` iterations.
 
@@ -74,6 +75,8 @@ def training_log(
     settings). See the README's metric table for the keys. ``model`` (a module or a list of
     chunks) and ``optimizer``, read on logging iterations only, add what the memory is made of:
     parameters, gradients, optimizer state, activations, allocator slack (docs/composition.md).
+    ``facts``: what the loop knows of the run (``micro_batch_size``, ``microbatches`` per
+    iteration, ``distributed_optimizer``...), recorded for ``nemo-memlog advise`` (docs/advise.md).
     """
     key = id(config) if writers is None else (id(config), id(writers))
     entry = _by_object.get(key)
@@ -82,7 +85,11 @@ def training_log(
     run = entry.run
     if not run.enabled:
         return None
-    logged = None if iteration % run.interval else run.log_step(iteration, metrics, model=model, optimizer=optimizer)
+    logged = None
+    if not iteration % run.interval:
+        if facts:  # read on logging iterations only
+            run.state_facts(**facts)
+        logged = run.log_step(iteration, metrics, model=model, optimizer=optimizer)
     if model is not None:  # the next iteration's activations, if it logs: measured from now to its call
         run.before_iteration(iteration + 1, model)
     return logged

@@ -88,6 +88,12 @@ class MemoryMonitor:
         if self.enabled and model is not None and not iteration % self.interval:
             self.meter.arm(model)
 
+    def state_facts(self, **facts) -> None:
+        """What the run knows of itself, for the per-layer record and ``nemo-memlog advise``:
+        ``micro_batch_size``, ``microbatches`` (per iteration), ``global_batch_size``,
+        ``distributed_optimizer``, ``recompute``... (None values are ignored)."""
+        self.facts.update({name: value for name, value in facts.items() if value is not None})
+
     def log_step(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict:
         """``log`` past its gate: callers that gate themselves (training_log) call it directly."""
         if not self._placed:
@@ -161,6 +167,7 @@ class MemoryMonitor:
         self._layout = {
             "rank": dist.get_rank() if distributed else 0,
             "world_size": dist.get_world_size() if distributed else 1,
+            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
             **megatron.layout(pp_group, pg_collection),
         }
         if self.record_dir is not None and self.recorder is None:
@@ -196,7 +203,7 @@ class MemoryMonitor:
             rest = [p for chunk in chunks_of(model) for p in chunk.parameters() if id(p) not in in_layers]
             states = composition.layer_state([*owned, rest], optimizer, measured.grads, self._state)
             stage_keys = (*composition.NAMES, *composition.DERIVED, "peak_allocated_gb", "peak_reserved_gb")
-            stage_keys += ("device_other_gb", "device_total_gb")
+            stage_keys += ("device_other_gb", "device_total_gb", "peak_host_rss_gb", "host_total_gb", "host_limit_gb")
             stage = {key: report[key] for key in stage_keys if key in report and report[key] == report[key]}
             stage.update(microbatches=measured.microbatches, chunks=len(chunks_of(model)))
             rows = []
@@ -214,7 +221,8 @@ class MemoryMonitor:
                         "input_per_microbatch_gb": inputs,
                     }
                 )
-            record = {**self._layout, "iteration": iteration, "time": time.time(), "run": dict(self.facts)}
+            facts = {**composition.optimizer_facts(optimizer), **self.facts}
+            record = {**self._layout, "iteration": iteration, "time": time.time(), "run": facts}
             layer_record.write(self.record_dir, {**record, "stage": stage, "layers": rows})
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")

@@ -396,6 +396,8 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
     optimizer = torch.optim.Adam(module.parameters(), lr=t.lr)
     hidden_shape = (t.micro_batch_size, t.seq_len, cfg.model.hidden)
     last_logged = None
+    # What nemo-memlog advise needs to know of the run (docs/advise.md)
+    facts = {"micro_batch_size": t.micro_batch_size, "microbatches": t.micro_batches, "schedule": "1F1B"}
     for iteration in range(1, t.iters + 1):
         if iteration == cfg.fail.kill_at and pipe.stage == cfg.fail.kill_stage and dp_rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer: no end, no goodbye
@@ -416,7 +418,9 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
         if t.save_every and iteration % t.save_every == 0:
             save_checkpoint(cfg, module, optimizer, pipe.stage, dp_rank, iteration)
         metrics = {"lr": lr} if loss is None else {"lr": lr, "loss": loss}  # only last stages have a loss
-        logged = nemo_memlog.training_log(iteration, cfg, metrics=metrics, model=module, optimizer=optimizer)
+        logged = nemo_memlog.training_log(
+            iteration, cfg, metrics=metrics, model=module, optimizer=optimizer, facts=facts
+        )
         if logged is not None:
             last_logged = (iteration, logged)
         if iteration == 1:

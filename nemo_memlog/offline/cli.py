@@ -1,7 +1,8 @@
 """The ``nemo-memlog`` command. ``nemo-memlog report RUN_DIR`` prints the per-stage memory
 table of a finished (or running) run and writes a PNG of one metric per stage.
 ``nemo-memlog postmortem RUN_DIR`` reads the flight records of a job that died and says which
-rank failed first, and what every rank held.
+rank failed first, and what every rank held. ``nemo-memlog advise RUN_DIR --what-if NAME=VALUE``
+predicts each stage's memory under a change, from the run's own measurement.
 
 Reads the command line; prints what report.py and postmortem_render.py (or postmortem_json.py)
 return, and writes the PNG of report_plot.py or postmortem_plot.py. Needs only tensorboard and
@@ -17,10 +18,11 @@ from pathlib import Path
 
 PNG_NAME = "memory_report.png"
 POSTMORTEM_PNG_NAME = "memory_postmortem.png"
+ADVISE_PNG_NAME = "memory_advise.png"
 
 
 def _parser() -> argparse.ArgumentParser:
-    """The two commands and their options."""
+    """The commands and their options."""
     parser = argparse.ArgumentParser(prog="nemo-memlog", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     report = commands.add_parser("report", help="per-stage memory table and PNG from a run's TensorBoard events")
@@ -43,7 +45,44 @@ def _parser() -> argparse.ArgumentParser:
         help="per-stage metric to plot (default: peak_reserved_gb if logged, else peak_host_rss_gb)",
     )
     _postmortem_parser(commands)
+    _advise_parser(commands)
     return parser
+
+
+def _advise_parser(commands) -> None:
+    """``advise`` and its options, added to ``commands``."""
+    from ..advice import CHANGES
+
+    forms = "; ".join(f"{name}={form}" for name, form in CHANGES.items())
+    advise = commands.add_parser(
+        "advise",
+        help="what a micro-batch, layout, optimizer-sharding or recompute change does to each stage's peak",
+        description="Predict each stage's memory under a change, from the run's own measurement (its per-layer "
+        "records). Exit status: 0 printed (fits or not), 2 usage error, no records, or a change the records "
+        "cannot support (the message says what is missing).",
+    )
+    advise.add_argument(
+        "run_dir", metavar="RUN_DIR", type=Path, help="run directory, its tensorboard dir, or its memory_records"
+    )
+    advise.add_argument(
+        "--what-if",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help=f"a change; several together describe one combined change. {forms}",
+    )
+    advise.add_argument(
+        "--capacity-gb",
+        type=float,
+        default=None,
+        help="memory per rank to fit in (default: the device's total; on CPU the job's memory cgroup limit, "
+        "else the node's RAM divided by the ranks on it)",
+    )
+    advise.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    advise.add_argument(
+        "--png", type=Path, default=None, help="where to write the picture (default: RUN_DIR/memory_advise.png)"
+    )
+    advise.add_argument("--no-png", action="store_true", help="write no picture")
 
 
 def _postmortem_parser(commands) -> None:
@@ -107,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(exit_.code or 0)
     if args.command == "postmortem":
         return _postmortem(args)
+    if args.command == "advise":
+        return _advise(args)
     from .report import ReportError
 
     try:
@@ -115,6 +156,42 @@ def main(argv: list[str] | None = None) -> int:
         hint = _record_hint(args.run_dir)
         print(f"nemo-memlog: error: {error}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
         return 2
+
+
+def _advise(args) -> int:
+    """Exit code 0 with the prediction printed; 2 for bad input, no records or a refused change."""
+    from .. import advice
+    from .advise import AdviseError, as_json, as_text, load
+
+    try:
+        changes = advice.parse(args.what_if)
+        run = load(args.run_dir, args.capacity_gb)
+        outcomes = advice.predict(run, changes)
+    except (AdviseError, ValueError) as error:  # advice.Refused is a ValueError
+        print(f"nemo-memlog advise: error: {error}", file=sys.stderr)
+        return 2
+    best = advice.max_micro_batch_size(run)
+    png = None
+    if not args.no_png:
+        folder = args.run_dir if args.run_dir.is_dir() else args.run_dir.parent
+        png = _advise_png(run, changes, outcomes, args.png or folder / ADVISE_PNG_NAME)
+    if args.json:
+        print(as_json(run, changes, outcomes, best))
+    else:
+        print(as_text(run, changes, outcomes, best))
+        if png:
+            print(f"\nplot of each stage today and predicted: {png}")
+    return 0
+
+
+def _advise_png(run, changes, outcomes, path) -> Path | None:
+    try:
+        from .advise_plot import write_png
+
+        return write_png(run, changes, outcomes, path)
+    except (ImportError, OSError) as error:
+        print(f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error})", file=sys.stderr)
+        return None
 
 
 def _postmortem(args) -> int:

@@ -1,0 +1,80 @@
+"""The advise PNG: per stage, today's stacked bar beside the predicted one, against the capacity.
+
+Reads advice.py's outcomes; draws through plotting.py (matplotlib, lazily). No torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..advice import PARTS
+from .plotting import integer_ticks, new_figure, save
+
+#: (part, label, colour), bottom to top, as the composition PNG colours them.
+COLOURS = {
+    "params_gb": ("parameters", "tab:blue"),
+    "grads_gb": ("gradients", "tab:cyan"),
+    "optimizer_state_gb": ("optimizer state", "tab:purple"),
+    "activations_gb": ("activations", "tab:orange"),
+    "temporaries_gb": ("temporaries", "tab:pink"),
+    "allocator_slack_gb": ("allocator slack", "tab:gray"),
+    "outside_gb": ("outside the parts above", "tab:olive"),
+}
+
+
+def write_png(run, changes, outcomes, path) -> Path:
+    """Two bars per stage (today, predicted) into the PNG at ``path``; returns the path."""
+    tallest = max([o.peak_now_gb for o in outcomes] + [o.peak_gb for o in outcomes] + [run.capacity_gb or 0.0])
+    scale, unit = (1000.0, "MB") if tallest < 1 else (1.0, "GB")
+    figure = new_figure(10, 5.5)
+    axes = figure.add_subplot()
+    stages = [o.stage for o in outcomes]
+    for offset, which in ((-0.2, "now"), (0.2, "predicted")):
+        bottoms = [0.0] * len(outcomes)
+        for name in PARTS:
+            label, colour = COLOURS[name]
+            heights = [scale * (getattr(o, which).get(name) or 0.0) for o in outcomes]
+            if not any(heights):
+                continue
+            axes.bar(
+                [s + offset for s in stages],
+                heights,
+                bottom=bottoms,
+                width=0.38,
+                color=colour,
+                alpha=1.0 if which == "predicted" else 0.55,
+                label=label if which == "predicted" else None,
+                edgecolor="black" if which == "predicted" else "none",
+                linewidth=0.5,
+            )
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+        for stage, top, outcome in zip(stages, bottoms, outcomes):
+            text = (
+                "today"
+                if which == "now"
+                else ("fits" if outcome.fits else "does NOT fit" if outcome.fits is False else "")
+            )
+            axes.annotate(
+                f"{text}\n{top:.3g} {unit}",
+                (stage + offset, top),
+                xytext=(0, 3),
+                textcoords="offset points",
+                ha="center",
+                fontsize="small",
+            )
+    if run.capacity_gb:
+        axes.axhline(
+            scale * run.capacity_gb,
+            color="red",
+            linestyle=":",
+            label=f"capacity = {scale * run.capacity_gb:.3g} {unit}",
+        )
+    axes.set_xlabel("pipeline stage (left bar: today, faded; right bar: predicted)")
+    integer_ticks(axes.xaxis)
+    axes.set_ylabel(unit)
+    what = " + ".join(change.text for change in changes) or "today"
+    title = f"what-if {what}: each stage today and predicted"
+    figure.suptitle(title)
+    axes.grid(alpha=0.3, axis="y")
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+    return save(figure, path, title)
