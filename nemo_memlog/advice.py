@@ -289,7 +289,7 @@ def _layers_per_stage(run: Run, state: _State, change: Change) -> None:
     counts = change.value
     if len(counts) != run.pp_size:
         raise Refused(f"{change.text}: {len(counts)} counts for {run.pp_size} pipeline stages; give one per stage")
-    if any(not stage.layers for stage in run.stages):
+    if not all(_has_layers(stage) for stage in run.stages):
         raise Refused(
             f"{change.text}: the run's record has no per-layer figures for every stage (a run that passed its "
             f"model to training_log or a callback writes them beside the flight record; memory_record_dir must not be off)"
@@ -321,6 +321,11 @@ def _layers_per_stage(run: Run, state: _State, change: Change) -> None:
     )
 
 
+def _has_layers(stage: Stage) -> bool:
+    """Whether the record found transformer layers (or repeated blocks) on ``stage``, not only "other"."""
+    return any(row.get("kind") == "layer" for row in stage.layers)
+
+
 def _distributed_optimizer(run: Run, state: _State, change: Change) -> None:
     if run.optimizer_sharded:
         raise Refused(f"{change.text}: the optimizer state is already sharded over data parallelism in this run")
@@ -340,7 +345,7 @@ def _distributed_optimizer(run: Run, state: _State, change: Change) -> None:
 def _recompute(run: Run, state: _State, change: Change) -> None:
     if run.recompute == change.value:
         raise Refused(f"{change.text}: the run already recomputes ({run.recompute})")
-    if any(not stage.layers for stage in run.stages):
+    if not all(_has_layers(stage) for stage in run.stages):
         raise Refused(
             f"{change.text}: the run's record has no per-layer figures (the layers' activations and inputs); "
             f"pass the model to training_log or a callback, with memory_record_dir on"

@@ -1,0 +1,177 @@
+"""``nemo-memlog advise``: each prediction held against a rerun with the change, per stage and per
+part, on real gloo ranks (PP 2 x DP 2, megatron-core's parallel_state): micro-batch size, microbatches,
+layers per stage, and the distributed optimizer against torch's ZeroRedundancyOptimizer. Then the
+refusals, the JSON contract and the picture."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from nemo_memlog import advice
+from nemo_memlog.offline.advise import load
+from nemo_memlog.offline.cli import main
+from tests.test_activations import WIDTH, blocks
+
+#: The base run: 8 samples a microbatch, 4 microbatches, 2 blocks a stage, Adam.
+BASE = {"mbs": 8, "microbatches": 4, "layers": (2, 2), "zero": False}
+TOLERANCE = 0.10  # the issue's bar for CPU, per stage and per part
+
+
+def advise_job(folder: str, mbs: int, microbatches: int, layers: tuple, zero: bool) -> int:
+    """Stage s: ``layers[s]`` blocks, holding min(PP - s, microbatches) microbatches of ``mbs`` samples
+    at once (1F1B); logs at iteration 2, stating its micro-batch size and microbatches."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_memlog import LoggerConfig, close_writers, training_log
+
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    model = blocks(layers[stage], seed=stage)
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        optimizer = ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.Adam, process_group=ps.get_data_parallel_group()
+        )
+    else:
+        optimizer = torch.optim.Adam(model.parameters())
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=2, memory_record_dir=folder)
+    held = min(stages - stage, microbatches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no writer configured: the records are what is read
+        for iteration in (1, 2):
+            pending = []
+            for index in range(microbatches):
+                x = torch.randn(mbs, WIDTH, generator=torch.Generator().manual_seed(index))
+                pending.append(model(x).square().mean())
+                if len(pending) == held:
+                    pending.pop(0).backward()
+            for loss in pending:
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            facts = {"micro_batch_size": mbs, "microbatches": microbatches}
+            training_log(iteration, cfg, model=model, optimizer=optimizer, facts=facts)
+        close_writers()
+    return stage
+
+
+@pytest.fixture(scope="module")
+def runs(pp2dp2, tmp_path_factory):
+    """The base run and one rerun per change, each into its own record folder."""
+    reruns = {
+        "base": BASE,
+        "micro_batch_size=16": {**BASE, "mbs": 16, "microbatches": 2},  # the global batch fixed
+        "microbatches=1": {**BASE, "microbatches": 1},
+        "layers_per_stage=3,1": {**BASE, "layers": (3, 1)},
+        "distributed_optimizer=true": {**BASE, "zero": True},
+    }
+    folders = {}
+    for name, spec in reruns.items():
+        folder = tmp_path_factory.mktemp("advise") / name.replace("=", "-").replace(",", "_")
+        pp2dp2.run_ok(advise_job, str(folder), spec["mbs"], spec["microbatches"], spec["layers"], spec["zero"])
+        folders[name] = folder
+    return folders
+
+
+def advise_json(folder, *changes, capacity=None) -> tuple[int, dict | None]:
+    import contextlib
+    import io
+
+    argv = ["advise", str(folder), "--json", "--no-png", *[a for c in changes for a in ("--what-if", c)]]
+    if capacity is not None:
+        argv += ["--capacity-gb", str(capacity)]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, json.loads(out.getvalue()) if code == 0 else None
+
+
+@pytest.mark.parametrize(
+    "change", ["micro_batch_size=16", "microbatches=1", "layers_per_stage=3,1", "distributed_optimizer=true"]
+)
+def test_the_prediction_against_a_rerun_with_the_change(runs, change):
+    code, predicted = advise_json(runs["base"], change)
+    assert code == 0
+    rerun = {stage.stage: stage for stage in load(runs[change]).stages}
+    errors = []
+    for row in predicted["stages"]:
+        measured = advice.with_model_state(rerun[row["stage"]].parts)
+        for part in ("activations_gb", "model_state_gb", "params_gb", "grads_gb", "optimizer_state_gb"):
+            want, got = measured[part], row["predicted"][part]
+            errors.append((row["stage"], part, got, want))
+            assert got == pytest.approx(want, rel=TOLERANCE), (change, row["stage"], part, got, want)
+        assert row["in_flight"] == rerun[row["stage"]].in_flight
+    print(change, [(s, p, f"{(g - w) / w:+.1%}") for s, p, g, w in errors if w])
+
+
+def test_the_json_contract_and_the_largest_micro_batch_size_that_fits(runs):
+    code, today = advise_json(runs["base"], capacity=10.0)
+    assert code == 0 and [row["stage"] for row in today["stages"]] == [0, 1]
+    for row in today["stages"]:
+        assert set(row) >= {"stage", "now", "predicted", "peak_gb", "capacity_gb", "fits"}
+        assert set(row["now"]) >= {"model_state_gb", "params_gb", "grads_gb", "optimizer_state_gb", "activations_gb"}
+        assert row["now"] == row["predicted"] and row["fits"] is True and row["capacity_gb"] == 10.0
+    assert today["max_micro_batch_size"] == 32  # every size dividing the 32 samples fits in 10 GB
+    # a capacity between the base's peak and twice its activations: the search must stop below 32
+    stage0 = today["stages"][0]
+    tight = stage0["peak_now_gb"] + 0.5 * stage0["now"]["activations_gb"]
+    _, squeezed = advise_json(runs["base"], capacity=tight)
+    assert squeezed["max_micro_batch_size"] == 8  # 16 needs more than half again; 8 is today's
+    _, doubled = advise_json(runs["base"], "micro_batch_size=x2", capacity=tight)
+    assert doubled["stages"][0]["fits"] is False and doubled["fits"] is False
+
+
+def test_refusals_say_what_is_missing(runs, pp4, tmp_path, capsys):
+    assert main(["advise", str(runs["base"]), "--what-if", "recompute=selective"]) == 2
+    assert "Megatron-Bridge 0.6+" in capsys.readouterr().err
+    assert main(["advise", str(runs["distributed_optimizer=true"]), "--what-if", "distributed_optimizer=true"]) == 2
+    assert "already sharded" in capsys.readouterr().err
+    assert main(["advise", str(runs["base"]), "--what-if", "layers_per_stage=3,2"]) == 2
+    assert "add up to 5, the run has 4" in capsys.readouterr().err
+    assert main(["advise", str(runs["base"]), "--what-if", "micro_batch_size=3"]) == 2
+    assert "not a whole number" in capsys.readouterr().err
+    assert main(["advise", str(runs["base"]), "--what-if", "expandable_segments=true"]) == 2
+    assert "CPU" in capsys.readouterr().err
+    assert main(["advise", str(runs["base"]), "--what-if", "batch=2"]) == 2
+    assert "micro_batch_size=N" in capsys.readouterr().err
+    assert main(["advise", str(tmp_path)]) == 2
+    assert "no per-layer records" in capsys.readouterr().err
+    pp4.run_ok(flat_job, str(tmp_path / "flat"))  # DP 1, and a model with no repeated layers
+    assert main(["advise", str(tmp_path / "flat"), "--what-if", "distributed_optimizer=true"]) == 2
+    assert "data-parallel size is 1" in capsys.readouterr().err
+    assert main(["advise", str(tmp_path / "flat"), "--what-if", "recompute=full"]) == 2
+    assert "no per-layer figures" in capsys.readouterr().err
+
+
+def flat_job(folder: str) -> None:
+    from nemo_memlog import LoggerConfig, close_writers, training_log
+
+    model = torch.nn.Linear(WIDTH, WIDTH)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=2, memory_record_dir=folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for iteration in (1, 2):
+            model(torch.randn(4, WIDTH)).sum().backward()
+            optimizer.step()
+            training_log(iteration, cfg, model=model, optimizer=optimizer)
+        close_writers()
+
+
+def test_full_recompute_keeps_each_layers_input(runs):
+    code, predicted = advise_json(runs["base"], "recompute=full")
+    assert code == 0
+    for row in predicted["stages"]:
+        held = row["in_flight_now"]
+        assert row["predicted"]["activations_gb"] * 1e9 == pytest.approx(held * 2 * 8 * WIDTH * 4, rel=0.01)
+
+
+def test_the_picture_and_the_text(runs, capsys):
+    assert main(["advise", str(runs["base"]), "--what-if", "micro_batch_size=x2", "--capacity-gb", "10"]) == 0
+    text = capsys.readouterr().out
+    assert "largest micro-batch size that fits on every stage: 32" in text
+    assert "microbatches in flight" in text and "2 -> 2" in text and "activations scale" in text
+    png = runs["base"] / "memory_advise.png"
+    assert png.stat().st_size > 10_000
