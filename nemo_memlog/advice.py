@@ -250,7 +250,8 @@ def _micro_batch_size(run: Run, state: _State, change: Change) -> None:
         if state.micro_batch_size is None:
             raise Refused(
                 f"{change.text}: the run's record does not state its micro-batch size; use the relative form "
-                f"(micro_batch_size=x{amount}/<today's>), or state it (training_log(..., facts={{'micro_batch_size': ...}}))"
+                f"(micro_batch_size=x{amount}/<today's>), or state it "
+                f"(training_log(..., facts={{'micro_batch_size': ...}}))"
             )
         factor = amount / state.micro_batch_size
     else:
@@ -292,7 +293,8 @@ def _layers_per_stage(run: Run, state: _State, change: Change) -> None:
     if not all(_has_layers(stage) for stage in run.stages):
         raise Refused(
             f"{change.text}: the run's record has no per-layer figures for every stage (a run that passed its "
-            f"model to training_log or a callback writes them beside the flight record; memory_record_dir must not be off)"
+            f"model to training_log or a callback writes them beside the flight record; memory_record_dir must not "
+            f"be off)"
         )
     if any(stage.chunks > 1 for stage in run.stages):
         raise Refused(
@@ -381,7 +383,8 @@ def _expandable_segments(run: Run, state: _State, change: Change) -> None:
     for plan in state.plans:
         plan.parts["allocator_slack_gb"] = 0.0
     state.assumptions.append(
-        "expandable segments remove the slack between the peaks (bounded below by 0; what rounding keeps is not predicted)"
+        "expandable segments remove the slack between the peaks (bounded below by 0; what rounding keeps is "
+        "not predicted)"
     )
 
 
@@ -445,3 +448,106 @@ def fmt(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     return f"{value * 1000:.1f} MB" if abs(value) < 1 else f"{value:.2f} GB"
+
+
+# ---- live: from a logging step's unified dict ------------------------------------------------
+
+PREFIX = "memory/"
+
+
+def run_from_unified(unified: dict, facts: dict, layout: dict) -> Run | None:
+    """The run as one logging step's unified dict shows it (per-stage keys, no layers), with the
+    run's ``facts`` and ``layout`` (pp/dp sizes, local_world_size); None where activations or the
+    per-stage parts were not logged."""
+    stages, gpu = [], PREFIX + "peak_reserved_gb" in unified
+    for stage in range(int(layout.get("pp_size", 1))):
+        row = f"{PREFIX}pp_stage_{stage}/"
+        if row + "activations_gb" not in unified or row + "params_gb" not in unified:
+            return None
+        parts = {name: unified.get(row + name, 0.0) for name in (*MODEL_STATE, "activations_gb")}
+        if gpu:
+            parts["temporaries_gb"] = unified.get(row + "temporaries_gb", 0.0)
+            parts["allocator_slack_gb"] = unified.get(row + "allocator_slack_gb", 0.0)
+            parts["outside_gb"] = unified.get(row + "device_other_gb", 0.0)
+        else:
+            rss = unified.get(row + "peak_host_rss_gb")
+            parts["outside_gb"] = max((rss or 0.0) - sum(parts.values()), 0.0)
+        in_flight = unified.get(row + "microbatches_in_flight")
+        stages.append(Stage(stage, parts, int(in_flight) if in_flight is not None else None))
+    if gpu:
+        capacity = unified.get(PREFIX + "device_total_gb")
+    else:
+        total = unified.get(PREFIX + "host_limit_gb") or unified.get(PREFIX + "host_total_gb")
+        capacity = total / max(int(layout.get("local_world_size", 1)), 1) if total else None
+    return Run(
+        stages=tuple(stages),
+        pp_size=int(layout.get("pp_size", 1)),
+        dp_size=int(layout.get("dp_size", 1)),
+        microbatches=facts.get("microbatches"),
+        micro_batch_size=facts.get("micro_batch_size"),
+        optimizer_sharded=facts.get("optimizer_sharded") or facts.get("distributed_optimizer"),
+        recompute=facts.get("recompute"),
+        selective_ratio=facts.get("selective_recompute_ratio"),
+        gpu=gpu,
+        capacity_gb=capacity,
+    )
+
+
+def fix_sentence(run: Run, fraction: float) -> str:
+    """The low-headroom warning's advice: the smallest listed change that leaves every stage
+    ``fraction`` of its capacity free, with the predicted figure; or that none of them does."""
+    found = smallest_fix(run, fraction)
+    if found is None:
+        return (
+            f" No change nemo-memlog advise predicts alone (expandable segments, the distributed optimizer, "
+            f"half or a quarter of the micro-batch, full recompute) leaves {fraction:.0%} free on every stage."
+        )
+    change, outcomes = found
+    worst = max(outcomes, key=lambda outcome: outcome.peak_now_gb)
+    return (
+        f" The smallest listed change that restores it: {change.text} (predicted: stage {worst.stage}'s peak "
+        f"{fmt(worst.peak_now_gb)} -> {fmt(worst.peak_gb)} of {fmt(worst.capacity_gb)}; `nemo-memlog advise` "
+        f"on the run folder shows every stage)."
+    )
+
+
+def would_have_fit(run: Run) -> list[tuple[str, float]]:
+    """(change, predicted peak GB) for each listed change after which every stage fits its capacity."""
+    fits = []
+    for text in ("expandable_segments=true", "distributed_optimizer=true", "micro_batch_size=x0.5", "recompute=full"):
+        try:
+            outcomes = predict(run, parse([text]))
+        except Refused:
+            continue
+        if all(outcome.fits for outcome in outcomes):
+            fits.append((text, max(outcome.peak_gb for outcome in outcomes)))
+    return fits
+
+
+def oom_run(report: dict, oom: dict, record: dict | None) -> Run | None:
+    """The failing rank at a CUDA OOM as a one-stage Run: its breakdown (``report``, from the OOM
+    record), the request it could not serve added to its temporaries, the device's limit as the
+    capacity; the run's facts and sizes from its per-layer ``record`` where there is one."""
+    parts = {name: report.get(name) for name in (*MODEL_STATE, "activations_gb")}
+    if any(not isinstance(value, (int, float)) or value != value for value in parts.values()):
+        return None
+    requested = (oom.get("bytes_requested") or 0) / 1e9
+    parts["temporaries_gb"] = (report.get("temporaries_gb") or 0.0) + requested
+    parts["allocator_slack_gb"] = report.get("allocator_slack_gb") or 0.0
+    parts["outside_gb"] = report.get("device_other_gb") or 0.0
+    record = record or {}
+    facts = record.get("run", {})
+    in_flight = report.get("microbatches_in_flight")
+    stage = Stage(int(record.get("pp_rank", 0)), parts, int(in_flight) if isinstance(in_flight, int) else None)
+    limit = oom.get("device_limit")
+    return Run(
+        stages=(stage,),
+        pp_size=int(record.get("pp_size", 1)),
+        dp_size=int(record.get("dp_size", 1)),
+        microbatches=facts.get("microbatches"),
+        micro_batch_size=facts.get("micro_batch_size"),
+        optimizer_sharded=facts.get("optimizer_sharded") or facts.get("distributed_optimizer"),
+        recompute=facts.get("recompute"),
+        gpu=True,
+        capacity_gb=limit / 1e9 if limit else None,
+    )

@@ -24,12 +24,15 @@ import time
 
 import torch.distributed as dist
 
-from . import attribution, composition, estimate, layer_record, megatron, memory, phase
+from . import advice, attribution, composition, estimate, layer_record, megatron, memory, phase
 from .activations import ActivationMeter, chunks_of
 from .config import resolve, secrets_of
 from .payload import scalar
 from .reduce import Reduction, takes_part
 from .warn import WarnOnce
+
+#: The dashboard's one advice scalar: the largest micro-batch size predicted to fit on every stage.
+ADVICE_MAX_MICRO_BATCH = "memory/advice/max_micro_batch_size"
 
 
 class MemoryMonitor:
@@ -72,6 +75,7 @@ class MemoryMonitor:
         self.meter = ActivationMeter()  # armed on logging iterations only
         self._state: dict | None = None  # the last model state counted (for the OOM record)
         self._measured = None  # the last activations measured (for the OOM record)
+        self._optimizer_facts: dict = {}  # the optimizer's class and whether it is sharded
 
     def log(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict | None:
         """Every rank, every iteration. On logging iterations: report, reduce, merge with
@@ -103,6 +107,7 @@ class MemoryMonitor:
         measured = self.meter.finish() if self.meter.armed else None
         if model is not None:  # counted again only when it can change (composition.ModelState)
             state = self.model_state.report(model, optimizer)
+            self._optimizer_facts = composition.optimizer_facts(optimizer)
             if measured is not None:  # gradients freed before this call still count: the iteration's most
                 state = composition.with_iteration_grads(state, measured.grads)
                 self._measured = measured
@@ -129,10 +134,15 @@ class MemoryMonitor:
             logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
         if self.estimate:  # the framework's estimate beside the measurement
             logged.update(estimate.derived(logged, self.estimate))
+        run = self._advice_run(logged) if model is not None else None
+        if run is not None and run.micro_batch_size:  # the same arithmetic on every rank: one dict
+            best, _ = advice.max_micro_batch_size(run)
+            if best is not None:
+                logged[ADVICE_MAX_MICRO_BATCH] = best
         unified = self._merge(metrics, logged)
         if self.is_writer_rank:
             self._writers().log(unified, iteration)
-            self._warn_low_headroom(unified)
+            self._warn_low_headroom(unified, run)
         return unified
 
     def place(self) -> None:
@@ -221,7 +231,7 @@ class MemoryMonitor:
                         "input_per_microbatch_gb": inputs,
                     }
                 )
-            facts = {**composition.optimizer_facts(optimizer), **self.facts}
+            facts = {**self._optimizer_facts, **self.facts}
             record = {**self._layout, "iteration": iteration, "time": time.time(), "run": facts}
             layer_record.write(self.record_dir, {**record, "stage": stage, "layers": rows})
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
@@ -272,11 +282,22 @@ class MemoryMonitor:
         unified.update(logged)
         return unified
 
-    def _warn_low_headroom(self, unified: dict) -> None:
+    def _warn_low_headroom(self, unified: dict, run) -> None:
         # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
         # least can flip from step to step, and a warning per flip would be noise.
-        for kind, _stage, sentence in attribution.low_headroom(unified, self.settings.memory_headroom_warn_fraction):
+        fraction = self.settings.memory_headroom_warn_fraction
+        for kind, _stage, sentence in attribution.low_headroom(unified, fraction):
+            if run is not None and (kind == "device") == run.gpu:  # what would restore it (advice.py)
+                sentence += advice.fix_sentence(run, fraction)
             self.warn_once(("headroom", kind), sentence)
+
+    def _advice_run(self, logged: dict):
+        """advice.Run of this step (per-stage parts, the run's facts), or None where they were not logged."""
+        facts = {**self._optimizer_facts, **self.facts}
+        try:
+            return advice.run_from_unified(logged, facts, self._layout)
+        except (TypeError, ValueError):  # a value that is not a number where a part should be
+            return None
 
     def warn_once(self, key, text: str) -> None:
         """Warn ``nemo_memlog: <text>`` (a RuntimeWarning) the first time this run sees ``key``."""

@@ -175,3 +175,88 @@ def test_the_picture_and_the_text(runs, capsys):
     assert "microbatches in flight" in text and "2 -> 2" in text and "activations scale" in text
     png = runs["base"] / "memory_advise.png"
     assert png.stat().st_size > 10_000
+
+
+def test_the_oom_post_mortem_names_the_changes_that_would_have_fit(runs, tmp_path):
+    """A CUDA OOM on rank 0 (simulated records, written by the real recorder) beside a real run's
+    per-layer record (DP 2, micro-batch 8, 4 microbatches): the post-mortem names what would have fit."""
+    import shutil
+
+    from nemo_memlog.testing.flight_sim import layout, write_run
+    from tests.test_postmortem import T0, closed_after, run_json
+
+    ranks = closed_after(layout(pp=2, tp=1, dp=2), 30.0)
+    ranks[0].stopped, ranks[0].end = T0, "exception"
+    ranks[0].oom = {
+        "device": 0,
+        "bytes_requested": int(2e9),
+        "device_limit": int(80e9),
+        "device_free": int(0.4e9),
+        "largest_free_block": int(0.4e9),
+        "reserved_free": int(0.1e9),
+    }
+    parts = {"params_gb": 6.0, "grads_gb": 6.0, "optimizer_state_gb": 24.0, "activations_gb": 40.0}
+    ranks[0].composition = {**parts, "model_state_gb": 36.0, "temporaries_gb": 1.0, "allocator_slack_gb": 1.5}
+    ranks[0].composition["microbatches_in_flight"] = 4
+    write_run(tmp_path, ranks)
+    shutil.copy(runs["base"] / "rank-00000.layers.json", tmp_path / "rank-00000.layers.json")
+    code, result = run_json(tmp_path)
+    assert code == 1 and result["first_failure"]["rank"] == 0
+    # today: 36 + 40 + 1 + 2.0 asked + 1.5 slack + 1.1 outside = 81.6 GB > 80
+    # distributed optimizer over DP 2: 24 -> 12, peak 69.6; half the micro-batch: 4 in flight still
+    # (PP 2, 8 microbatches: stage 0 holds min(2, 8), but measured 4 > 2: the measured count stays), 40 -> 20, 61.6
+    assert "predicted to fit (nemo-memlog advise): " in result["sentence"], result["sentence"]
+    assert "distributed_optimizer=true (peak 70 GB)" in result["sentence"], result["sentence"]
+    assert "micro_batch_size=x0.5 (peak 62 GB)" in result["sentence"], result["sentence"]
+    assert "expandable_segments=true" not in result["sentence"]  # 81.6 - 1.5 = 80.1: still over
+
+
+def test_the_low_headroom_sentence_names_the_smallest_change_that_restores_it(runs):
+    """On a real run's records: a capacity whose free share is just under the warning's, and which
+    the distributed optimizer alone restores (the first on the list that does, checked by predicting)."""
+    run = load(runs["base"])
+    saved = min(stage.parts["optimizer_state_gb"] / run.dp_size for stage in run.stages)
+    worst = max(advice.peak(stage.parts) for stage in run.stages)
+    capacity = worst + 0.5 * saved
+    fraction = 0.9 * saved / capacity  # today 0.5 * saved free < fraction * capacity; after: 1.5 * saved
+    tight = advice.Run(**{**run.__dict__, "capacity_gb": capacity})
+    sentence = advice.fix_sentence(tight, fraction)
+    assert "The smallest listed change that restores it: distributed_optimizer=true" in sentence, sentence
+    outcomes = advice.predict(tight, advice.parse(["distributed_optimizer=true"]))
+    assert all(outcome.headroom_gb >= fraction * capacity for outcome in outcomes)
+    assert "No change" in advice.fix_sentence(advice.Run(**{**run.__dict__, "capacity_gb": 0.5 * worst}), 0.1)
+
+
+def warn_job(folder: str) -> list[str]:
+    """A real run whose warning fraction makes the host warning fire: its advice sentence follows."""
+    from nemo_memlog import LoggerConfig, close_writers, training_log
+
+    model = blocks(2)
+    optimizer = torch.optim.Adam(model.parameters())
+    cfg = LoggerConfig(
+        log_memory_to_tensorboard=True,
+        tensorboard_log_interval=2,
+        tensorboard_dir=f"{folder}/tb",
+        memory_record_dir=folder,
+        memory_headroom_warn_fraction=0.999,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for iteration in (1, 2):
+            model(torch.randn(8, WIDTH)).square().mean().backward()
+            optimizer.step()
+            training_log(iteration, cfg, model=model, optimizer=optimizer, facts={"micro_batch_size": 8})
+        close_writers()
+    return [str(w.message) for w in caught]
+
+
+def test_a_real_runs_warning_carries_the_advice_and_the_dashboard_its_largest_micro_batch(pp2dp2, tmp_path):
+    from nemo_memlog.offline.events import load_run
+
+    seen = pp2dp2.run_ok(warn_job, str(tmp_path))
+    writer = seen[-1]
+    headroom = [w for w in writer if "headroom" in w or "free" in w]
+    assert any("No change nemo-memlog advise predicts alone" in w for w in headroom), writer
+    stored = load_run(tmp_path / "tb").get("advice/max_micro_batch_size")
+    code, offline = advise_json(tmp_path)
+    assert code == 0 and stored is not None and stored.latest == offline["max_micro_batch_size"] >= 8

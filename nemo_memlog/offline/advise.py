@@ -104,10 +104,10 @@ def _capacity(records: list[dict], gpu: bool) -> tuple[float | None, str]:
     stage = records[0]["stage"]
     if gpu and stage.get("device_total_gb"):
         return float(stage["device_total_gb"]), "the device's total memory"
+    ranks = max(int(records[0].get("local_world_size", 1)), 1)
     if stage.get("host_limit_gb"):
-        return float(stage["host_limit_gb"]), "the job's memory cgroup limit"
+        return float(stage["host_limit_gb"]) / ranks, f"the job's memory cgroup limit / {ranks} ranks under it"
     if stage.get("host_total_gb"):
-        ranks = max(int(records[0].get("local_world_size", 1)), 1)
         return float(stage["host_total_gb"]) / ranks, f"the node's RAM / {ranks} ranks on it"
     return None, "unknown"
 

@@ -7,11 +7,12 @@ the JSON, postmortem_json.py). Tables and numbers are formatted by tables.py.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import Counter
 
-from .. import composition
+from .. import advice, composition, layer_record
 from ..failure.records import PEER_LOSS
 from .postmortem import STATUSES, Postmortem, RankState
 from .tables import Column, cell, clock, date_time, finite_number, gb_cell, gb_text, render_block, whole_number
@@ -73,10 +74,30 @@ def _oom_sentence(state: RankState) -> str:
     does_not_fit = (
         f": the working set does not fit in {gb_text(limit)}; lower the micro-batch size, recompute "
         "activations, or spread the model over more pipeline or tensor-parallel ranks"
-    )
+    ) + advice_clause(state)
     if reserved_free is None:
         return f"{text} (no allocator snapshot, so fragmentation cannot be told){does_not_fit}"
     return f"{text}; {gb_text(free + reserved_free)} was free in total with the allocator's cache{does_not_fit}"
+
+
+def advice_clause(state: RankState) -> str:
+    """ "; predicted to fit: distributed_optimizer=true (peak 61.0 GB), ...": the changes after which
+    the failing rank's breakdown, with the request it could not serve, fits the device (advice.py);
+    the run's facts from its per-layer record beside the flight record. "" without a breakdown."""
+    oom = state.oom or {}
+    report = oom.get("report") or state.last_report
+    try:
+        record = json.loads((state.file.path.parent / layer_record.file_name(state.rank)).read_text())
+    except (OSError, ValueError):
+        record = None
+    run = advice.oom_run(report, oom, record)
+    if run is None or run.capacity_gb is None:
+        return ""
+    fits = advice.would_have_fit(run)
+    if not fits:
+        return "; no single change nemo-memlog advise knows would have fit it"
+    listed = ", ".join(f"{text} (peak {gb_text(peak, scale=1)})" for text, peak in fits)
+    return f"; predicted to fit (nemo-memlog advise): {listed}"
 
 
 def composition_clause(report: dict) -> str:
