@@ -69,6 +69,25 @@ class Run:
     capacity_gb: float | None = None
     capacity_source: str = ""
 
+    @classmethod
+    def of(cls, stages, layout: dict, facts: dict, *, gpu: bool, capacity_gb, capacity_source: str = "") -> Run:
+        """A run from its stages, its ``layout`` (``pp_size``, ``dp_size``: a per-layer record has
+        them) and its ``facts`` (the record's ``"run"``: layer_record.py)."""
+        sharded = facts.get("optimizer_sharded") or facts.get("distributed_optimizer")
+        return cls(
+            stages=tuple(stages),
+            pp_size=int(layout.get("pp_size", len(stages))),
+            dp_size=int(layout.get("dp_size", 1)),
+            microbatches=facts.get("microbatches"),
+            micro_batch_size=facts.get("micro_batch_size"),
+            optimizer_sharded=bool(sharded) if sharded is not None else None,
+            recompute=facts.get("recompute"),
+            selective_ratio=facts.get("selective_recompute_ratio"),
+            gpu=gpu,
+            capacity_gb=capacity_gb,
+            capacity_source=capacity_source,
+        )
+
 
 @dataclass(frozen=True)
 class Change:
@@ -479,18 +498,7 @@ def run_from_unified(unified: dict, facts: dict, layout: dict) -> Run | None:
     else:
         total = unified.get(PREFIX + "host_limit_gb") or unified.get(PREFIX + "host_total_gb")
         capacity = total / max(int(layout.get("local_world_size", 1)), 1) if total else None
-    return Run(
-        stages=tuple(stages),
-        pp_size=int(layout.get("pp_size", 1)),
-        dp_size=int(layout.get("dp_size", 1)),
-        microbatches=facts.get("microbatches"),
-        micro_batch_size=facts.get("micro_batch_size"),
-        optimizer_sharded=facts.get("optimizer_sharded") or facts.get("distributed_optimizer"),
-        recompute=facts.get("recompute"),
-        selective_ratio=facts.get("selective_recompute_ratio"),
-        gpu=gpu,
-        capacity_gb=capacity,
-    )
+    return Run.of(stages, layout, facts, gpu=gpu, capacity_gb=capacity)
 
 
 def fix_sentence(run: Run, fraction: float) -> str:
@@ -540,14 +548,4 @@ def oom_run(report: dict, oom: dict, record: dict | None) -> Run | None:
     in_flight = report.get("microbatches_in_flight")
     stage = Stage(int(record.get("pp_rank", 0)), parts, int(in_flight) if isinstance(in_flight, int) else None)
     limit = oom.get("device_limit")
-    return Run(
-        stages=(stage,),
-        pp_size=int(record.get("pp_size", 1)),
-        dp_size=int(record.get("dp_size", 1)),
-        microbatches=facts.get("microbatches"),
-        micro_batch_size=facts.get("micro_batch_size"),
-        optimizer_sharded=facts.get("optimizer_sharded") or facts.get("distributed_optimizer"),
-        recompute=facts.get("recompute"),
-        gpu=True,
-        capacity_gb=limit / 1e9 if limit else None,
-    )
+    return Run.of((stage,), record, facts, gpu=True, capacity_gb=limit / 1e9 if limit else None)

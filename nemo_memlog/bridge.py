@@ -197,6 +197,7 @@ def _facts(cfg, microbatches: int | None) -> dict:
         "recompute": getattr(getattr(cfg, "model", None), "recompute_granularity", None),
         "framework": "megatron-bridge",
     }
+    facts["selective_recompute_ratio"] = estimate.selective_share(cfg)
     return {name: value for name, value in facts.items() if isinstance(value, (bool, int, float, str))}
 
 

@@ -10,6 +10,13 @@
   estimate, GB) for the model state and, where measured, the activations. (Activations per
   microbatch are measured now, activations.py: no schedule is assumed.)
 
+- ``selective_share(config)``: the share of a transformer layer's activations that selective
+  recompute keeps, by the formula Bridge 0.6+'s estimate uses (Korthikanti et al. 2022, Table 2):
+  Bridge's per-layer ``18 + 4 * ffn_ratio`` (its own ffn ratio, MoE and gating included) over that
+  plus the attention scores' ``5 * heads * seq / hidden``, which selective recompute drops. None
+  before Bridge 0.6 (no estimator) or where the config lacks a field; ``nemo-memlog advise``
+  applies it to the measured activations (advice.py).
+
 Megatron-LM's ``megatron/training/theoretical_memory_usage.py`` works on Megatron-LM's ``args``
 and ships in Megatron-LM's training package, not in the megatron-core wheel: not offered here.
 """
@@ -39,6 +46,22 @@ def bridge_estimate(config, num_microbatches: int | None) -> dict[str, float] | 
         "model_state_gb": estimate.weight_and_optimizer_bytes / GB,
         "activations_gb": math.nan if activation is None else activation.memory_bytes / GB,
     }
+
+
+def selective_share(config) -> float | None:
+    """What selective recompute keeps of a layer's activations, by Bridge 0.6+'s formula (module docstring)."""
+    try:
+        from megatron.bridge.training.utils import theoretical_memory_utils as bridge_memory
+    except ImportError:  # Bridge before 0.6
+        return None
+    try:
+        model = config.model
+        ffn_ratio = bridge_memory._ffn_activation_ratio(model, bridge_memory._get_layer_counts(model))
+        kept = 18 + 4 * ffn_ratio
+        scores = 5 * model.num_attention_heads * model.seq_length / model.hidden_size
+        return kept / (kept + scores)
+    except Exception:  # a model the formula does not know: no share, never a failed run
+        return None
 
 
 def derived(unified: dict, estimate: dict | None) -> dict:

@@ -3,6 +3,7 @@
     python scripts/bench_overhead.py             # PP 2, 4, 8 on gloo, then the non-logging and writer parts
     python scripts/bench_overhead.py --smoke     # PP 2, few iterations, TensorBoard only (tests/test_bench_smoke.py)
     python scripts/bench_overhead.py --pp 2 4 --iters 300 --json out.json
+    python scripts/bench_overhead.py --activations-only   # part 9 alone: the activation meter
 
 Part 1, per PP size: the script forks that many processes, joins them in a gloo group and
 lets megatron-core's parallel_state build the PP group (world == PP group). Every rank runs
@@ -55,6 +56,11 @@ Part 7 (this process): the memory cgroup limit's reads in capacity_report, and a
 memory_phase (enter and leave), against report_memory, interleaved.
 Part 8 (this process): a logging step with and without the model and optimizer (1,000 parameter
 tensors, Adam; the count cached), and the count from scratch.
+Part 9 (this process, one thread): the activation meter (nemo_memlog.activations) on a logging
+iteration of the demo's model (scripts/demo_model.py's first stage, 4 microbatches in flight, Adam)
+and on a 100-layer model, armed and finished against not armed, interleaved; arm() + finish()
+alone; and off the logging iterations (no hook left; armed before against never armed).
+``--activations-only`` runs this part alone (about a minute).
 Part 4 (not with --smoke or --no-memory): tests/trainer.py three times, logging off and in
 each mode, with the same backends: the writer rank's host RSS after 20 logged steps.
 
@@ -82,6 +88,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from demo_model import Stage  # noqa: E402  (scripts/, as demo.py imports it)
+from nemo_memlog.testing.bench.activations import activations_markdown, activations_part  # noqa: E402
 from nemo_memlog.testing.bench.composition import composition_markdown, composition_part  # noqa: E402
 from nemo_memlog.testing.bench.cuda import cuda_markdown, cuda_part  # noqa: E402
 from nemo_memlog.testing.bench.flight_recorder import recorder_markdown, recorder_part  # noqa: E402
@@ -114,6 +122,10 @@ def arguments(argv) -> argparse.Namespace:
     parser.add_argument("--no-memory", action="store_true", help="skip the writer rank's host-memory runs")
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU part (bench_cuda.py) where CUDA is present")
     parser.add_argument("--recorder-reps", type=int, default=None, help="default: 2000; 0 skips the recorder part")
+    parser.add_argument(
+        "--activation-reps", type=int, default=None, help="the demo model's repetitions (default: 20); 0 skips part 9"
+    )
+    parser.add_argument("--activations-only", action="store_true", help="run part 9 (the activation meter) alone")
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
     args.backends = tuple((args.backends or ("tensorboard" if args.smoke else ",".join(BACKENDS))).split(","))
@@ -154,9 +166,24 @@ def header(wake: dict, command: str) -> list[str]:
     ]
 
 
+def activations(args) -> dict | None:
+    """Part 9: the activation meter; the 100-layer model runs five times the demo's repetitions."""
+    reps = args.activation_reps if args.activation_reps is not None else (2 if args.smoke else 20)
+    return activations_part(Stage, reps, 5 * reps, quick=args.smoke) if reps else None
+
+
 def main(argv=None) -> int:
     args = arguments(argv)
     smoke = args.smoke
+    command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.activations_only:
+        meter = activations(args)
+        print(f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}. Command: `{command.strip()}`.")
+        print("\n".join(activations_markdown(meter)))
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump({"activations": meter}, out, indent=1, default=str)
+        return 0
     writer_steps = args.writer_steps if args.writer_steps is not None else (5 if smoke else 100)
     from megatron.core import parallel_state  # noqa: F401  (imported once, inherited by the forks)
 
@@ -181,10 +208,10 @@ def main(argv=None) -> int:
     cuda = cuda_part(smoke, args.no_gpu)
     limit = host_limit_part(200 if smoke else 3000)
     parts = composition_part(20 if smoke else 1000)
-    command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    meter = activations(args)
     lines = header(wake, command.strip()) + pp_markdown(rows) + non_logging_markdown(non_log)
     lines += writer_markdown(writer) + memory_markdown(memory) + recorder_markdown(rec) + host_limit_markdown(limit)
-    lines += composition_markdown(parts)
+    lines += composition_markdown(parts) + activations_markdown(meter)
     print("\n".join(lines))
     print("\n" + "\n".join(cuda_markdown(cuda)))
     if args.json:
@@ -200,6 +227,7 @@ def main(argv=None) -> int:
                     "cuda": cuda,
                     "host_limit": limit,
                     "composition": parts,
+                    "activations": meter,
                 },
                 out,
                 indent=1,

@@ -36,4 +36,6 @@ def test_bench_smoke_runs_and_reports_every_part():
     assert "Steps dropped: 0." in out
     assert "Allocator statistics, an H100's statistics fed through" in out or "Allocator statistics, this GPU" in out
     assert "| report_memory |" in out and "| bridge_report_memory |" in out
+    assert "| demo model, logging iteration (4 x 8x128 tokens, Adam) |" in out  # the activation meter's part
+    assert "Hooks left after finish(): demo model 0, 100-layer model 0." in out
     assert not list(Path(tempfile.gettempdir()).glob("nemo_memlog_bench_*"))  # its private TMPDIR, removed

@@ -301,6 +301,10 @@ def test_activations_measured_between_step_start_and_step_end_on_every_stage(wit
     assert {r["pp_rank"] for r in records} == {0, 1}
     assert all(r["run"]["framework"] == "megatron-bridge" and r["run"]["microbatches"] >= 1 for r in records)
     assert all(r["stage"]["activations_per_microbatch_gb"] == 128 / 1e9 for r in records)
+    # selective recompute's share, by Bridge 0.6's formula for the harness's model (hidden 8, ffn 32,
+    # 2 heads, seq 16): (18 + 4 * 4) / (18 + 4 * 4 + 5 * 2 * 16 / 8) = 34 / 54; none before 0.6
+    shares = {r["run"].get("selective_recompute_ratio") for r in records}
+    assert shares == ({34 / 54} if bridge_version() >= (0, 6) else {None}), shares
 
 
 def test_tensorboard_bridge_series_unchanged(with_callback, bridge_alone):

@@ -54,20 +54,7 @@ def load(path, capacity_gb: float | None = None) -> advice.Run:
     facts = first.get("run", {})
     gpu = any("peak_reserved_gb" in record["stage"] for record in records)
     capacity, source = (capacity_gb, "--capacity-gb") if capacity_gb is not None else _capacity(records, gpu)
-    sharded = facts.get("optimizer_sharded") or facts.get("distributed_optimizer")
-    return advice.Run(
-        stages=stages,
-        pp_size=int(first.get("pp_size", len(stages))),
-        dp_size=int(first.get("dp_size", 1)),
-        microbatches=facts.get("microbatches"),
-        micro_batch_size=facts.get("micro_batch_size"),
-        optimizer_sharded=bool(sharded) if sharded is not None else None,
-        recompute=facts.get("recompute"),
-        selective_ratio=facts.get("selective_recompute_ratio"),
-        gpu=gpu,
-        capacity_gb=capacity,
-        capacity_source=source,
-    )
+    return advice.Run.of(stages, first, facts, gpu=gpu, capacity_gb=capacity, capacity_source=source)
 
 
 def _parts(stage: dict, gpu: bool) -> dict:

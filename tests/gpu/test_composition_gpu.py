@@ -1,7 +1,7 @@
 """What the memory is made of, on a real GPU (skipped without CUDA): the measured activations,
-temporaries and slack against the allocator's own statistics (they add up to its peak reserved), and a real CUDA OOM whose post-mortem gives the
-failing rank's breakdown. Each case runs in a fresh process (the CPU tests that follow assume a
-process without CUDA)."""
+temporaries and slack against the allocator's own statistics (they add up to its peak reserved),
+and a real CUDA OOM whose post-mortem gives the failing rank's breakdown. Each case runs in a fresh
+process (the CPU tests that follow assume a process without CUDA)."""
 
 import json
 import subprocess

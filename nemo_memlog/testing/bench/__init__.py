@@ -8,5 +8,6 @@
 - one module per part of ``make bench``: ``pp_group`` (parts 1 and 2: one PP group of gloo
   processes; training_log off the logging steps), ``writer`` (3: the writer rank with real
   backends), ``host_memory`` (4: the writer rank's RSS), ``cuda`` (5: the allocator statistics,
-  and the GPU part), ``flight_recorder`` (6: the recorder on and off).
+  and the GPU part), ``flight_recorder`` (6: the recorder on and off), ``composition`` (8: the
+  model state), ``activations`` (9: the activation meter on a logging iteration, and after it).
 """
