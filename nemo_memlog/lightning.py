@@ -165,6 +165,7 @@ class MemoryLogCallback(*_callback_bases()):
     def on_train_end(self, trainer, pl_module) -> None:
         self._phases.leave_all()
         if self.monitor is not None:
+            self.monitor.meter.finish()  # armed for a step that never came: its hooks come off
             self.monitor.flush()  # the loggers' save(); the Trainer finalizes them
             self.monitor.release_reduction()  # its gloo group, if it made one
             self.monitor = None

@@ -320,6 +320,7 @@ class MemoryMonitor:
         drain and close the writers this monitor built, and only flush writers it was given.
         ``writers=False`` leaves the writers alone (a framework that already ended them).
         Logging again afterwards places the run anew (every rank, as at its first step)."""
+        self.meter.finish()  # armed for a logging iteration that never came: its hooks come off
         self.end_record()
         self.release_reduction()
         if not writers or self.writers is None:

@@ -277,3 +277,19 @@ def test_every_stage_its_activations_in_flight_and_per_microbatch(pp2dp2, tmp_pa
         assert sum(layer["grads_gb"] for layer in layers) == pytest.approx(record["stage"]["params_gb"])
         per_layer = sum(layer["activations_per_microbatch_gb"] for layer in layers)
         assert per_layer * GB == pytest.approx(sum(result["per_microbatch"]), rel=0.02)
+
+
+def test_the_call_before_a_logging_iteration_arms_and_closing_the_run_disarms():
+    from nemo_memlog import LoggerConfig, close_writers, training_log
+
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=3, memory_record_dir="off")
+    model = blocks(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no writer configured
+        training_log(1, cfg, model=model)  # iteration 2 does not log: nothing installed
+        assert not any(m._forward_pre_hooks for m in model.modules())
+        training_log(2, cfg, model=model)  # iteration 3 logs: armed from here
+        assert any(m._forward_pre_hooks for m in model.modules())
+        close_writers()  # the run ends before iteration 3: the hooks come off
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
