@@ -74,16 +74,33 @@ class MemoryCgroup:
     def pids(self) -> list[int]:
         return [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
 
+    def kill_all(self) -> list[int]:
+        """SIGKILL every process still in this cgroup, as SLURM ends a job step's (or Kubernetes a
+        container's) when its launcher has exited; returns their pids."""
+        pids = self.pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        return pids
+
+    def popen(self, command: list[str], **kwargs) -> subprocess.Popen:
+        """``subprocess.Popen(command, **kwargs)``, its child inside this cgroup from its first instruction."""
+        return subprocess.Popen(command, preexec_fn=self._joiner(), **kwargs)
+
     def run(self, command: list[str], **kwargs) -> subprocess.CompletedProcess:
         """``subprocess.run(command, **kwargs)`` with the child inside this cgroup from its first
         instruction (it joins before exec): every process it starts (torchrun's ranks) is too."""
+        return subprocess.run(command, preexec_fn=self._joiner(), **kwargs)
+
+    def _joiner(self):
+        """A preexec_fn that moves the child into this cgroup before it execs."""
         procs = str(self.path / "cgroup.procs")
 
         def join() -> None:
             with open(procs, "w") as out:
                 out.write(str(os.getpid()))
 
-        return subprocess.run(command, preexec_fn=join, **kwargs)
+        return join
 
 
 @contextlib.contextmanager

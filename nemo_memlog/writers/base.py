@@ -18,7 +18,11 @@ uninstalled backend costs nothing, and no backend library is named outside its m
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
+import tempfile
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 #: Backend modules a Settings can open, in the order they are fanned out to.
@@ -52,6 +56,44 @@ class Writers(Protocol):
     def close(self, timeout_s: float | None = None) -> None: ...
 
     def stats(self) -> dict: ...
+
+
+class FolderNotWritable(PermissionError):
+    """A backend's folder that cannot be written: a permanent failure, never retried."""
+
+
+#: OS errors a retry cannot cure: the backend stops (fanout.py) instead of retrying until the run ends.
+PERMANENT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def writable_folder(path, setting: str) -> Path:
+    """``path`` (made if missing), after writing and removing a file in it; FolderNotWritable
+    naming ``setting`` and the folder otherwise. A backend module calls it as it opens."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".nemo_memlog-probe-"):
+            pass
+    except OSError as error:
+        raise FolderNotWritable(
+            error.errno,
+            f"{setting}={os.fspath(path)!r} cannot be written ({error.strerror or error}); "
+            f"point {setting} at a writable folder",
+        ) from error
+    return folder
+
+
+def os_errno(error: BaseException) -> int | None:
+    """The errno of ``error`` or of what caused it (a library may wrap the OSError), else None."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError) and error.errno is not None:
+            return error.errno
+        if "No space left on device" in str(error):
+            return errno.ENOSPC
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
 
 
 def backend_module(name: str):

@@ -23,6 +23,7 @@ import os
 import sys
 
 from ..config import scrubbed
+from .base import writable_folder
 
 DEFAULT_OFFLINE_DIRECTORY = "./comet_offline"
 _NO_HOOKS = "COMET_DISABLE_AUTO_LOGGING"
@@ -61,7 +62,7 @@ def open_backend(settings, params: dict, secrets: list[str]) -> CometBackend:
         experiment = comet_ml.Experiment(api_key=api_key, **where, **NO_CAPTURE)
     else:
         directory = offline_directory or os.environ.get("COMET_OFFLINE_DIRECTORY") or DEFAULT_OFFLINE_DIRECTORY
-        os.makedirs(directory, exist_ok=True)  # comet_ml creates the last level only
+        writable_folder(directory, "comet_offline_directory")  # comet_ml creates the last level only
         experiment = comet_ml.OfflineExperiment(offline_directory=directory, **where, **NO_CAPTURE)
     if not experiment.alive:  # comet_ml reports a failed start in its log, without raising
         raise RuntimeError("the Comet experiment did not start (see the COMET messages above)")

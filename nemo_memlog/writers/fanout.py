@@ -7,7 +7,11 @@ backend, and a slow or hung backend never holds up the others.
 
 A backend call that fails leaves its step at the head of that backend's buffer and is
 retried with backoff (0.5 s doubling to 30 s), so a backend that comes back gets every
-step it missed, in order. When a buffer is full (``writer_buffer_steps``), the OLDEST
+step it missed, in order. A failure no retry can cure (an unwritable or missing folder:
+base.PERMANENT_ERRNOS) stops that backend at once, said once; a full disk is said once, in
+those words, and retried. At close a backend still failing gets CLOSE_ATTEMPTS more tries,
+not the whole budget, and each backend that did not store every step says how many it missed.
+When a buffer is full (``writer_buffer_steps``), the OLDEST
 step of that backend (other than one being written) is dropped, counted, and warned
 about once: the training thread never blocks, and memory stays bounded. ``close``
 drains every buffer, then each backend's thread closes its backend, all at once, so a hung
@@ -24,10 +28,13 @@ import warnings
 
 from .. import process_wide
 from ..warn import WarnOnce
-from .base import backend_module
+from .base import DISK_FULL_ERRNOS, PERMANENT_ERRNOS, backend_module, os_errno
 
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
+#: Failed attempts during a close's drain after which a failing backend is given up on: the
+#: exit is never held up for the whole close budget by a backend that cannot write.
+CLOSE_ATTEMPTS = 3
 
 
 class BufferedBackend:
@@ -47,12 +54,17 @@ class BufferedBackend:
         self.dropped = 0
         self.failures = 0
         self._failing = False  # set by a failure, cleared (with a message) by the next success
+        self._stopped = False  # a permanent failure (an unwritable folder): nothing more is tried
+        self.reason = ""  # why steps were not stored, for the summary at close
         self._thread = threading.Thread(target=self._run, name=f"nemo_memlog-{name}", daemon=True)
         self._thread.start()
 
     # --- training thread side ---
     def put(self, metrics: dict, step: int) -> None:
         with self._cond:
+            if self._stopped:
+                self.dropped += 1
+                return
             in_flight = 1 if self._busy else 0  # the step being written is kept: it ends written, not dropped
             if len(self._buffer) >= self._limit and len(self._buffer) > in_flight:
                 del self._buffer[in_flight]
@@ -68,9 +80,10 @@ class BufferedBackend:
     def drain(self, deadline: float) -> bool:
         """Wait until every buffered step is written, or the deadline. True if drained."""
         with self._cond:
+            failures = self.failures
             while self._buffer or self._busy:
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 or self.failures - failures >= CLOSE_ATTEMPTS:
                     return False
                 self._cond.notify_all()  # a flush cuts the retry backoff short
                 self._cond.wait(min(left, 0.05))
@@ -95,8 +108,12 @@ class BufferedBackend:
             self.dropped += len(self._buffer)
             self._warn_once("unwritten", f"{len(self._buffer)} steps were still unwritten at close")
         if self.dropped:
+            why = f" ({self.reason})" if self.reason else ""
             warnings.warn(
-                f"nemo_memlog: {self.name} lost {self.dropped} logged steps in total", RuntimeWarning, stacklevel=2
+                f"nemo_memlog: {self.name} did not store {self.dropped} of the {self.written + self.dropped} "
+                f"logged steps{why}",
+                RuntimeWarning,
+                stacklevel=2,
             )
 
     def flush_backend(self) -> None:
@@ -125,6 +142,11 @@ class BufferedBackend:
                     delay = RETRY_FIRST_S
                     self._cond.notify_all()
                     continue
+                if self._stopped:  # a permanent failure: what is buffered will never be stored
+                    self.dropped += len(self._buffer)
+                    self._buffer.clear()
+                    self._cond.notify_all()
+                    break
                 if self._closing:
                     break
                 self._cond.wait(delay)  # back off; a drain() wakes us early to retry now
@@ -157,11 +179,29 @@ class BufferedBackend:
         except Exception as error:  # isolation: a backend never raises into training
             self.failures += 1
             self._failing = True
-            self._warn_once(
-                (what, type(error).__name__),
-                f"{what} failed with {type(error).__name__}: {error}; "
-                + ("retrying with backoff, steps stay buffered" if what in ("open", "log") else "ignored"),
-            )
+            code = os_errno(error)
+            if what in ("open", "log") and code in PERMANENT_ERRNOS:
+                self._stopped = True
+                self.reason = f"{what} failed: {error}"
+                self._warn_once(
+                    "stopped",
+                    f"{what} failed with {type(error).__name__}: {error}; a retry cannot cure this, so this backend "
+                    f"stops: the steps it holds and every later one are not stored (the other backends go on)",
+                )
+            elif what in ("open", "log") and code in DISK_FULL_ERRNOS:
+                self.reason = "its disk is full"
+                self._warn_once(
+                    "disk full",
+                    f"{what} failed: the disk holding its folder is full ({error}); steps stay buffered and are "
+                    f"retried with backoff (free space, or point its folder elsewhere); what is still unstored at the "
+                    f"end is counted then",
+                )
+            else:
+                self._warn_once(
+                    (what, type(error).__name__),
+                    f"{what} failed with {type(error).__name__}: {error}; "
+                    + ("retrying with backoff, steps stay buffered" if what in ("open", "log") else "ignored"),
+                )
             return False, None
 
     def stats(self) -> dict:

@@ -18,12 +18,14 @@ names are mapped the same way; their values are recorded as strings (MLflow's on
 from __future__ import annotations
 
 import functools
+import os
 import re
 import time
 import zlib
 from pathlib import Path
 
 from ..config import scrubbed
+from .base import writable_folder
 
 MAX_NAME = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 MAX_PARAM_VALUE = 6000  # MAX_PARAM_VAL_LENGTH
@@ -62,6 +64,7 @@ def open_backend(settings, params: dict, secrets: list[str]) -> MlflowBackend:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
+    create_sqlite_store(settings.mlflow_tracking_uri, MlflowClient)
     client = MlflowClient(tracking_uri=settings.mlflow_tracking_uri)
     name = settings.mlflow_experiment
     experiment = client.get_experiment_by_name(name)
@@ -83,15 +86,40 @@ def open_backend(settings, params: dict, secrets: list[str]) -> MlflowBackend:
     return MlflowBackend(client, run_id)
 
 
+def create_sqlite_store(tracking_uri: str | None, client_class) -> None:
+    """A new SQLite store made whole or not at all: MLflow creates its tables and runs its schema
+    migrations for seconds, and a process killed meanwhile (a launcher's teardown) would leave a
+    file its own client then cannot open (``CircularDependencyError``). So a store that does not
+    exist yet is built in a temporary file beside it and linked into place when complete; a kill
+    leaves only that temporary file. An existing store (or another process's, linked first) is used."""
+    database = _sqlite_path(tracking_uri)
+    if database is None or database.exists():
+        return
+    writable_folder(database.parent, "mlflow_tracking_uri")
+    building = database.with_name(f".{database.name}.{os.getpid()}.building")
+    building.unlink(missing_ok=True)
+    client_class(tracking_uri=f"sqlite:///{building}").search_experiments()  # creates and migrates
+    try:
+        os.link(building, database)  # atomic, and refuses to replace a store another process made
+    except FileExistsError:
+        pass
+    finally:
+        building.unlink(missing_ok=True)
+
+
+def _sqlite_path(tracking_uri: str | None) -> Path | None:
+    prefix = "sqlite:///"
+    if not tracking_uri or not tracking_uri.startswith(prefix) or tracking_uri == prefix + ":memory:":
+        return None
+    return Path(tracking_uri[len(prefix) :]).absolute()
+
+
 def artifact_location(tracking_uri: str | None) -> str | None:
     """Where a new experiment keeps its artifacts: beside a SQLite store's file (``mlartifacts``
     in its folder), so that a run folder holds all of its run; None (MLflow's choice) otherwise.
     MLflow's own default for a SQLite store is ``./mlruns`` under the working directory."""
-    prefix = "sqlite:///"
-    if not tracking_uri or not tracking_uri.startswith(prefix) or tracking_uri == prefix + ":memory:":
-        return None
-    database = Path(tracking_uri[len(prefix) :]).absolute()
-    return (database.parent / "mlartifacts").as_uri()
+    database = _sqlite_path(tracking_uri)
+    return None if database is None else (database.parent / "mlartifacts").as_uri()
 
 
 def adopt(obj, spell=None) -> MlflowBackend | None:

@@ -86,6 +86,7 @@ class ProcessFanOut:
         self._ids = itertools.count()
         self._goodbye = None  # the writer process's final counts
         self._ended = threading.Event()  # goodbye received, or the writer process gone
+        self._deadline: float | None = None  # when the close under way must be done (monotonic)
         self._warn_once = WarnOnce(secrets=secrets)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -135,14 +136,36 @@ class ProcessFanOut:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Drain and close every backend within ``timeout_s`` (+ REPLY_GRACE_S), and reap the
-        writer process. Idempotent."""
+        writer process. Idempotent: a second call while the first is under way (a SIGTERM from
+        the launcher landing during the close the exit path began) waits for it, within its
+        budget, so the signal is handed on only once the backends have stored what they had.
+        The hooks stay registered until the close has ended, for that reason."""
         if self.closed:
+            self._await_close()
             return
         self.closed = True
-        process_wide.forget(self.close)
-        process_wide.forget(self._forget_after_fork)
         budget = self.close_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + budget
+        self._deadline = deadline
+        try:
+            self._close(budget, deadline)
+        finally:
+            process_wide.forget(self.close)
+            process_wide.forget(self._forget_after_fork)
+
+    def _await_close(self) -> None:
+        """Wait (until the first close's deadline) for the writer process's goodbye and exit."""
+        deadline = self._deadline
+        if deadline is None or self._ended.is_set() and self.process.poll() is not None:
+            return
+        final = deadline + REPLY_GRACE_S
+        self._ended.wait(max(0.0, final - time.monotonic()))
+        try:
+            self.process.wait(max(0.0, final - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+
+    def _close(self, budget: float, deadline: float) -> None:
         # A signal handler (SIGTERM) that interrupted this very thread inside _send must not
         # take the lock this thread holds (a deadlock). Ending the stream needs no lock.
         reentered = self._sending_thread == threading.get_ident()

@@ -14,6 +14,7 @@ import json
 import re
 
 from ..config import scrubbed
+from .base import writable_folder
 
 #: The text summary holding the run config; TensorBoard stores it as "<tag>/text_summary".
 CONFIG_TAG = "config"
@@ -31,6 +32,7 @@ def open_backend(settings, params: dict, secrets: list[str]) -> TensorBoardBacke
     """A SummaryWriter on ``tensorboard_dir``, with ``params`` recorded once as the "config" text."""
     from torch.utils.tensorboard import SummaryWriter
 
+    writable_folder(settings.tensorboard_dir, "tensorboard_dir")
     writer = SummaryWriter(
         log_dir=settings.tensorboard_dir,
         max_queue=settings.tensorboard_queue_size,

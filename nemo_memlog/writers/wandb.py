@@ -18,6 +18,7 @@ arguments), the code, git state and installed packages.
 from __future__ import annotations
 
 from ..config import scrubbed
+from .base import writable_folder
 
 RUN_SETTINGS = dict(
     # The metadata record holds sys.argv (verified: the secret reached the .wandb file
@@ -44,6 +45,8 @@ def open_backend(settings, params: dict, secrets: list[str]) -> WandbBackend:
     from its values again, in case one hid in a field not named like a secret)."""
     import wandb
 
+    if settings.wandb_save_dir:
+        writable_folder(settings.wandb_save_dir, "wandb_save_dir")
     run = wandb.init(
         project=settings.wandb_project,
         name=settings.wandb_exp_name,
