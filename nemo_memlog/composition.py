@@ -12,6 +12,10 @@ allocator's peaks, activations and allocator slack.
   where they are separate tensors (Megatron's mixed-precision and distributed optimizers);
 - ``model_state_gb``: their sum.
 
+Without an optimizer (``model=`` given, ``optimizer=`` not) ``optimizer_state_gb`` is NaN, the
+"missing" marker (payload.py): it is not known, so it is not logged as 0, and ``model_state_gb``
+is then parameters + gradients only.
+
 Each storage is counted once, at its whole size (``untyped_storage().nbytes()``: the padding of a
 flat buffer is memory held), however many views share it, in the first category that reaches it
 (parameters, then gradients, then optimizer state). Only storages on the device where the
@@ -48,6 +52,40 @@ DERIVED = (
     "temporaries_gb",
     "allocator_slack_gb",
 )
+
+
+#: What ``model=`` takes, for the TypeError that names it.
+MODEL_TAKES = "a torch.nn.Module, or a list (or tuple) of them, as Megatron passes its model chunks"
+#: What ``optimizer=`` takes, for the TypeError that names it.
+OPTIMIZER_TAKES = (
+    "a torch optimizer, Megatron's MegatronOptimizer or ChainedOptimizer, or a list of optimizers (as "
+    "Lightning's trainer.optimizers): anything with param_groups, .optimizer, .optim or .chained_optimizers"
+)
+_OPTIMIZER_PARTS = ("param_groups", "optimizer", "optim", "chained_optimizers")
+
+
+def check_model_and_optimizer(model, optimizer) -> None:
+    """Raise TypeError naming the argument (``model``, ``optimizer``) and what it takes, for a value
+    that cannot be counted (a state_dict, a string...). None passes. Cheap (isinstance and hasattr,
+    no walk of the model): callers run it on logging iterations only. Mutates nothing."""
+    from torch import nn
+
+    if model is not None:
+        chunks = model if isinstance(model, (list, tuple)) else (model,)
+        if not all(isinstance(chunk, nn.Module) for chunk in chunks):
+            raise TypeError(f"model= must be {MODEL_TAKES}; got {_described(model)}")
+    if optimizer is not None:
+        each = optimizer if isinstance(optimizer, (list, tuple)) else (optimizer,)
+        if not all(any(hasattr(one, part) for part in _OPTIMIZER_PARTS) for one in each):
+            raise TypeError(f"optimizer= must be {OPTIMIZER_TAKES}; got {_described(optimizer)}")
+
+
+def _described(value) -> str:
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(each).__name__ for each in value})
+        return f"a {type(value).__name__} of {', '.join(kinds) or 'nothing'}"
+    hint = " (a state_dict? pass the object itself)" if isinstance(value, dict) else ""
+    return f"{type(value).__name__} {value!r:.60}{hint}"
 
 
 def report_model_state(model, optimizer=None) -> dict[str, float]:
@@ -99,7 +137,7 @@ def with_iteration_grads(state: dict, grads: dict) -> dict:
     if held <= state["grads_gb"]:
         return dict(state)
     out = {**state, "grads_gb": held}
-    out["model_state_gb"] = out["params_gb"] + out["grads_gb"] + out["optimizer_state_gb"]
+    out["model_state_gb"] = _model_state(out)
     return out
 
 
@@ -262,5 +300,12 @@ def _count(modules: list, optimizer) -> dict[str, float]:
             for value in values.values() if isinstance(values, dict) else ():
                 add("optimizer_state_gb", value)
     out = {name: value / GB for name, value in totals.items()}
-    out["model_state_gb"] = sum(out.values())
+    if optimizer is None:  # not known: missing, not 0 (the module docstring)
+        out["optimizer_state_gb"] = math.nan
+    out["model_state_gb"] = _model_state(out)
     return out
+
+
+def _model_state(parts: dict) -> float:
+    """params + grads + optimizer state, the optimizer state left out where it is missing (NaN)."""
+    return sum(parts[name] for name in NAMES[:3] if parts[name] == parts[name])

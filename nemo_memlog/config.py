@@ -5,11 +5,14 @@ LoggerConfig does: ``logger_fields`` reads either, with our defaults for the fie
 Megatron-Bridge lacks.
 """
 
+import collections.abc
 import dataclasses
 import difflib
 import functools
 import os
 import re
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -89,7 +92,7 @@ class LoggerConfig:
     kernel on the pipeline's communicator and waits for all queued GPU work."""
     writer_buffer_steps: int = 10000
     """Per backend: logged steps kept for retry while that backend is failing or slow."""
-    writer_close_timeout_s: float = 30.0
+    writer_close_timeout_s: float = 25.0
     """flush()/close() at exit or SIGTERM wait at most this long for the backends; a writer
     process whose training process died drains, closes and exits within it."""
     writer_mode: str = "process"
@@ -176,60 +179,107 @@ def setting(logger, name: str):
 _ABSENT = object()
 
 
+def _type_rule(annotation) -> tuple[Callable[[Any], bool], str]:
+    """(accepts(value), what to write) for a LoggerConfig field's annotation: bool takes only a
+    bool; int an int (not a bool); float an int or float; str a string (``str | None``: also an
+    ``os.PathLike``); dict a mapping; list[str] a list or tuple of strings; ``X | None`` also None."""
+    args = typing.get_args(annotation)
+    optional = type(None) in args
+    if optional:
+        (annotation,) = [arg for arg in args if arg is not type(None)]
+    kind = typing.get_origin(annotation) or annotation
+    if kind is bool:
+        accepts, text = (lambda v: isinstance(v, bool)), "true or false (a bool: True or False)"
+    elif kind is int:
+        accepts, text = (lambda v: isinstance(v, int) and not isinstance(v, bool)), "an int"
+    elif kind is float:
+        accepts, text = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)), "a number"
+    elif kind is str and optional:
+        accepts, text = (lambda v: isinstance(v, (str, os.PathLike))), "a string"
+    elif kind is str:
+        accepts, text = (lambda v: isinstance(v, str)), "a string"
+    elif kind is dict:
+        accepts, text = (lambda v: hasattr(v, "items") and not isinstance(v, str)), "a dict"
+    elif kind is list:
+        accepts, text = _is_list_of_str, "a list of strings"
+    else:
+        raise TypeError(f"LoggerConfig: no type rule for {annotation!r}")  # a new field's type: add its rule
+    if optional:
+        return (lambda v: v is None or accepts(v)), f"{text} or None"
+    return accepts, text
+
+
+def _is_list_of_str(value) -> bool:
+    """A list or tuple of strings (or any sequence of them, such as OmegaConf's ListConfig; not a string)."""
+    sequence = isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes))
+    return sequence and all(isinstance(item, str) for item in value)
+
+
+#: Per field: (accepts its type, what to write), from LoggerConfig's annotations: one place, one rule per type.
+_TYPES = {name: _type_rule(spec.type) for name, spec in _OURS.items()}
+
+#: Fields whose values are further limited (given a value of the right type).
+_VALUES: dict[str, Callable[[Any], bool]] = {
+    "tensorboard_log_interval": lambda v: v >= 1,
+    "writer_buffer_steps": lambda v: v >= 1,
+    "memory_reduce_scope": lambda v: v in ("pp", "world"),
+    "memory_reduce_backend": lambda v: v in REDUCE_BACKENDS,
+    "memory_peak_window": lambda v: v in PEAK_WINDOWS,
+    "writer_mode": lambda v: v in WRITER_MODES,
+    "memory_headroom_warn_fraction": lambda v: 0 <= v < 1,
+    "memory_reduce_timeout_s": lambda v: v > 0,
+    "writer_close_timeout_s": lambda v: v > 0,
+    "memory_record_dir": lambda v: v is None or bool(os.fspath(v)),
+}
+
+_PATH = "a path string or None"
+_SECONDS = "a positive number of seconds"
+#: What to write, where the field's type alone does not say it.
+_TAKES = {
+    "tensorboard_log_interval": "an int >= 1 (memory is logged when iteration % interval == 0)",
+    "writer_buffer_steps": "an int >= 1",
+    "memory_reduce_scope": "'pp' or 'world'",
+    "memory_reduce_backend": f"one of {', '.join(map(repr, REDUCE_BACKENDS))} (auto: gloo for the pp scope on "
+    f"NCCL jobs; gloo; group: the group's own backend)",
+    "memory_peak_window": f"one of {', '.join(map(repr, PEAK_WINDOWS))} (peak since the process started, or "
+    f"since the previous logging step)",
+    "writer_mode": f"one of {', '.join(map(repr, WRITER_MODES))}",
+    "memory_headroom_warn_fraction": "a number in [0, 1)",
+    "memory_reduce_timeout_s": _SECONDS,
+    "writer_close_timeout_s": _SECONDS,
+    "memory_record_dir": f"a folder path, {RECORD_OFF!r} (no recording) or None (beside the run's logs)",
+    "memory_keys": "a dict of torch.cuda.memory_stats() names to logged names, or None",
+    "memory_per_stage_keys": "a list of name patterns (strings)",
+    "tensorboard_dir": _PATH,
+    "wandb_save_dir": _PATH,
+    "comet_offline_directory": _PATH,
+}
+
+
+def _refused(name: str, value) -> ValueError:
+    """The one message for a setting that cannot work: the field, what to write, and what was given
+    (a secret's value is not shown)."""
+    takes = _TAKES.get(name) or _TYPES[name][1]
+    kind = type(value).__name__
+    given = f"a value of type {kind}" if SECRET_NAME.search(name) else f"{value!r} ({kind})"
+    return ValueError(f"logger.{name} must be {takes}; got {given}")
+
+
 def check_logger_fields(logger) -> None:
-    """Raise ValueError naming the field and what to change, for settings that cannot work."""
-    interval = setting(logger, "tensorboard_log_interval")
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        raise ValueError(
-            f"logger.tensorboard_log_interval must be an int >= 1 (memory is logged when "
-            f"iteration % interval == 0); got {interval!r}"
-        )
+    """Raise ValueError naming the field, what to write and the value given, for a setting that
+    cannot work: first each field's type (from LoggerConfig's annotations), then its value. Reads
+    only nemo_memlog's fields of ``logger`` (any object with those names: Megatron-Bridge's
+    LoggerConfig has fields of its own, of its own types, which are not ours to check)."""
+    for name, (accepts, _) in _TYPES.items():
+        value = setting(logger, name)
+        if not accepts(value):
+            raise _refused(name, value)
+    for name, valid in _VALUES.items():
+        value = setting(logger, name)
+        if not valid(value):
+            raise _refused(name, value)
     if setting(logger, "mlflow_experiment") and not setting(logger, "mlflow_run_name"):
         raise ValueError("logger.mlflow_experiment is set but logger.mlflow_run_name is not: set both")
-    scope = setting(logger, "memory_reduce_scope")
-    if scope not in ("pp", "world"):
-        raise ValueError(f"logger.memory_reduce_scope must be 'pp' or 'world'; got {scope!r}")
-    reduce_backend = setting(logger, "memory_reduce_backend")
-    if reduce_backend not in REDUCE_BACKENDS:
-        raise ValueError(
-            f"logger.memory_reduce_backend must be one of {', '.join(map(repr, REDUCE_BACKENDS))} "
-            f"(auto: gloo for the pp scope on NCCL jobs; gloo; group: the group's own backend); "
-            f"got {reduce_backend!r}"
-        )
-    window = setting(logger, "memory_peak_window")
-    if window not in PEAK_WINDOWS:
-        raise ValueError(
-            f"logger.memory_peak_window must be one of {', '.join(map(repr, PEAK_WINDOWS))} "
-            f"(peak since the process started, or since the previous logging step); got {window!r}"
-        )
-    fraction = setting(logger, "memory_headroom_warn_fraction")
-    if not isinstance(fraction, (int, float)) or not 0 <= fraction < 1:
-        raise ValueError(f"logger.memory_headroom_warn_fraction must be in [0, 1); got {fraction!r}")
-    for name in ("memory_reduce_timeout_s", "writer_close_timeout_s"):
-        value = setting(logger, name)
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"logger.{name} must be a positive number of seconds; got {value!r}")
-    mode = setting(logger, "writer_mode")
-    if mode not in WRITER_MODES:
-        raise ValueError(f"logger.writer_mode must be one of {', '.join(map(repr, WRITER_MODES))}; got {mode!r}")
-    record_dir = setting(logger, "memory_record_dir")
-    if record_dir is not None and (not isinstance(record_dir, (str, os.PathLike)) or not os.fspath(record_dir)):
-        raise ValueError(
-            f"logger.memory_record_dir must be a folder path, {RECORD_OFF!r} (no recording) or None "
-            f"(beside the run's logs); got {record_dir!r}"
-        )
-    history = setting(logger, "memory_record_history")
-    if not isinstance(history, bool):
-        raise ValueError(f"logger.memory_record_history must be true or false; got {history!r}")
-    buffer = setting(logger, "writer_buffer_steps")
-    if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
-        raise ValueError(f"logger.writer_buffer_steps must be an int >= 1; got {buffer!r}")
-    keys = setting(logger, "memory_keys")
-    if keys is not None and not hasattr(keys, "items"):
-        raise ValueError(f"logger.memory_keys must map torch statistic names to logged names; got {keys!r}")
-    patterns = setting(logger, "memory_per_stage_keys")
-    if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns or ()):
-        raise ValueError(f"logger.memory_per_stage_keys must be a list of name patterns; got {patterns!r}")
 
 
 EXPECTED_FORM = "expected logger.key=value, e.g. logger.log_memory_to_tensorboard=true"

@@ -166,6 +166,7 @@ class MemoryLogCallback(*_callback_bases()):
         self._phases.leave_all()
         if self.monitor is not None:
             self.monitor.meter.finish()  # armed for a step that never came: its hooks come off
+            self.monitor.end_record()  # the record's clean-end marker now, not whenever the collector frees it
             self.monitor.flush()  # the loggers' save(); the Trainer finalizes them
             self.monitor.release_reduction()  # its gloo group, if it made one
             self.monitor = None

@@ -69,6 +69,7 @@ class MemoryMonitor:
         self._groups = (pp_group, pg_collection)
         self.writer_rank = writer_rank
         self._placed = False  # group, coordinates and writer rank resolved (first logging step)
+        self.world = self.settings.world_scope  # reduced over every rank (the scope, or no pipeline group known)
         self.model_state = composition.ModelState()
         self.estimate: dict | None = None  # the framework's estimate (estimate.py), set by an integration
         self.facts: dict = {}  # the run's facts for the per-layer record (layer_record.py): as known
@@ -88,8 +89,10 @@ class MemoryMonitor:
 
     def before_iteration(self, iteration: int, model) -> None:
         """Arm the activation meter on ``model`` if ``iteration`` is a logging iteration (every
-        rank alike: the gate's inputs only). Off them: a modulo, nothing installed."""
+        rank alike: the gate's inputs only). Off them: a modulo, nothing installed. Raises TypeError
+        for a ``model`` that is no module (composition.check_model_and_optimizer)."""
         if self.enabled and model is not None and not iteration % self.interval:
+            composition.check_model_and_optimizer(model, None)
             self.meter.arm(model)
 
     def state_facts(self, **facts) -> None:
@@ -99,7 +102,10 @@ class MemoryMonitor:
         self.facts.update({name: value for name, value in facts.items() if value is not None})
 
     def log_step(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict:
-        """``log`` past its gate: callers that gate themselves (training_log) call it directly."""
+        """``log`` past its gate: callers that gate themselves (training_log) call it directly.
+        Raises TypeError, naming the argument, for a ``model`` or ``optimizer`` it cannot count."""
+        if model is not None or optimizer is not None:
+            composition.check_model_and_optimizer(model, optimizer)  # before any collective: every rank alike
         if not self._placed:
             self.place()
         settings = self.settings
@@ -120,15 +126,19 @@ class MemoryMonitor:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
         if self.recorder is not None:  # before the collective: a rank that dies in it has this step
             self.recorder.record(iteration, report)
-        if settings.world_scope:
+        if self.world:
             report.update(self._coordinates)
         if takes_part(report, self.group):
             gathered = self.reduction.gather(
-                report, self.group, iteration=iteration, timeout_s=settings.memory_reduce_timeout_s
+                report,
+                self.group,
+                iteration=iteration,
+                interval=self.interval,
+                timeout_s=settings.memory_reduce_timeout_s,
             )
         else:
             gathered = self.reduction.single_rank(report)
-        if settings.world_scope:
+        if self.world:
             logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys)
         else:
             logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
@@ -149,13 +159,21 @@ class MemoryMonitor:
         """Resolve this rank's group and place in the job (``group``, ``is_writer_rank``) now,
         instead of at the first logging step. Needs the process groups to exist, and every
         rank to place itself at the same time (the gloo twin of the group is created here,
-        a collective over the whole world: see reduce.reduction_group)."""
+        a collective over the whole world: see reduce.reduction_group).
+
+        With the ``pp`` scope, a job of several ranks and no pipeline group known (no ``pp_group``,
+        no ``pg_collection``, megatron-core's parallel_state not initialised) is reduced over the
+        whole world, as the ``world`` scope (the exact rank of each max), with a note on the writer
+        rank, once, saying how to give the group: every rank decides alike, from the same inputs."""
         settings = self.settings
         pp_group, pg_collection = self._groups
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed:
             check_launch(self.warn_once)
-        if settings.world_scope:
+        pipeline = None if settings.world_scope else megatron.pipeline_group(pp_group, pg_collection)
+        no_group = pipeline is None and distributed and dist.get_world_size() > 1
+        self.world = settings.world_scope or no_group
+        if self.world:
             self.group = dist.group.WORLD if distributed else None
             coords = megatron.coordinates(pp_group, pg_collection)
             self._coordinates = {
@@ -165,15 +183,17 @@ class MemoryMonitor:
                 "dp_rank": coords["dp"],
             }
         else:
-            self.group = megatron.pipeline_group(pp_group, pg_collection)
+            self.group = pipeline
         # On NCCL jobs, by default, a gloo group of the same ranks: memory logging off the GPU stream.
         self.group = self.reduction.group_for(
             self.group,
             backend=settings.memory_reduce_backend,
-            world_scope=settings.world_scope,
+            world_scope=self.world,
             timeout_s=settings.memory_reduce_timeout_s,
         )
         self.is_writer_rank = not distributed or dist.get_rank() == self._writer_rank(dist.get_world_size())
+        if no_group and self.is_writer_rank:
+            self.warn_once(("no-pipeline-group",), NO_PIPELINE_GROUP.format(world=dist.get_world_size()))
         self._layout = {
             "rank": dist.get_rank() if distributed else 0,
             "world_size": dist.get_world_size() if distributed else 1,
@@ -339,6 +359,17 @@ class MemoryMonitor:
         self.reduction = Reduction(self.warnings)
         self.group = None
         self._placed = False
+
+
+#: The note of a job of several ranks with no pipeline group known (MemoryMonitor.place).
+NO_PIPELINE_GROUP = (
+    "no pipeline-parallel group is known in this job of {world} ranks (no pp_group=, no pg_collection=, and "
+    "megatron-core's parallel_state is not initialised): memory is reduced over the whole world instead, as with "
+    "memory_reduce_scope='world' (memory/peak_rank/<name> names the rank of each max). To reduce over each "
+    "pipeline, pass pp_group= (the pipeline's torch.distributed group) or pg_collection= (with .pp), or call "
+    "megatron-core's parallel_state.initialize_model_parallel(...) before the first logging step; or set "
+    "memory_reduce_scope='world' to reduce over the whole world without this note."
+)
 
 
 def check_launch(warn) -> None:

@@ -109,17 +109,20 @@ def gather_memory(
     group,
     *,
     iteration: int | None = None,
+    interval: int | None = None,
     timeout_s: float | None = None,
 ) -> GatheredMemory:
     """Gather every rank's report over ``group`` in one collective and line them up.
 
     ``iteration``, when given, must be the same on every rank, or every rank raises
-    MemoryReduceError naming each rank's iteration. ``timeout_s`` bounds the wait for
+    MemoryReduceError naming each rank's iteration; ``interval`` (this rank's
+    tensorboard_log_interval, when given) lets that error say when the ranks' intervals
+    differ rather than that a rank skipped a call. ``timeout_s`` bounds the wait for
     the other ranks; past it the ranks that joined raise MemoryReduceError.
     Call only when ``takes_part`` is true. The key-set handshake runs on the first call
     per group (the free functions' ``Reduction`` keeps each group's agreed layout).
     """
-    return _shared.gather(memory_report, group, iteration=iteration, timeout_s=timeout_s)
+    return _shared.gather(memory_report, group, iteration=iteration, interval=interval, timeout_s=timeout_s)
 
 
 def single_rank(memory_report: dict) -> GatheredMemory:
@@ -186,16 +189,38 @@ def line_up(keys: tuple[str, ...], reports: list) -> GatheredMemory:
     return GatheredMemory(keys, per_rank, maximum, peak_rank)
 
 
-def _check_iterations(reports: list, iteration: int | None, group) -> None:
+def _check_iterations(reports: list, iteration: int | None, interval: int | None, group) -> None:
+    """Raise MemoryReduceError when the ranks sent different iterations (every rank sees the same
+    words, so every rank raises). ``interval``: this rank's tensorboard_log_interval. A rank logs only
+    at multiples of its own interval, so another rank's iteration that is no multiple of this rank's
+    says their intervals differ; the error then says that, not that a call was skipped. (The header
+    carries the iteration only, so a rank whose own interval divides every iteration seen cannot
+    tell the two apart: its error names both causes.)"""
     if iteration is None:
         return
     seen = [report.iteration for report in reports]
-    if len(set(seen)) > 1:
-        listing = ", ".join(f"rank {rank}: {it}" for rank, it in enumerate(seen))
+    if len(set(seen)) == 1:
+        return
+    listing = ", ".join(f"rank {rank}: {it}" for rank, it in enumerate(seen))
+    at = f"memory reduction over {_describe(group)}: ranks are at different iterations ({listing})."
+    if not interval:
         raise MemoryReduceError(
-            f"memory reduction over {_describe(group)}: ranks are at different iterations ({listing}). "
-            f"Every rank must call training_log with the same iteration; one stage skipped or repeated a call."
+            f"{at} Every rank must call training_log with the same iteration; one stage skipped or repeated a call."
         )
+    off = [
+        f"rank {rank}'s iteration {it}" for rank, it in enumerate(seen) if it != payload.NOT_CHECKED and it % interval
+    ]
+    if off:
+        raise MemoryReduceError(
+            f"{at} The ranks log at different tensorboard_log_interval: this rank logs every {interval} iterations, "
+            f"and {', '.join(off)}: no multiple of {interval}. Every rank must use the same tensorboard_log_interval "
+            f"(the same logger config), so that every rank logs at the same iterations."
+        )
+    raise MemoryReduceError(
+        f"{at} Either a stage skipped or repeated a call (every rank must call training_log at every iteration), "
+        f"or a rank's tensorboard_log_interval differs from this rank's ({interval}): every rank must use the "
+        f"same tensorboard_log_interval (the same logger config)."
+    )
 
 
 def _agree_on_layout(channel, layout, group, iteration, timeout_s) -> None:
@@ -286,7 +311,13 @@ class Reduction:
         _open[:] = [ref for ref in _open if ref() is not None] + [weakref.ref(self)]
 
     def gather(
-        self, memory_report: dict, group, *, iteration: int | None = None, timeout_s: float | None = None
+        self,
+        memory_report: dict,
+        group,
+        *,
+        iteration: int | None = None,
+        interval: int | None = None,
+        timeout_s: float | None = None,
     ) -> GatheredMemory:
         """``gather_memory`` through this Reduction's channel for ``group``."""
         layout = payload.layout_of(tuple(memory_report))
@@ -308,7 +339,7 @@ class Reduction:
             # Some rank's key set differs from the agreed one: every rank sees that in the
             # same gathered words, so every rank re-runs the handshake together.
             _agree_on_layout(channel, layout, group, iteration, timeout_s)
-        _check_iterations(reports, iteration, group)
+        _check_iterations(reports, iteration, interval, group)
         return line_up(channel.layout.keys, reports)
 
     def single_rank(self, memory_report: dict) -> GatheredMemory:
@@ -550,9 +581,9 @@ def _timeout_error(group, iteration, timeout_s) -> MemoryReduceError:
     return MemoryReduceError(
         f"memory reduction over {_describe(group)}{at}: not every rank joined within "
         f"memory_reduce_timeout_s={timeout_s:g}s. A stage skipped this logging call, or took a "
-        f"no-op path the others did not (an empty report, or a None group on that rank only), or is "
-        f"stuck; every rank must call training_log (or the reduction) at every iteration with the "
-        f"same config and a non-empty report."
+        f"no-op path the others did not (an empty report, or a None group on that rank only), or logs at "
+        f"another tensorboard_log_interval, or is stuck; every rank must call training_log (or the "
+        f"reduction) at every iteration with the same config and a non-empty report."
     )
 
 

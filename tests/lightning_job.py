@@ -19,6 +19,7 @@ The test side, ``run_job(spec, out)``, starts it and returns each fit's records 
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -72,7 +73,10 @@ def run_fit(spec: dict, fit: dict, rank: int):
 
     out = Path(spec["out"]) / fit["name"]
     probe = Probe(pl)
-    callbacks = [probe.before, MemoryLogCallback(**fit.get("callback", {})), probe.after]
+    settings = dict(fit.get("callback", {}))
+    if fit.get("records"):  # the flight records in the fit's folder (else ./memory_records)
+        settings["memory_record_dir"] = str(out / "memory_records")
+    callbacks = [probe.before, MemoryLogCallback(**settings), probe.after]
     if fit.get("pp"):
         callbacks.insert(0, MegatronGroups(pl, fit["pp"]))
     pl.seed_everything(0)
@@ -92,6 +96,7 @@ def run_fit(spec: dict, fit: dict, rank: int):
         deterministic=True,
     )
     trainer.fit(make_module(pl))
+    gc.collect()  # whatever the garbage collector frees now, a clean end must have its record marker
     if trainer.global_rank == 0:
         for logger in trainer.loggers:
             if type(logger).__name__ == "CometLogger":

@@ -84,3 +84,95 @@ def test_other_sections_and_the_bare_field_form_are_still_taken():
         ["train.iters=5", "model.hidden=3", "tensorboard_log_interval=4", "logger.mlflow_tags.team=llm"]
     )
     assert cfg.tensorboard_log_interval == 4 and cfg.mlflow_tags == {"team": "llm"}
+
+
+# Issue 33: every field's type is checked where the config is read, in one place, with one message.
+
+
+@pytest.mark.parametrize(
+    "field, value, takes",
+    [
+        ("log_memory_to_tensorboard", "false", "true or false (a bool: True or False)"),
+        ("log_memory_to_tensorboard", 1, "true or false (a bool: True or False)"),
+        ("memory_record_history", "yes", "true or false"),
+        ("tensorboard_dir", 123, "a path string or None"),
+        ("wandb_project", 7, "a string or None"),
+        ("tensorboard_log_interval", "10", "an int >= 1"),
+        ("tensorboard_log_interval", True, "an int >= 1"),
+        ("tensorboard_queue_size", 1.5, "an int"),
+        ("memory_headroom_warn_fraction", True, "a number in [0, 1)"),
+        ("memory_reduce_timeout_s", "30", "a positive number of seconds"),
+        ("memory_per_stage_keys", "peak_*", "a list of name patterns (strings)"),
+        ("comet_tags", ["a", 2], "a list of strings or None"),
+        ("mlflow_tags", ["team"], "a dict or None"),
+        ("memory_keys", "allocated_bytes.all.peak", "a dict of torch.cuda.memory_stats() names"),
+        ("memory_reduce_scope", 1, "'pp' or 'world'"),
+    ],
+)
+def test_a_value_of_the_wrong_type_names_the_field_the_value_and_what_to_write(field, value, takes):
+    with pytest.raises(ValueError) as raised:
+        LoggerConfig(**{"log_memory_to_tensorboard": True, field: value})
+    message = str(raised.value)  # one shape: logger.<field> must be <what to write>; got <value> (<type>)
+    assert message.startswith(f"logger.{field} must be {takes}"), message
+    assert message.endswith(f"; got {value!r} ({type(value).__name__})"), message
+
+
+def test_a_secret_of_the_wrong_type_is_named_without_its_value():
+    with pytest.raises(ValueError, match=r"^logger.comet_api_key must be a string or None; got a value of type int$"):
+        LoggerConfig(comet_api_key=987654321)
+
+
+def test_every_field_has_a_type_rule_and_the_values_it_was_made_for_pass():
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from nemo_memlog.config import check_logger_fields, resolve
+
+    cfg = LoggerConfig(
+        log_memory_to_tensorboard=True,
+        tensorboard_dir=Path("runs/tb"),  # a path object
+        memory_headroom_warn_fraction=0,  # an int where a float is declared
+        memory_reduce_timeout_s=5,
+        comet_tags=("a", "b"),
+        memory_per_stage_keys=OmegaConf.create(["peak_*"]),  # from a YAML recipe
+        mlflow_tags=OmegaConf.create({"team": "llm"}),
+    )
+    check_logger_fields(resolve(cfg))  # the resolved settings (tuples) pass too
+    assert resolve(cfg).log_memory_to_tensorboard is True
+
+
+class BridgeStyleLogger:
+    """Megatron-Bridge's LoggerConfig as nemo_memlog reads it: the shared names, with fields of its
+    own, of its own types, that nemo_memlog does not read (and so does not check)."""
+
+    def __init__(self, **fields):
+        self.log_memory_to_tensorboard = False
+        self.tensorboard_log_interval = 1
+        self.tensorboard_dir = None
+        self.timing_log_level = 0  # Bridge's own: Literal[-1, 0, 1, 2]
+        self.logging_level = None  # int | None
+        self.profile_ranks = [0]
+        self.log_interval = "not ours"  # a value of a type nemo_memlog would refuse, in a field it never reads
+        vars(self).update(fields)
+
+
+class BridgeStyleContainer:
+    def __init__(self, logger):
+        self.logger = logger
+        self.train = object()
+
+
+@pytest.mark.parametrize("wrap", [lambda logger: logger, BridgeStyleContainer], ids=["logger", "container"])
+def test_config_like_objects_are_checked_on_the_fields_nemo_memlog_reads_only(wrap):
+    from nemo_memlog import training_log
+    from nemo_memlog.config import resolve
+
+    assert resolve(wrap(BridgeStyleLogger(log_memory_to_tensorboard=True))).log_memory_to_tensorboard is True
+    bad = wrap(BridgeStyleLogger(log_memory_to_tensorboard="false"))  # read as truthy, it turned logging on
+    with pytest.raises(ValueError, match=r"^logger.log_memory_to_tensorboard must be true or false .*got 'false'"):
+        resolve(bad)
+    with pytest.raises(ValueError, match="logger.log_memory_to_tensorboard must be true or false"):
+        training_log(1, bad)
+    with pytest.raises(ValueError, match=r"logger.tensorboard_dir must be a path string or None; got 123 \(int\)"):
+        training_log(1, wrap(BridgeStyleLogger(log_memory_to_tensorboard=True, tensorboard_dir=123)))

@@ -32,7 +32,7 @@ BALLAST_MB = {2: [40, 700], 4: [40, 80, 700, 120]}
 CHEAP = ["tensorboard", "csv"]  # Lightning's own: no client library, no service, no archive
 FITS = {
     2: [
-        {"name": "main", "loggers": list(BACKENDS)},
+        {"name": "main", "loggers": list(BACKENDS), "records": True},
         {"name": "off", "loggers": CHEAP, "callback": {"log_memory_to_tensorboard": False}},
         {"name": "pl", "package": "pytorch_lightning", "loggers": ["csv"], "callback": {"tensorboard_log_interval": 3}},
         {"name": "accumulate", "loggers": ["csv"], "accumulate": 2},
@@ -117,6 +117,19 @@ def test_the_max_is_the_ballast_ranks_own_peak_and_its_rank_is_logged_beside_it(
     assert [v for _, v in stored["memory/peak_stage/peak_host_rss_gb"]] == [0] * len(LOGGING_STEPS), (
         "no pipeline: every rank is stage 0"
     )
+
+
+def test_a_clean_end_leaves_every_ranks_flight_record_closed(job):
+    """on_train_end ends the flight record itself (the garbage collector ran before the job's
+    exit): the post-mortem of a clean fit finds every rank closed, and no failure."""
+    from tests.test_postmortem_e2e import postmortem
+
+    fit = job["main"]
+    if fit.world != 2:
+        pytest.skip("the records are kept in the world-2 job")
+    status, found = postmortem(fit.root / "memory_records")
+    assert status == 0 and found["first_failure"] is None, found["sentence"]
+    assert [(r["status"], r["end_reason"]) for r in found["ranks"]] == [("closed", "close")] * 2, found
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
