@@ -20,7 +20,9 @@ GB = 1e9
 
 class HostEvidence:
     """``read()``: the liveness slot's evidence fields (records.py), None where the machine
-    lacks one. The cgroup file is found once, at construction. Never raises."""
+    lacks one. The OOM-kill counter's file is found once, at construction; the memory limit is
+    re-read at each beat (``host_limit.ProcessLimit``: one set or changed mid-run counts from
+    the next beat on). Never raises."""
 
     def __init__(self):
         self.cgroup = cgroup_events_path()

@@ -80,7 +80,7 @@ def test_history_on_disk_has_every_metric_at_its_step(run):
             assert stored == value or math.isnan(value) and math.isnan(stored), (step, key)
     assert history[10]["memory/alloc_retries"] == "7"  # an int, not "7.0"
     assert history[20]["memory/peak_allocated_gb"] == "4"  # W&B writes integral floats without ".0"
-    (run_record,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    (run_record,) = [r.run for r in wandb_records(log) if r.WhichOneof("record_type") == "run"]
     assert run_record.display_name == "pp-run" and run_record.project == "memlog-test"
 
 
