@@ -2,7 +2,8 @@
 
 - The memory cgroup limit: ``capacity_report`` as a logging step runs it, with the limit read
   (two preads through kept-open descriptors) and without, interleaved; and ``Limit.read`` alone,
-  on this process's own memory cgroup files (the same reads a job under a limit makes).
+  on this process's own memory cgroup files; and ``ProcessLimit.read``, the limit followed as each
+  logging step now reads it (the cgroup chain's files re-read, so a limit set or changed mid-run is seen).
 - ``memory_phase``: an empty ``with memory_phase("bench"):`` (enter and leave: two reads and
   resets of the peak counters, the flight records of this process, none here), against
   ``report_memory`` for scale, interleaved.
@@ -60,6 +61,10 @@ def host_limit_part(repetitions: int) -> dict:
     variants = {"report_memory": lambda _: memory.report_memory(), "phase": phase}
     if limit is not None:
         variants |= {"capacity": without_limit, "capacity_limit": with_limit, "limit_read": lambda _: limit.read()}
+    from ...host_limit import ProcessLimit
+
+    followed = ProcessLimit(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    variants["limit_followed"] = lambda _: followed.read()  # what a logging step now does: the chain re-read
     wall, _ = interleaved(variants, repetitions, warmup=50)
     take_pending()
     memory.reset_peaks()
@@ -75,6 +80,7 @@ def host_limit_markdown(part: dict | None) -> list[str]:
         "capacity": "capacity_report, no limit",
         "capacity_limit": "capacity_report, reading a cgroup limit and usage",
         "limit_read": "Limit.read alone (two preads)",
+        "limit_followed": "ProcessLimit.read: the limit followed, as each logging step reads it (the chain re-read)",
         "phase": "an empty memory_phase (enter + leave)",
         "report_memory": "report_memory (for scale)",
     }
