@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from .config import resolve
 from .monitor import MemoryMonitor
+from .reduce import runs_ended
 from .warn import WarnOnce
 
 #: Open runs made by training_log past which a new one warns (once per process).
@@ -142,9 +143,16 @@ def close_writers() -> None:
     release its reduction state (channels and gloo twin), and drain and close the writers it
     built (writers passed to training_log are flushed, not closed). The next training_log
     call starts a new run. (Named for its first job: at exit and on SIGTERM the writers are
-    closed, and the records marked, anyway.)"""
+    closed, and the records marked, anyway.)
+
+    Not a collective, but used like one: call it on every rank at the same point of the loop,
+    or on none. It communicates nothing itself; the new run's first logging step waits
+    (bounded, ``memory_reduce_timeout_s``) until every rank of its group has called it as often,
+    and raises MemoryReduceError naming the ranks that did not, instead of entering a collective
+    of a shape the others do not (which gloo answers by aborting the process)."""
     entries = list(_entries)
     _entries.clear()
     _by_object.clear()
     for entry in entries:
         entry.run.close()
+    runs_ended()

@@ -28,7 +28,7 @@ from . import advice, attribution, composition, estimate, layer_record, megatron
 from .activations import ActivationMeter, chunks_of
 from .config import resolve, secrets_of
 from .payload import scalar
-from .reduce import Reduction, takes_part
+from .reduce import Reduction, agree_on_restart, takes_part
 from .warn import WarnOnce
 
 #: The dashboard's one advice scalar: the largest micro-batch size predicted to fit on every stage.
@@ -185,6 +185,8 @@ class MemoryMonitor:
         else:
             self.group = pipeline
         # On NCCL jobs, by default, a gloo group of the same ranks: memory logging off the GPU stream.
+        if distributed:  # a run after close_writers(): every rank of the group restarted too
+            agree_on_restart(self.group or dist.group.WORLD, settings.memory_reduce_timeout_s)
         self.group = self.reduction.group_for(
             self.group,
             backend=settings.memory_reduce_backend,

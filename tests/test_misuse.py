@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,3 +223,43 @@ def test_a_model_without_an_optimizer_logs_no_optimizer_state():
 
 if __name__ == "__main__":
     sys.exit(rank_main(*sys.argv[1:]))
+
+
+def close_on_rank_zero_only():
+    """Every rank calls close_writers() and logs again (fine); then rank 0 alone does (named)."""
+    import torch.distributed as dist
+
+    from nemo_memlog import LoggerConfig, close_writers, training_log
+
+    cfg = LoggerConfig(
+        log_memory_to_tensorboard=True, tensorboard_log_interval=2, memory_record_dir="off", memory_reduce_timeout_s=5
+    )
+    outcome = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        training_log(2, cfg)
+        close_writers()  # every rank, at the same point: the next runs start together
+        outcome["together"] = "memory/peak_host_rss_gb" in training_log(4, cfg)
+        if dist.get_rank() == 0:
+            close_writers()
+        try:
+            training_log(6, cfg)
+            outcome["alone"] = "logged"
+        except Exception as error:  # noqa: BLE001 -- what each rank was told is the result
+            outcome["alone"] = f"{type(error).__name__}: {error}"
+    return dist.get_rank(), outcome
+
+
+def test_close_writers_on_one_rank_is_named_not_a_crash():
+    """gloo aborted the process (C++ terminate) when one rank restarted alone; now that rank is
+    told what to do and its peer's wait is bounded. (A cluster of its own: a collective one rank
+    abandoned leaves its group unusable, as after any MemoryReduceError.)"""
+    from nemo_memlog.testing.cluster import Cluster
+
+    with Cluster(world=2, pp=2) as cluster:
+        seen = dict(cluster.run_ok(close_on_rank_zero_only))
+    assert seen[0]["together"] is True and seen[1]["together"] is True
+    alone = seen[0]["alone"]
+    assert alone.startswith("MemoryReduceError: close_writers() has ended this rank's runs 2 time(s)"), alone
+    assert "global rank(s) [1]" in alone and "call it on every rank at the same point" in alone
+    assert seen[1]["alone"].startswith("MemoryReduceError:") and "not every rank joined" in seen[1]["alone"]

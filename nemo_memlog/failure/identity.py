@@ -48,7 +48,7 @@ def run_id() -> str:
     torch.distributed's default store (an atomic compare_set), every rank reads that value.
     Without a store: TORCHELASTIC_RUN_ID, SLURM's job (and step) id, else the rendezvous
     address with today's date."""
-    store = _default_store()
+    store = default_store()
     if store is not None:
         try:
             return store.compare_set(RUN_ID_KEY, "", uuid.uuid4().hex).decode()
@@ -64,7 +64,7 @@ def run_id() -> str:
     return uuid.uuid4().hex  # a single process: its own run
 
 
-def _default_store():
+def default_store():
     """torch.distributed's default store, or None (not initialised, or a torch without one).
     torch offers no public accessor; this is the one place that reaches for its private one."""
     try:
