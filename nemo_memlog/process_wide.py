@@ -164,6 +164,28 @@ def cuda_oom_attach_error() -> str | None:
 # --------------------------------------------------------------------------------------------
 # /proc, through descriptors kept open
 
+_quiet: weakref.WeakSet = weakref.WeakSet()  # threads whose uncaught errors a backend reports itself
+
+
+def quiet_thread(thread: threading.Thread) -> None:
+    """Do not print ``thread``'s uncaught exception: a library's own writer thread (TensorBoard's)
+    whose error reaches its backend at the next call, where the fan-out says it once, in plain
+    words (a full disk). Every other thread's goes to the previous ``threading.excepthook``."""
+    _quiet.add(thread)
+    with _lock:
+        if "quiet" in _installed:
+            return
+        previous = threading.excepthook
+
+        def hook(args):
+            if args.thread is not None and args.thread in _quiet:
+                return
+            previous(args)
+
+        threading.excepthook = hook
+        _installed.add("quiet")
+
+
 _proc_fds: dict[str, tuple[int, int]] = {}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 
+from .. import process_wide
 from ..config import scrubbed
 from .base import writable_folder
 
@@ -38,7 +39,17 @@ def open_backend(settings, params: dict, secrets: list[str]) -> TensorBoardBacke
         max_queue=settings.tensorboard_queue_size,
     )
     writer.add_text(CONFIG_TAG, config_text(params, secrets), 0)
+    _quiet_writer_thread(writer)
     return TensorBoardBackend(writer)
+
+
+def _quiet_writer_thread(writer) -> None:
+    """TensorBoard writes from a thread of its own, which prints a raw traceback when a write fails
+    (a full disk) and hands the error to the next call: the fan-out says it once, in plain words."""
+    event_writer = getattr(writer._get_file_writer(), "event_writer", None)
+    thread = getattr(getattr(event_writer, "_async_writer", None), "_worker", None)
+    if thread is not None:
+        process_wide.quiet_thread(thread)
 
 
 def config_text(params: dict, secrets: list[str]) -> str:

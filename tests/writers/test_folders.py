@@ -68,7 +68,7 @@ def test_a_read_only_folder_is_named_once_not_retried_and_does_not_hold_up_the_e
     assert closing_s < BUDGET_S / 2, f"the close waited {closing_s:.1f} s on a backend that cannot write"
 
 
-def test_a_full_disk_is_said_once_and_the_end_counts_what_was_not_stored(tmp_path):
+def test_a_full_disk_is_said_once_and_the_end_counts_what_was_not_stored(tmp_path, capfd):
     with mounted(tmp_path / "tiny", "-t", "tmpfs", "-o", "size=64k", "tmpfs") as folder:
         cfg = LoggerConfig(tensorboard_dir=str(folder / "tb"), tensorboard_queue_size=1)
         stats, closing_s, messages = log_and_close(cfg, steps=300, width=40)
@@ -79,3 +79,5 @@ def test_a_full_disk_is_said_once_and_the_end_counts_what_was_not_stored(tmp_pat
     summary = [m for m in messages if "tensorboard did not store" in m]
     assert len(summary) == 1 and "(its disk is full)" in summary[0], messages
     assert closing_s < BUDGET_S / 2, f"the close waited {closing_s:.1f} s on a full disk"
+    printed = capfd.readouterr().err  # the writer process's stderr is this process's
+    assert "Traceback" not in printed, printed  # not TensorBoard's thread's raw 30 lines
