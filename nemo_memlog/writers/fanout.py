@@ -35,6 +35,12 @@ RETRY_MAX_S = 30.0
 #: Failed attempts during a close's drain after which a failing backend is given up on: the
 #: exit is never held up for the whole close budget by a backend that cannot write.
 CLOSE_ATTEMPTS = 3
+MAX_LOST_RANGES = 20  # step ranges kept per backend for the summary (the rest merged into the last)
+
+
+def step_ranges(ranges: list) -> str:
+    """ "steps 3-7, 9" for [[3, 7], [9, 9]]."""
+    return "steps " + ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in ranges)
 
 
 class BufferedBackend:
@@ -56,6 +62,7 @@ class BufferedBackend:
         self._failing = False  # set by a failure, cleared (with a message) by the next success
         self._stopped = False  # a permanent failure (an unwritable folder): nothing more is tried
         self.reason = ""  # why steps were not stored, for the summary at close
+        self.lost_steps: list[list] = []  # [first, last] ranges of the steps never stored
         self._thread = threading.Thread(target=self._run, name=f"nemo_memlog-{name}", daemon=True)
         self._thread.start()
 
@@ -63,12 +70,12 @@ class BufferedBackend:
     def put(self, metrics: dict, step: int) -> None:
         with self._cond:
             if self._stopped:
-                self.dropped += 1
+                self._lose([step])
                 return
             in_flight = 1 if self._busy else 0  # the step being written is kept: it ends written, not dropped
             if len(self._buffer) >= self._limit and len(self._buffer) > in_flight:
+                self._lose([self._buffer[in_flight][1]])
                 del self._buffer[in_flight]
-                self.dropped += 1
                 self._warn_once(
                     "full",
                     f"its buffer of {self._limit} steps is full (the backend is failing or too slow); "
@@ -105,16 +112,28 @@ class BufferedBackend:
         if self._thread.is_alive():
             self._warn_once("close", "did not finish closing in time (logger.writer_close_timeout_s)")
         if not drained or self._buffer:
-            self.dropped += len(self._buffer)
             self._warn_once("unwritten", f"{len(self._buffer)} steps were still unwritten at close")
+            self._lose([step for _, step in self._buffer])
         if self.dropped:
             why = f" ({self.reason})" if self.reason else ""
             warnings.warn(
                 f"nemo_memlog: {self.name} did not store {self.dropped} of the {self.written + self.dropped} "
-                f"logged steps{why}",
+                f"logged steps{why}: {step_ranges(self.lost_steps)}",
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def _lose(self, steps: list) -> None:
+        """Count ``steps`` as never stored, and remember which (as ranges: bounded however many)."""
+        self.dropped += len(steps)
+        for step in steps:
+            ranges = self.lost_steps
+            if ranges and ranges[-1][1] + 1 == step:
+                ranges[-1][1] = step
+            elif len(ranges) < MAX_LOST_RANGES:
+                ranges.append([step, step])
+            else:
+                ranges[-1][1] = max(ranges[-1][1], step)  # the tail merged: a bounded list, a wider last range
 
     def flush_backend(self) -> None:
         with self._cond:
@@ -143,7 +162,7 @@ class BufferedBackend:
                     self._cond.notify_all()
                     continue
                 if self._stopped:  # a permanent failure: what is buffered will never be stored
-                    self.dropped += len(self._buffer)
+                    self._lose([step for _, step in self._buffer])
                     self._buffer.clear()
                     self._cond.notify_all()
                     break
