@@ -42,7 +42,7 @@ define build_env
 	@touch $(1)/.installed
 endef
 
-.PHONY: setup lint test demo bench clean
+.PHONY: setup lint test test-fast demo bench clean
 
 setup: $(STAMP) $(STAMP03)
 
@@ -62,6 +62,10 @@ test: lint $(STAMP03)
 	$(PY) -m pytest -q tests
 	@echo "the Bridge tests again, against Megatron-Bridge 0.3.1 ($(VENV03)):"
 	$(VENV03)/bin/python -m pytest -q $(BRIDGE_TESTS)
+
+# The tests that start no process (no gloo cluster, torchrun or writer process): seconds, not minutes.
+test-fast: lint
+	$(PY) -m pytest -q -m "not processes" tests
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py

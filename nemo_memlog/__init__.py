@@ -7,6 +7,18 @@ logging backend, and the report command (cli.py) runs without torch.
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what a type checker and an IDE see: the real signatures (loaded lazily below)
+    from .composition import report_model_state
+    from .config import LoggerConfig, from_overrides
+    from .failure.recorder import FlightRecorder
+    from .hook import close_writers, training_log
+    from .memory import DEFAULT_MEMORY_KEYS, capacity_report, report_memory, reset_peaks
+    from .monitor import MemoryMonitor
+    from .phase import memory_phase
+    from .reduce import GatheredMemory, MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
+    from .writers import build_writers
 
 _EXPORTS = {
     "LoggerConfig": "config",
@@ -15,6 +27,8 @@ _EXPORTS = {
     "close_writers": "hook",
     "DEFAULT_MEMORY_KEYS": "memory",
     "report_memory": "memory",
+    "capacity_report": "memory",
+    "MemoryMonitor": "monitor",
     "reset_peaks": "memory",
     "memory_phase": "phase",
     "report_model_state": "composition",
@@ -26,7 +40,25 @@ _EXPORTS = {
     "FlightRecorder": "failure.recorder",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # written out, so a linter and a type checker read it (a test keeps it equal to _EXPORTS)
+    "DEFAULT_MEMORY_KEYS",
+    "FlightRecorder",
+    "GatheredMemory",
+    "LoggerConfig",
+    "MemoryMonitor",
+    "MemoryReduceError",
+    "build_writers",
+    "capacity_report",
+    "close_writers",
+    "from_overrides",
+    "gather_memory",
+    "memory_phase",
+    "reduce_max_memory_across_pp_group",
+    "report_memory",
+    "report_model_state",
+    "reset_peaks",
+    "training_log",
+]
 __version__ = "0.2.0"
 
 

@@ -34,3 +34,58 @@ def pp4():
     """World 4 = PP 4: one PP group of every rank."""
     with Cluster(world=4, pp=4) as cluster:
         yield cluster
+
+
+#: Fixtures that start processes (a gloo cluster, torchrun, the demo, a Lightning job).
+LAUNCHING_FIXTURES = {
+    "bridge_alone",
+    "demo",
+    "flag_off",
+    "job",
+    "killed",
+    "pp2",
+    "pp2dp2",
+    "pp2dp2_bridge",
+    "pp4",
+    "preempted",
+    "runs",
+    "stage2_holds_most",
+    "started",
+    "torn_down",
+    "two_runs",
+    "under_a_limit",
+    "with_callback",
+    "with_phases",
+}
+#: Modules whose tests start processes themselves (torchrun, a writer process, a Cluster of their own).
+LAUNCHING_MODULES = {
+    "test_bench_smoke",
+    "test_bridge",
+    "test_demo",
+    "test_lightning",
+    "test_misuse",
+    "test_no_group",
+    "test_postmortem_e2e",
+    "test_readme",
+    "test_sigterm",
+    "test_teardown",
+    "test_process",
+    "test_isolation",
+    "test_folders",
+    "test_reduction_group",
+    "test_hook",
+    "test_reduce",
+    "test_recorder",
+    "test_phase",
+    "test_peak_window",
+    "test_host_limit",
+    "test_composition",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests that start processes: ``make test-fast`` runs the others (``-m "not processes"``)."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in LAUNCHING_MODULES or LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.processes)

@@ -111,12 +111,21 @@ def _absolute(module: Module, node: ast.ImportFrom) -> str:
 
 
 def _function_nodes(tree: ast.AST) -> set[int]:
-    """ids of the nodes inside a function or lambda: imports there run only when it is called."""
+    """ids of the nodes inside a function or lambda (imports there run only when it is called) or
+    under ``if TYPE_CHECKING:`` (they never run: a type checker reads them)."""
     inside = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             inside.update(id(child) for child in ast.walk(node) if child is not node)
+        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+            inside.update(id(child) for statement in node.body for child in ast.walk(statement))
     return inside
+
+
+def _is_type_checking(test: ast.AST) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 @functools.cache
@@ -227,6 +236,19 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+def test_the_public_names_are_written_out_and_all_load():
+    """``__all__`` is a literal list (a type checker reads it), equal to what loads lazily, and each
+    name the ``TYPE_CHECKING`` block imports for type checkers is the one that loads."""
+    import nemo_memlog
+
+    init = modules()[PACKAGE].tree
+    (listed,) = [n.value for n in init.body if isinstance(n, ast.Assign) and n.targets[0].id == "__all__"]
+    assert isinstance(listed, ast.List) and sorted(ast.literal_eval(listed)) == sorted(nemo_memlog._EXPORTS)
+    checked = {a.asname or a.name for n in ast.walk(init) if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert set(nemo_memlog.__all__) <= checked | {"annotations"}, set(nemo_memlog.__all__) - checked
+    assert all(getattr(nemo_memlog, name) is not None for name in nemo_memlog.__all__)
 
 
 def test_no_module_imports_another_in_a_circle():
