@@ -14,7 +14,7 @@ variant rotating, so that drift and the shared machine's noise hit every variant
               capacity_report() (/proc reads), the flight record (on, as by default),
               gather_memory (pack, ONE collective, unpack, line up), attribution, and on
               the writer rank the hand-off to a thread-mode
-              FanOut of four Sinks (real buffers and threads; backends that write nothing: the
+              ThreadFanOut of four BufferedBackends (real buffers and threads; backends that write nothing: the
               real backends, and the writer process, are part 3)
     reduce    gather_memory(report, group) alone: the reduction part of ``ours``
     bridge    (b) Megatron-Bridge's reduce_max_memory_across_pp_group: float64 all_reduce MAX

@@ -48,7 +48,7 @@ def write_png(run: MemoryRun, metric: str, path) -> Path:
             linewidth=2.2 if stock else 1.5,
             linestyle="--" if stock else "-",
             zorder=2,
-            label=f"stage {stage} (last: what stock dashboards show)" if stock else f"stage {stage}",
+            label=f"stage {stage} (last: what Megatron-LM, Bridge < 0.5 log)" if stock else f"stage {stage}",
         )
     if len(stages) > 1:
         _gap_label(axes, stages, last, metric)
@@ -84,7 +84,7 @@ def _gap_label(axes, stages: dict, last, metric: str) -> None:
         return
     step, peak, shown, peak_stage = found
     if peak <= shown:
-        text = "the last stage holds the peak here: stock dashboards show it"
+        text = "the last stage holds the peak here: last-rank dashboards show it"
         axes.annotate(text, (step, shown), xytext=(-10, 12), textcoords="offset points", ha="right", fontsize="small")
         return
     gap = peak - shown
@@ -98,7 +98,7 @@ def _gap_label(axes, stages: dict, last, metric: str) -> None:
         "", xy=(step, peak), xytext=(step, shown), arrowprops={"arrowstyle": "<->", "color": "tab:red", "lw": 1.5}
     )
     axes.annotate(
-        f"{size}{share} on stage {peak_stage}:\nhidden from stock dashboards",
+        f"{size}{share} on stage {peak_stage}:\nhidden from last-rank dashboards",
         (step, (peak + shown) / 2),
         xytext=(-8, 0),
         textcoords="offset points",
