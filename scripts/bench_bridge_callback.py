@@ -4,7 +4,7 @@
     python scripts/bench_bridge_callback.py --world 2 --pp 2 --calls 5000
 
 Every rank (gloo, megatron-core's parallel_state) builds a real Megatron-Bridge GlobalState
-and ConfigContainer (tests/bridge_harness.py), fires on_train_start through Bridge's
+and ConfigContainer (nemo_memlog/testing/bridge_harness.py), fires on_train_start through Bridge's
 CallbackManager, then times, interleaved and alternating which goes first:
 ``on_train_step_end`` off-interval (the method Bridge's manager calls) and
 ``nemo_memlog.training_log`` off-interval, and counts the collectives both issued.
@@ -20,8 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from nemo_memlog.testing.bridge_harness import bench_off_interval  # noqa: E402
 from nemo_memlog.testing.cluster import Cluster  # noqa: E402
-from tests.bridge_harness import bench_off_interval  # noqa: E402
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Read back what a harness run (tests/bridge_harness.py) left in its loggers' stores.
+"""Read back what a harness run (nemo_memlog/testing/bridge_harness.py) left in its loggers' stores.
 
 Raw, so that duplicates show: TensorBoard events are counted one by one from the event
 files (``EventAccumulator`` keeps one event per tag and step), W&B rows come from the

@@ -2,7 +2,7 @@
 ranks. ``make test`` runs this file against Bridge 0.6.2 (.venv) and 0.3.1 (.venv-bridge03);
 what differs between releases is read from the installed version (``BRIDGE``).
 
-tests/bridge_harness.py drives Bridge's loop (real GlobalState, ConfigContainer, loggers,
+nemo_memlog/testing/bridge_harness.py drives Bridge's loop (real GlobalState, ConfigContainer, loggers,
 CallbackManager, training_log) with PP 2 (world 2) and PP 2 x DP 2 (world 4); stage 0
 holds a ballast, so the pipeline's host peak is on the first stage while Bridge logs from
 the last rank. Then the last rank's stores are read back raw (tests/bridge_readback.py):
@@ -18,10 +18,8 @@ import statistics
 import numpy as np
 import pytest
 
-from nemo_memlog.testing.cluster import Cluster
-from nemo_memlog.testing.collectives import GATHER
-from tests.bridge_env import bridge_version
-from tests.bridge_harness import (
+from nemo_memlog.testing.bridge_env import bridge_version
+from nemo_memlog.testing.bridge_harness import (
     RunSpec,
     bench_off_interval,
     bridge_logger_names,
@@ -31,6 +29,8 @@ from tests.bridge_harness import (
     exit_early_then_train_again,
     train,
 )
+from nemo_memlog.testing.cluster import Cluster
+from nemo_memlog.testing.collectives import GATHER
 from tests.bridge_readback import mlflow_experiments, mlflow_runs, tensorboard_events, wandb_run
 
 CALLBACK = {"memory_reduce_scope": "pp", "memory_per_stage_keys": ["peak_*"], "memory_reduce_timeout_s": 60}

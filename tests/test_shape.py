@@ -251,6 +251,18 @@ def test_the_public_names_are_written_out_and_all_load():
     assert all(getattr(nemo_memlog, name) is not None for name in nemo_memlog.__all__)
 
 
+def test_no_script_or_package_module_imports_the_tests():
+    """Scripts and tests share helpers through nemo_memlog.testing only: never ``import tests``."""
+    root = PACKAGE_DIR.parent
+    offenders = []
+    for path in [*PACKAGE_DIR.rglob("*.py"), *(root / "scripts").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            offenders += [f"{path.relative_to(root)}: {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    assert not offenders, offenders
+
+
 def test_no_module_imports_another_in_a_circle():
     graph, lines = {}, {}
     for name, module in modules().items():

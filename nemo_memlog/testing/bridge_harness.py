@@ -10,7 +10,7 @@ opened as its ``setup()`` opens them (TensorBoard and W&B; MLflow on first use),
 ``on_train_step_end``, ``train_state.step += 1``, ``training_log`` (which logs that
 iteration at the incremented step); after the loop the TensorBoard flush,
 ``on_train_end``, and what ``_finish_train`` does to the loggers (``wandb.finish()``).
-The CUDA calls Bridge makes are pointed at the CPU by ``tests.bridge_env``.
+The CUDA calls Bridge makes are pointed at the CPU by ``nemo_memlog.testing.bridge_env``.
 
 The train step is a real SGD step on a tiny model. Stage 0 also holds a ballast of host
 memory, as a real first stage holds the most in-flight activations, so the pipeline's
@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from tests import bridge_env
+from . import bridge_env
 
 MB = 2**20
 
