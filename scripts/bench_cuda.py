@@ -4,7 +4,7 @@ step against Megatron-Bridge's, the floor, and a logging step behind queued GPU 
     python scripts/bench_cuda.py                 # statistics; the GPU part too where CUDA is present
     python scripts/bench_cuda.py --reps 3000 --json out.json
 
-What each number is: nemo_memlog/testing/bench/cuda.py (also part 5 of scripts/bench_overhead.py).
+What each number is: scripts/bench/cuda.py (also part 5 of scripts/bench_overhead.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from nemo_memlog.testing.bench.cuda import gpu_markdown, run_gpu_part, statistics_markdown, statistics_part  # noqa: E402
+from bench.cuda import gpu_markdown, run_gpu_part, statistics_markdown, statistics_part  # noqa: E402
 from nemo_memlog.testing.tmp import private_tmpdir  # noqa: E402
 
 

@@ -68,7 +68,7 @@ The tables show for each variant the largest median (and p90) over the ranks, an
 those medians. Nothing here asserts a timing: on a shared machine only ratios taken in one
 interleaved run mean something.
 
-The parts live in nemo_memlog/testing/bench/, one module each, with their one timing helper.
+The parts live in scripts/bench/, one module each, with their one timing helper.
 """
 
 from __future__ import annotations
@@ -88,23 +88,23 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from demo_model import Stage  # noqa: E402  (scripts/, as demo.py imports it)
-from nemo_memlog.testing.bench.activations import activations_markdown, activations_part  # noqa: E402
-from nemo_memlog.testing.bench.composition import composition_markdown, composition_part  # noqa: E402
-from nemo_memlog.testing.bench.cuda import cuda_markdown, cuda_part  # noqa: E402
-from nemo_memlog.testing.bench.flight_recorder import recorder_markdown, recorder_part  # noqa: E402
-from nemo_memlog.testing.bench.host_limit import host_limit_markdown, host_limit_part  # noqa: E402
-from nemo_memlog.testing.bench.host_memory import host_memory_part, memory_markdown  # noqa: E402
-from nemo_memlog.testing.bench.pp_group import (  # noqa: E402
+from bench.activations import activations_markdown, activations_part  # noqa: E402
+from bench.composition import composition_markdown, composition_part  # noqa: E402
+from bench.cuda import cuda_markdown, cuda_part  # noqa: E402
+from bench.flight_recorder import recorder_markdown, recorder_part  # noqa: E402
+from bench.host_limit import host_limit_markdown, host_limit_part  # noqa: E402
+from bench.host_memory import host_memory_part, memory_markdown  # noqa: E402
+from bench.pp_group import (  # noqa: E402
     DEFAULT_ITERS,
     cluster_row,
     non_logging_markdown,
     pp_markdown,
     run_cluster,
 )
-from nemo_memlog.testing.bench.stand_ins import BACKENDS  # noqa: E402
-from nemo_memlog.testing.bench.timing import wake_penalty  # noqa: E402
-from nemo_memlog.testing.bench.writer import writer_markdown, writer_part  # noqa: E402
+from bench.stand_ins import BACKENDS  # noqa: E402
+from bench.timing import wake_penalty  # noqa: E402
+from bench.writer import writer_markdown, writer_part  # noqa: E402
+from demo_model import Stage  # noqa: E402  (scripts/, as demo.py imports it)
 from nemo_memlog.testing.tmp import private_tmpdir  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Queued GPU work: matmuls put on the current stream, returned from before they run.
 
-Used by the GPU tests (tests/gpu/) and the GPU part of the benchmark (testing/bench/cuda.py).
+Used by the GPU tests (tests/gpu/) and the GPU part of the benchmark (scripts/bench/cuda.py).
 """
 
 from __future__ import annotations

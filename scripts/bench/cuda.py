@@ -33,9 +33,9 @@ import traceback
 
 import torch
 
-from nemo_memlog.testing.bench.anchors import bridge_all_reduce_max, bridge_report_memory
-from nemo_memlog.testing.bench.stand_ins import fed_statistics, h100_statistics
-from nemo_memlog.testing.bench.timing import interleaved, per_call_ns, summarise
+from bench.anchors import bridge_all_reduce_max, bridge_report_memory
+from bench.stand_ins import fed_statistics, h100_statistics
+from bench.timing import interleaved, per_call_ns, summarise
 
 GB = 1e9
 

@@ -16,7 +16,7 @@ import os
 import random
 import time
 
-from nemo_memlog.testing.bench.timing import python_work, rounds_for, summary
+from bench.timing import python_work, rounds_for, summary
 
 MODES = ("thread", "process")
 WRITER_SETTLE_S = 0.03  # lets a backend's own background work (W&B's service, Comet's streamer) finish

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 #: The repository (a source checkout): tests/data and tests/trainer.py live there.
-REPOSITORY = Path(__file__).resolve().parents[3]
+REPOSITORY = Path(__file__).resolve().parents[2]  # scripts/bench/stand_ins.py -> the repository
 H100_STATISTICS = REPOSITORY / "tests" / "data" / "h100_memory_stats_nested.json"
 #: The backends the benchmark writes to, by their writer modules' names.
 BACKENDS = ("comet", "mlflow", "tensorboard", "wandb")

@@ -10,8 +10,8 @@ import json
 import subprocess
 import sys
 
-from nemo_memlog.testing.bench.stand_ins import REPOSITORY
-from nemo_memlog.testing.bench.writer import MODES
+from bench.stand_ins import REPOSITORY
+from bench.writer import MODES
 
 TRAINER = REPOSITORY / "tests" / "trainer.py"
 

@@ -17,9 +17,9 @@ import traceback
 import torch
 import torch.distributed as dist
 
-from nemo_memlog.testing.bench.anchors import bridge_reduce_max, composer_reduce
-from nemo_memlog.testing.bench.stand_ins import exchange, fed_statistics, h100_cuda_stats, null_fanout
-from nemo_memlog.testing.bench.timing import interleaved, per_call_ns, summarise, summary
+from bench.anchors import bridge_reduce_max, composer_reduce
+from bench.stand_ins import exchange, fed_statistics, h100_cuda_stats, null_fanout
+from bench.timing import interleaved, per_call_ns, summarise, summary
 from nemo_memlog.testing.cluster import free_port
 from nemo_memlog.testing.collectives import count_collectives
 

@@ -17,9 +17,9 @@ import statistics
 import tempfile
 import time
 
-from nemo_memlog.testing.bench.pp_group import NON_LOGGING_INTERVAL
-from nemo_memlog.testing.bench.stand_ins import NullBackend, fed_statistics, h100_cuda_stats
-from nemo_memlog.testing.bench.timing import interleaved, per_call_ns, summarise
+from bench.pp_group import NON_LOGGING_INTERVAL
+from bench.stand_ins import NullBackend, fed_statistics, h100_cuda_stats
+from bench.timing import interleaved, per_call_ns, summarise
 
 
 def recorder_part(repetitions: int, off_calls: int, rounds: int) -> dict:
