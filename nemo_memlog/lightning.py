@@ -126,6 +126,7 @@ class MemoryLogCallback(*_callback_bases()):
         monitor.place()
         if monitor.is_writer_rank:
             monitor.use_writers(adopt_writers(trainer.loggers))
+        monitor.state_facts(**_facts(trainer))
         self.monitor, self.interval = monitor, interval
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -170,6 +171,19 @@ class MemoryLogCallback(*_callback_bases()):
             self.monitor.flush()  # the loggers' save(); the Trainer finalizes them
             self.monitor.release_reduction()  # its gloo group, if it made one
             self.monitor = None
+
+
+def _facts(trainer) -> dict:
+    """What the per-layer record says of the run (nemo-memlog advise): the train dataloader's batch
+    size as the micro-batch size, gradient accumulation's batches as the microbatches per step."""
+    loader = getattr(trainer, "train_dataloader", None)
+    size = getattr(loader, "batch_size", None)
+    accumulate = getattr(trainer, "accumulate_grad_batches", None)
+    return {
+        "framework": "lightning",
+        "micro_batch_size": size if isinstance(size, int) else None,
+        "microbatches": accumulate if isinstance(accumulate, int) else None,
+    }
 
 
 def _scope() -> str:
