@@ -50,7 +50,9 @@ def test_records_header_and_ring_read_back(tmp_path):
     report = full_report()
     for iteration in range(1, 41):
         recorder.record(iteration * 10, report)
-    time.sleep(0.3)
+    deadline = time.monotonic() + 30  # the liveness thread beats every 0.05 s: wait for three beats
+    while ((read_back(recorder.path)[1] or {}).get("beats") or 0) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
     header, liveness, steps = read_back(recorder.path)
     assert Path(recorder.path).name == "rank-00000.memrec"
     assert Path(recorder.path).stat().st_size == records.file_bytes(records.DEFAULT_SLOTS, records.DEFAULT_SLOT_BYTES)
@@ -79,7 +81,6 @@ def test_what_tests_pass_instead_of_patching(tmp_path):
     who = {"run_id": "sim", "rank": 5, "world_size": 8, "pp_rank": 1, "tp_rank": 0, "dp_rank": 1, "host": "node-7"}
     recorder = FlightRecorder(tmp_path, identity=who, clock=lambda: 1000.0, liveness=False, liveness_period_s=0.01)
     recorder.record(3, {"x": 1.0})
-    time.sleep(0.1)
     recorder.abandon()
     assert not recorder.is_open and recorder.fileno() is None
     header, liveness, found = read_back(recorder.path)
