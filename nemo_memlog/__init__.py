@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what a type checker and an IDE see: the real signatures (loaded lazily below)
+    from .attribution import GatheredMemory
     from .composition import report_model_state
     from .config import LoggerConfig, from_overrides
     from .failure.recorder import FlightRecorder
@@ -17,7 +18,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see: the real signatures (lo
     from .memory import DEFAULT_MEMORY_KEYS, capacity_report, report_memory, reset_peaks
     from .monitor import MemoryMonitor
     from .phase import memory_phase
-    from .reduce import GatheredMemory, MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
+    from .reduce import MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
     from .writers import build_writers
 
 _EXPORTS = {
@@ -32,7 +33,7 @@ _EXPORTS = {
     "reset_peaks": "memory",
     "memory_phase": "phase",
     "report_model_state": "composition",
-    "GatheredMemory": "reduce",
+    "GatheredMemory": "attribution",
     "MemoryReduceError": "reduce",
     "gather_memory": "reduce",
     "reduce_max_memory_across_pp_group": "reduce",

@@ -1,6 +1,7 @@
 """Turn gathered per-stage reports into the logged memory metrics. Pure: no collective.
 
-From one GatheredMemory (position i = pipeline stage i) it derives:
+``line_up(keys, reports)`` lines the reports the collective delivered up by key: the per-key
+maximum and the rank holding it (a ``GatheredMemory``). From one GatheredMemory (position i = pipeline stage i) it derives:
 
     memory/<name>                     max over stages (what the dashboards plotted before, fixed)
     memory/peak_stage/<name>          int: the stage holding that max (lowest stage on ties)
@@ -22,8 +23,46 @@ the run, or the interval since the previous logging step); everything above foll
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import lru_cache
+
+
+@dataclass
+class GatheredMemory:
+    """Every rank's report, lined up. Ranks are positions in the group (pp stage for a PP group)."""
+
+    keys: tuple[str, ...]
+    per_rank: list[list]  # per_rank[r][i]: rank r's value of keys[i], None where missing
+    maximum: dict = field(default_factory=dict)  # key -> max over ranks (keys every rank lacks: absent)
+    peak_rank: dict = field(default_factory=dict)  # key -> the rank holding the maximum (lowest on ties)
+
+
+def line_up(keys: tuple[str, ...], reports: list) -> GatheredMemory:
+    """Every rank's values (``payload.RankReport``), lined up by ``keys``: the per-key maximum
+    and the lowest rank holding it. Pure: no collective, no mutation."""
+    per_rank = [report.values for report in reports]
+    maximum = {}
+    peak_rank = {}
+    for key, column in zip(keys, zip(*per_rank)):
+        try:
+            best = max(column)  # the first of equal maxima: the lowest rank holds a tie
+        except TypeError:  # None (missing on some rank) does not compare
+            best = None
+        if best is None:
+            present = [value for value in column if value is not None]
+            if not present:
+                continue
+            best = max(present)
+            rank = next(r for r, value in enumerate(column) if value is not None and value == best)
+        else:
+            rank = column.index(best)
+        if type(best) is int and float in map(type, column):
+            best = float(best)  # one rank sent a float: the key is a float key
+        maximum[key] = best
+        peak_rank[key] = rank
+    return GatheredMemory(keys, per_rank, maximum, peak_rank)
+
 
 PREFIX = "memory/"
 #: Capacity keys (memory.capacity_report) feed headroom; their max has no "peak stage".

@@ -28,13 +28,13 @@ import functools
 import math
 import time
 import weakref
-from dataclasses import dataclass, field
 
 import numpy
 import torch
 import torch.distributed as dist
 
 from . import payload
+from .attribution import GatheredMemory, line_up
 from .config import default_of
 from .failure.identity import default_store
 from .failure.records import PEER_LOSS
@@ -51,16 +51,6 @@ EXCHANGE = "all_gather"
 
 class MemoryReduceError(RuntimeError):
     """Ranks of the group disagree (keys, iteration) or one did not join in time."""
-
-
-@dataclass
-class GatheredMemory:
-    """Every rank's report, lined up. Ranks are positions in the group (pp stage for a PP group)."""
-
-    keys: tuple[str, ...]
-    per_rank: list[list]  # per_rank[r][i]: rank r's value of keys[i], None where missing
-    maximum: dict = field(default_factory=dict)  # key -> max over ranks (keys every rank lacks: absent)
-    peak_rank: dict = field(default_factory=dict)  # key -> the rank holding the maximum (lowest on ties)
 
 
 #: How long a helper call waits for the other ranks: LoggerConfig's memory_reduce_timeout_s default.
@@ -162,32 +152,6 @@ def twin_for(group):
         if twin is not None:
             return twin
     return None
-
-
-def line_up(keys: tuple[str, ...], reports: list) -> GatheredMemory:
-    """Every rank's values (``payload.RankReport``), lined up by ``keys``: the per-key maximum
-    and the lowest rank holding it. Pure: no collective, no mutation."""
-    per_rank = [report.values for report in reports]
-    maximum = {}
-    peak_rank = {}
-    for key, column in zip(keys, zip(*per_rank)):
-        try:
-            best = max(column)  # the first of equal maxima: the lowest rank holds a tie
-        except TypeError:  # None (missing on some rank) does not compare
-            best = None
-        if best is None:
-            present = [value for value in column if value is not None]
-            if not present:
-                continue
-            best = max(present)
-            rank = next(r for r, value in enumerate(column) if value is not None and value == best)
-        else:
-            rank = column.index(best)
-        if type(best) is int and float in map(type, column):
-            best = float(best)  # one rank sent a float: the key is a float key
-        maximum[key] = best
-        peak_rank[key] = rank
-    return GatheredMemory(keys, per_rank, maximum, peak_rank)
 
 
 def _check_iterations(reports: list, iteration: int | None, interval: int | None, group) -> None:

@@ -182,7 +182,7 @@ def pieces(run, report, unified) -> dict:
     channel = run.reduction.channel(group)
     layout = channel.layout
     reports = payload.unpack(layout, channel.recv_words, channel.ranks)
-    gathered = reduce.line_up(layout.keys, reports)
+    gathered = attribution.line_up(layout.keys, reports)
     channel.send_rows[1:] = channel.send_words  # every row is this rank's words, as all_to_all sends them
     fanout = null_fanout()
     return {
@@ -192,7 +192,7 @@ def pieces(run, report, unified) -> dict:
         "all_gather": lambda it: reduce.all_gather_single(channel.recv, channel.send_row, group).wait(),
         "all_to_all": lambda it: reduce.all_to_all_single(channel.recv, channel.send, group).wait(),
         "unpack": lambda it: payload.unpack(layout, channel.recv_words, channel.ranks),
-        "line_up": lambda it: reduce.line_up(layout.keys, reports),
+        "line_up": lambda it: attribution.line_up(layout.keys, reports),
         "attribution": lambda it: attribution.memory_metrics(gathered, ("peak_*",)),
         "hand_off": lambda it: fanout.log(unified, it),
     }
