@@ -1,7 +1,8 @@
 """Turn gathered per-stage reports into the logged memory metrics. Pure: no collective.
 
 ``line_up(keys, reports)`` lines the reports the collective delivered up by key: the per-key
-maximum and the rank holding it (a ``GatheredMemory``). From one GatheredMemory (position i = pipeline stage i) it derives:
+maximum and the rank holding it (a ``GatheredMemory``). From one GatheredMemory (position i =
+pipeline stage i) it derives:
 
     memory/<name>                     max over stages (what the dashboards plotted before, fixed)
     memory/peak_stage/<name>          int: the stage holding that max (lowest stage on ties)

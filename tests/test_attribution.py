@@ -1,7 +1,6 @@
 """attribution: per-stage values, peak stage and headroom from lined-up stage reports (pure)."""
 
-from nemo_memlog.attribution import low_headroom, memory_metrics
-from nemo_memlog.attribution import GatheredMemory
+from nemo_memlog.attribution import GatheredMemory, low_headroom, memory_metrics
 
 KEYS = (
     "peak_reserved_gb",
