@@ -132,6 +132,7 @@ class ActivationMeter:
         self._handles: list = []
         self._session: _Session | None = None
         self.armed = False
+        self.error: str | None = None  # why the last arm() could not measure (the run warns once)
 
     def arm(self, model) -> None:
         """Begin measuring: hooks on ``model``'s chunks, layers and parameters. Idempotent while armed."""
@@ -140,11 +141,12 @@ class ActivationMeter:
         chunks = chunks_of(model)
         if not chunks:
             return
-        layers = find_layers(chunks)
-        session = _Session(layers, _model_storages(chunks))
-        self._session = session
         add = self._handles.append
+        self.error = None
         try:
+            layers = find_layers(chunks)
+            session = _Session(layers, _model_storages(chunks))
+            self._session = session
             for chunk in chunks:
                 add(chunk.register_forward_pre_hook(session.begin))
                 add(chunk.register_forward_hook(session.end, always_call=True))
@@ -155,9 +157,10 @@ class ActivationMeter:
             for param in {id(p): p for chunk in chunks for p in chunk.parameters()}.values():
                 if param.requires_grad:
                     add(param.register_post_accumulate_grad_hook(session.grad_accumulated))
-        except Exception:  # a module that refuses hooks: no measurement, never a failed step
+        except Exception as error:  # a module that refuses hooks, a parameter without storage: never a failed step
             self._remove()
             self._session = None
+            self.error = f"{type(error).__name__}: {error}"
             return
         self.armed = True
 
@@ -233,7 +236,10 @@ class _Held:
 
     def __del__(self):
         if self.micro is not None:
-            self.micro.session.release(self.micro, self.key)
+            try:
+                self.micro.session.release(self.micro, self.key)
+            except Exception:  # noqa: S110 -- at interpreter exit, or a count already dropped: nothing to tell
+                pass
 
 
 class _Session:
@@ -257,12 +263,16 @@ class _Session:
         if self.micro is not None or not torch.is_grad_enabled() or _in_backward():
             self.opened.append(None)  # nested, no grad, or a recompute: not a microbatch
             return
+        try:  # hooks may be disabled here (torch.autograd.graph.disable_saved_tensors_hooks): not measured
+            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
+            hooks.__enter__()
+        except RuntimeError:
+            self.opened.append(None)
+            return
         micro = _Micro(self, len(self.layers))
         self.micros.append(micro)
-        self.micro = micro
-        self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
-        hooks.__enter__()
+        self.micro, self.outer = micro, outer
         self.opened.append(hooks)
 
     def end(self, module, args, output) -> None:
@@ -299,10 +309,13 @@ class _Session:
         micro = self.micro
         if micro is None:
             return _Held(packed, unpack, None, None)
-        key, nbytes = _storage(tensor)
-        if nbytes == 0 or key in self.excluded:
+        try:  # the count never fails a forward: a tensor it cannot read is not counted
+            key, nbytes = _storage(tensor)
+            if nbytes == 0 or key in self.excluded:
+                return _Held(packed, unpack, None, None)
+            self.hold(micro, key, nbytes)
+        except Exception:
             return _Held(packed, unpack, None, None)
-        self.hold(micro, key, nbytes)
         return _Held(packed, unpack, micro, key)
 
     def hold(self, micro: _Micro, key, nbytes: int) -> None:

@@ -94,6 +94,8 @@ class MemoryMonitor:
         if self.enabled and model is not None and not iteration % self.interval:
             composition.check_model_and_optimizer(model, None)
             self.meter.arm(model)
+            if self.meter.error is not None:
+                self.warn_once(("activations",), f"activations cannot be measured on this model ({self.meter.error})")
 
     def state_facts(self, **facts) -> None:
         """What the run knows of itself, for the per-layer record and ``nemo-memlog advise``:

@@ -293,3 +293,16 @@ def test_the_call_before_a_logging_iteration_arms_and_closing_the_run_disarms():
         close_writers()  # the run ends before iteration 3: the hooks come off
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
+
+
+def test_a_forward_where_saved_tensor_hooks_are_disabled_runs_unmeasured():
+    """Some libraries forbid saved-tensor hooks in a region (disable_saved_tensors_hooks): the
+    meter must not fail that forward; it counts the microbatches it could see."""
+    model = blocks(1)
+    meter = ActivationMeter()
+    meter.arm(model)
+    with torch.autograd.graph.disable_saved_tensors_hooks("not here"):
+        model(microbatch(0)).square().mean().backward()  # would raise if the meter pushed its hooks
+    model(microbatch(1)).square().mean().backward()
+    seen = meter.finish()
+    assert seen.microbatches == 1 and seen.microbatches_in_flight == 1
