@@ -53,7 +53,10 @@ def _wait_for(condition, timeout_s: float, what: str, proc) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture(scope="module", params=["before_the_backends_opened", "after_the_backends_opened"])
+@pytest.fixture(
+    scope="module",
+    params=["before_the_backends_opened", "after_the_backends_opened", "after_the_backends_opened-thread"],
+)
 def torn_down(request, tmp_path_factory):
     ok, why = cgroups.available()
     if not ok:
@@ -65,6 +68,8 @@ def torn_down(request, tmp_path_factory):
     command += ["--master-port", str(free_port()), str(ROOT / "scripts" / "demo.py"), "train.iters=100000"]
     command += ["logger.tensorboard_log_interval=1", f"run.root={root}", "run.name=job", "train.save_every=0"]
     command += ["train.micro_batch_size=4", "train.seq_len=16"]
+    if request.param.endswith("-thread"):  # the backends in threads of the writer rank's own process
+        command += ["logger.writer_mode=thread"]
     lines: list[str] = []
     with cgroups.memory_cgroup(JOB_LIMIT) as group:
         proc = group.popen(
@@ -78,7 +83,7 @@ def torn_down(request, tmp_path_factory):
         )
         threading.Thread(target=_read_into, args=(proc.stderr, lines), daemon=True).start()
         try:
-            if request.param == "before_the_backends_opened":
+            if request.param.startswith("before"):
                 _wait_for(lambda: _progress(list(lines)) >= 2, 150, "two logged steps", proc)
             else:
                 _wait_for(lambda: len(tensorboard_steps(run)) >= 6, 150, "six steps in TensorBoard", proc)
