@@ -52,11 +52,13 @@ $(STAMP): pyproject.toml constraints.txt constraints-bridge-0.6.txt Makefile
 $(STAMP03): pyproject.toml constraints.txt constraints-bridge-0.3.txt Makefile
 	$(call build_env,$(VENV03),constraints-bridge-0.3.txt,)
 
-# Style first: a lint or format error fails in seconds, before the second environment is
-# built and before the suite. To fix what it finds: .venv/bin/ruff format . && .venv/bin/ruff check --fix .
+# Style and types first: a lint, format or type error fails in seconds, before the second
+# environment is built and before the suite (mypy over pyproject's [tool.mypy] files).
+# To fix what ruff finds: .venv/bin/ruff format . && .venv/bin/ruff check --fix .
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 test: lint $(STAMP03)
 	$(PY) -m pytest -q tests

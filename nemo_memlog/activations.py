@@ -30,6 +30,7 @@ that fails counts nothing more and leaves training as it was).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -90,8 +91,9 @@ def find_layers(model) -> list[Layer]:
 
 def _unwrapped(module: nn.Module) -> nn.Module:
     """Through DDP / Float16Module-style wrappers (``.module``) to the model."""
-    while isinstance(getattr(module, "module", None), nn.Module):
-        module = module.module
+    inner = getattr(module, "module", None)
+    while isinstance(inner, nn.Module):
+        module, inner = inner, getattr(inner, "module", None)
     return module
 
 
@@ -251,7 +253,7 @@ class _Session:
         self.excluded = excluded
         self.micros: list[_Micro] = []
         self.micro: _Micro | None = None  # the microbatch whose forward is running
-        self.outer = None  # the saved-tensor hooks installed outside that forward, chained
+        self.outer: Any = None  # the saved-tensor hooks installed outside that forward, chained
         self.opened: list = []  # per chunk forward entered: its hooks context, or None
         self.layer_stack: list[int] = []
         self.live = self.peak = 0

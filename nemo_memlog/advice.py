@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 #: The part names, bottom to top, as the JSON and the picture show them.
 PARTS = (
@@ -92,7 +93,7 @@ class Run:
 @dataclass(frozen=True)
 class Change:
     name: str
-    value: object
+    value: Any
     text: str
 
 

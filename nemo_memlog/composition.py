@@ -245,7 +245,7 @@ def optimizer_facts(optimizer) -> dict:
 
 def _master_groups(optimizer) -> list:
     """Megatron's fp32 master copies held by a wrapper (mixed-precision, distributed optimizer)."""
-    groups = []
+    groups: list = []
     for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups", "shard_fp32_groups"):
         groups += getattr(optimizer, name, None) or []
     return groups

@@ -144,12 +144,12 @@ def _refuse_unknown_fields(init):
     return checked_init
 
 
-LoggerConfig.__init__ = _refuse_unknown_fields(LoggerConfig.__init__)
+LoggerConfig.__init__ = _refuse_unknown_fields(LoggerConfig.__init__)  # type: ignore[method-assign]
 
 
 def default_of(name: str):
     spec = _OURS[name]
-    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default
+    return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default  # type: ignore[operator, misc]
 
 
 def logger_section(config):
@@ -432,7 +432,7 @@ def from_overrides(overrides: list[str], base: LoggerConfig | None = None) -> Lo
     schema = OmegaConf.structured(base or LoggerConfig())
     try:
         merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(ours))
-        return OmegaConf.to_object(merged)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]  # a LoggerConfig: the schema's class
     except OmegaConfBaseException as error:
         known = ", ".join(_OURS)
         raise ValueError(f"bad logger override in {overrides!r}: {error.msg}\nKnown logger fields: {known}") from None

@@ -12,6 +12,7 @@ import os
 import re
 import warnings
 from functools import cache, lru_cache
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | 
     device, stats = allocator_stats()
     report: dict[str, int | float] = {}
     for logged_name, path, in_bytes in plan:
-        value = stats
+        value: Any = stats
         try:
             for part in path:
                 value = value[part]

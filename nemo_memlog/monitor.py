@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch.distributed as dist
 
@@ -62,8 +63,8 @@ class MemoryMonitor:
         self.record_dir = self.settings.record_dir  # absolute now, as the working directory is now; None: off
         self.warnings = WarnOnce(secrets=secrets_of(self.settings))
         self.reduction = Reduction(self.warnings)
-        self.group = None  # resolved at placement
-        self.recorder = None  # opened at placement, when the coordinates are known
+        self.group: Any = None  # resolved at placement
+        self.recorder: Any = None  # opened at placement, when the coordinates are known
         self.writers = writers
         self._owns_writers = writers is None
         self._groups = (pp_group, pg_collection)
@@ -75,7 +76,7 @@ class MemoryMonitor:
         self.facts: dict = {}  # the run's facts for the per-layer record (layer_record.py): as known
         self.meter = ActivationMeter()  # armed on logging iterations only
         self._state: dict | None = None  # the last model state counted (for the OOM record)
-        self._measured = None  # the last activations measured (for the OOM record)
+        self._measured: Any = None  # the last activations measured (for the OOM record)
         self._optimizer_facts: dict = {}  # the optimizer's class and whether it is sharded
 
     def log(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict | None:
@@ -236,7 +237,8 @@ class MemoryMonitor:
             in_layers = {id(p) for params in owned for p in params}
             rest = [p for chunk in chunks_of(model) for p in chunk.parameters() if id(p) not in in_layers]
             states = composition.layer_state([*owned, rest], optimizer, measured.grads, self._state)
-            stage_keys = (*composition.NAMES, *composition.DERIVED, "peak_allocated_gb", "peak_reserved_gb")
+            stage_keys: tuple[str, ...] = (*composition.NAMES, *composition.DERIVED, "peak_allocated_gb")
+            stage_keys += ("peak_reserved_gb",)
             stage_keys += ("device_other_gb", "device_total_gb", "peak_host_rss_gb", "host_total_gb", "host_limit_gb")
             stage = {key: report[key] for key in stage_keys if key in report and report[key] == report[key]}
             stage.update(microbatches=measured.microbatches, chunks=len(chunks_of(model)))

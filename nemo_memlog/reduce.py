@@ -238,7 +238,7 @@ def fits(mine: tuple[str, ...], agreed: tuple[str, ...]) -> bool:
 
 
 def _key_mismatch_message(key_lists: list, group) -> str:
-    union = []
+    union: list = []
     for keys in key_lists:
         union.extend(k for k in keys if k not in union)
     lines = []

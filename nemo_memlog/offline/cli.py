@@ -209,7 +209,7 @@ def _postmortem(args) -> int:
     if not args.no_png and (args.png or not args.json):
         png = _postmortem_png(postmortem, args.png or args.run_dir / POSTMORTEM_PNG_NAME)
     if args.json:
-        print(json_text(postmortem, png and str(png)))
+        print(json_text(postmortem, str(png) if png else None))
     else:
         print(format_text(postmortem, all_rows=args.all))
         if png:
