@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .composition import modules_of
+
 GB = 1e9
 #: The ``kind`` of a layer in the record: a transformer layer, Megatron's embedding and output
 #: layer, the items of a repeated container, and everything else on the stage.
@@ -55,9 +57,7 @@ class Layer:
 
 def chunks_of(model) -> list[nn.Module]:
     """The stage's chunks: ``model`` itself, or the items of Megatron's list of chunks."""
-    if model is None:
-        return []
-    return [m for m in (model if isinstance(model, (list, tuple)) else [model]) if isinstance(m, nn.Module)]
+    return [m for m in modules_of(model) if isinstance(m, nn.Module)]
 
 
 def find_layers(model) -> list[Layer]:

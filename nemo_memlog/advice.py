@@ -475,6 +475,25 @@ def fmt(value: float | None) -> str:
 PREFIX = "memory/"
 
 
+def stage_parts(figure, gpu: bool) -> dict:
+    """One stage's parts (PARTS) from its figures as logged: ``figure(name)`` is a logged name's
+    value, or None. GPU: temporaries, slack and the memory outside the allocator as measured; CPU:
+    the rest of the process's resident memory (interpreter, libraries, buffers) as ``outside_gb``.
+    A figure that is absent or NaN counts as 0."""
+    parts = {name: _gb(figure(name)) for name in (*MODEL_STATE, "activations_gb")}
+    if gpu:
+        parts["temporaries_gb"] = _gb(figure("temporaries_gb"))
+        parts["allocator_slack_gb"] = _gb(figure("allocator_slack_gb"))
+        parts["outside_gb"] = _gb(figure("device_other_gb"))
+    else:
+        parts["outside_gb"] = max(_gb(figure("peak_host_rss_gb")) - sum(parts.values()), 0.0)
+    return parts
+
+
+def _gb(value) -> float:
+    return float(value) if isinstance(value, (int, float)) and value == value else 0.0
+
+
 def run_from_unified(unified: dict, facts: dict, layout: dict) -> Run | None:
     """The run as one logging step's unified dict shows it (per-stage keys, no layers), with the
     run's ``facts`` and ``layout`` (pp/dp sizes, local_world_size); None where activations or the
@@ -484,14 +503,7 @@ def run_from_unified(unified: dict, facts: dict, layout: dict) -> Run | None:
         row = f"{PREFIX}pp_stage_{stage}/"
         if row + "activations_gb" not in unified or row + "params_gb" not in unified:
             return None
-        parts = {name: unified.get(row + name, 0.0) for name in (*MODEL_STATE, "activations_gb")}
-        if gpu:
-            parts["temporaries_gb"] = unified.get(row + "temporaries_gb", 0.0)
-            parts["allocator_slack_gb"] = unified.get(row + "allocator_slack_gb", 0.0)
-            parts["outside_gb"] = unified.get(row + "device_other_gb", 0.0)
-        else:
-            rss = unified.get(row + "peak_host_rss_gb")
-            parts["outside_gb"] = max((rss or 0.0) - sum(parts.values()), 0.0)
+        parts = stage_parts(lambda name, row=row: unified.get(row + name), gpu)
         in_flight = unified.get(row + "microbatches_in_flight")
         stages.append(Stage(stage, parts, int(in_flight) if in_flight is not None else None))
     if gpu:
@@ -540,10 +552,8 @@ def oom_run(report: dict, oom: dict, record: dict | None) -> Run | None:
     parts = {name: report.get(name) for name in (*MODEL_STATE, "activations_gb")}
     if any(not isinstance(value, (int, float)) or value != value for value in parts.values()):
         return None
-    requested = (oom.get("bytes_requested") or 0) / 1e9
-    parts["temporaries_gb"] = (report.get("temporaries_gb") or 0.0) + requested
-    parts["allocator_slack_gb"] = report.get("allocator_slack_gb") or 0.0
-    parts["outside_gb"] = report.get("device_other_gb") or 0.0
+    parts = stage_parts(report.get, gpu=True)
+    parts["temporaries_gb"] += (oom.get("bytes_requested") or 0) / 1e9
     record = record or {}
     facts = record.get("run", {})
     in_flight = report.get("microbatches_in_flight")

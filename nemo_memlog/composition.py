@@ -90,7 +90,7 @@ def _described(value) -> str:
 
 def report_model_state(model, optimizer=None) -> dict[str, float]:
     """This rank's model state in GB (the module docstring), counted now. Floats; mutates nothing."""
-    return _count(_modules(model), optimizer)
+    return _count(modules_of(model), optimizer)
 
 
 class ModelState:
@@ -102,7 +102,7 @@ class ModelState:
         self._first = (None, None)  # (the modules' ids, their first parameter): found once per model
 
     def report(self, model, optimizer=None) -> dict[str, float]:
-        modules = _modules(model)
+        modules = modules_of(model)
         ids = tuple(map(id, modules))
         if self._first[0] != ids:  # Module.parameters() walks the module tree: once, not every step
             self._first = (ids, next((p for m in modules for p in m.parameters()), None))
@@ -203,7 +203,8 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and value == value
 
 
-def _modules(model) -> list:
+def modules_of(model) -> list:
+    """``model`` as a list of modules: itself, or the items of Megatron's (or Lightning's) list of chunks."""
     if model is None:
         return []
     return list(model) if isinstance(model, (list, tuple)) else [model]

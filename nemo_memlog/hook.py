@@ -91,7 +91,7 @@ def training_log(
         if facts:  # read on logging iterations only
             run.state_facts(**facts)
         logged = run.log_step(iteration, metrics, model=model, optimizer=optimizer)
-    if model is not None:  # the next iteration's activations, if it logs: measured from now to its call
+    if model is not None and not (iteration + 1) % run.interval:  # the next iteration logs: measure it
         run.before_iteration(iteration + 1, model)
     return logged
 

@@ -51,20 +51,31 @@ def write(folder, record: dict) -> Path:
     return path
 
 
+def read_rank(folder, rank: int) -> dict | None:
+    """Rank ``rank``'s record in ``folder``, or None where it has none (or it cannot be read)."""
+    try:
+        return _checked(Path(folder) / file_name(rank))
+    except (OSError, ValueError):
+        return None
+
+
 def read_folder(folder) -> list[dict]:
     """Every rank's record in ``folder``, by rank; files of another format or a newer version raise
     ValueError naming the file and what to do."""
     records = []
     for path in sorted(Path(folder).glob("rank-*.layers.json")):
-        if not _NAME.match(path.name):
-            continue
-        record = json.loads(path.read_text())
-        if record.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a nemo_memlog per-layer record (format {record.get('format')!r})")
-        if record.get("version", 0) > VERSION:
-            raise ValueError(
-                f"{path}: per-layer record version {record['version']}, newer than this nemo_memlog reads "
-                f"({VERSION}): upgrade nemo_memlog"
-            )
-        records.append(record)
+        if _NAME.match(path.name):
+            records.append(_checked(path))
     return sorted(records, key=lambda record: record["rank"])
+
+
+def _checked(path: Path) -> dict:
+    record = json.loads(path.read_text())
+    if record.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a nemo_memlog per-layer record (format {record.get('format')!r})")
+    if record.get("version", 0) > VERSION:
+        raise ValueError(
+            f"{path}: per-layer record version {record['version']}, newer than this nemo_memlog reads "
+            f"({VERSION}): upgrade nemo_memlog"
+        )
+    return record

@@ -32,6 +32,18 @@ from .payload import scalar
 from .reduce import Reduction, agree_on_restart, takes_part
 from .warn import WarnOnce
 
+#: A stage's figures the per-layer record carries (layer_record.py), where this rank has them.
+RECORDED_STAGE_KEYS = (
+    *composition.NAMES,
+    *composition.DERIVED,
+    "peak_allocated_gb",
+    "peak_reserved_gb",
+    "device_other_gb",
+    "device_total_gb",
+    "peak_host_rss_gb",
+    "host_total_gb",
+    "host_limit_gb",
+)
 #: The dashboard's one advice scalar: the largest micro-batch size predicted to fit on every stage.
 ADVICE_MAX_MICRO_BATCH = "memory/advice/max_micro_batch_size"
 
@@ -103,6 +115,11 @@ class MemoryMonitor:
         ``micro_batch_size``, ``microbatches`` (per iteration), ``global_batch_size``,
         ``distributed_optimizer``, ``recompute``... (None values are ignored)."""
         self.facts.update({name: value for name, value in facts.items() if value is not None})
+
+    @property
+    def run_facts(self) -> dict:
+        """The run's facts as known: the optimizer's (read at the last logging step), then the stated ones."""
+        return {**self._optimizer_facts, **self.facts}
 
     def log_step(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict:
         """``log`` past its gate: callers that gate themselves (training_log) call it directly.
@@ -237,10 +254,7 @@ class MemoryMonitor:
             in_layers = {id(p) for params in owned for p in params}
             rest = [p for chunk in chunks_of(model) for p in chunk.parameters() if id(p) not in in_layers]
             states = composition.layer_state([*owned, rest], optimizer, measured.grads, self._state)
-            stage_keys: tuple[str, ...] = (*composition.NAMES, *composition.DERIVED, "peak_allocated_gb")
-            stage_keys += ("peak_reserved_gb",)
-            stage_keys += ("device_other_gb", "device_total_gb", "peak_host_rss_gb", "host_total_gb", "host_limit_gb")
-            stage = {key: report[key] for key in stage_keys if key in report and report[key] == report[key]}
+            stage = {key: report[key] for key in RECORDED_STAGE_KEYS if key in report and report[key] == report[key]}
             stage.update(microbatches=measured.microbatches, chunks=len(chunks_of(model)))
             rows = []
             for layer, state, activations, inputs in zip(
@@ -257,8 +271,7 @@ class MemoryMonitor:
                         "input_per_microbatch_gb": inputs,
                     }
                 )
-            facts = {**self._optimizer_facts, **self.facts}
-            record = {**self._layout, "iteration": iteration, "time": time.time(), "run": facts}
+            record = {**self._layout, "iteration": iteration, "time": time.time(), "run": self.run_facts}
             layer_record.write(self.record_dir, {**record, "stage": stage, "layers": rows})
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")
@@ -319,9 +332,8 @@ class MemoryMonitor:
 
     def _advice_run(self, logged: dict):
         """advice.Run of this step (per-stage parts, the run's facts), or None where they were not logged."""
-        facts = {**self._optimizer_facts, **self.facts}
         try:
-            return advice.run_from_unified(logged, facts, self._layout)
+            return advice.run_from_unified(logged, self.run_facts, self._layout)
         except (TypeError, ValueError):  # a value that is not a number where a part should be
             return None
 

@@ -57,24 +57,15 @@ def load(path, capacity_gb: float | None = None) -> advice.Run:
     return advice.Run.of(stages, first, facts, gpu=gpu, capacity_gb=capacity, capacity_source=source)
 
 
-def _parts(stage: dict, gpu: bool) -> dict:
-    parts = {name: float(stage.get(name, 0.0)) for name in advice.MODEL_STATE}
-    parts["activations_gb"] = float(stage.get("activations_gb", 0.0))
-    if gpu:
-        parts["temporaries_gb"] = float(stage.get("temporaries_gb", 0.0))
-        parts["allocator_slack_gb"] = float(stage.get("allocator_slack_gb", 0.0))
-        parts["outside_gb"] = float(stage.get("device_other_gb", 0.0))
-    else:  # the rest of the process's resident memory: interpreter, libraries, buffers
-        rest = stage.get("peak_host_rss_gb", 0.0) - sum(parts.values())
-        parts["outside_gb"] = max(float(rest), 0.0)
-    return parts
+def _parts(stage: dict) -> dict:
+    return advice.stage_parts(stage.get, "peak_reserved_gb" in stage)
 
 
 def _stage(stage: int, record: dict) -> advice.Stage:
     figures = record["stage"]
     return advice.Stage(
         stage=stage,
-        parts=_parts(figures, "peak_reserved_gb" in figures),
+        parts=_parts(figures),
         in_flight=figures.get("microbatches_in_flight"),
         chunks=int(figures.get("chunks", 1)),
         layers=tuple(record.get("layers", ())),
@@ -83,7 +74,7 @@ def _stage(stage: int, record: dict) -> advice.Stage:
 
 
 def _peak_of(record: dict) -> float:
-    return advice.peak(_parts(record["stage"], "peak_reserved_gb" in record["stage"]))
+    return advice.peak(_parts(record["stage"]))
 
 
 def _capacity(records: list[dict], gpu: bool) -> tuple[float | None, str]:

@@ -7,7 +7,6 @@ the JSON, postmortem_json.py). Tables and numbers are formatted by tables.py.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter
@@ -86,11 +85,7 @@ def advice_clause(state: RankState) -> str:
     the run's facts from its per-layer record beside the flight record. "" without a breakdown."""
     oom = state.oom or {}
     report = oom.get("report") or state.last_report
-    try:
-        record = json.loads((state.file.path.parent / layer_record.file_name(state.rank)).read_text())
-    except (OSError, ValueError):
-        record = None
-    run = advice.oom_run(report, oom, record)
+    run = advice.oom_run(report, oom, layer_record.read_rank(state.file.path.parent, state.rank))
     if run is None or run.capacity_gb is None:
         return ""
     fits = advice.would_have_fit(run)
