@@ -6,6 +6,7 @@ from nemo_memlog.testing.cluster import Cluster
 from nemo_memlog.testing.tmp import private_tmpdir
 
 _session_tmp = contextlib.ExitStack()
+_roots: list = []  # pytest's temporary root of this session (pytest-of-<user>)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own tmp path plugin has set up
@@ -15,11 +16,19 @@ def pytest_configure(config):
     processes that end without atexit) goes with it at the end, or with pytest's rotation of
     old roots if the session dies. Set before collection, so imports at collection land there."""
     factory = getattr(config, "_tmp_path_factory", None)  # the object tmp_path_factory returns
-    _session_tmp.enter_context(private_tmpdir(factory.getbasetemp() if factory is not None else None))
+    base = factory.getbasetemp() if factory is not None else None
+    _roots.append(base.parent if base is not None else None)
+    _session_tmp.enter_context(private_tmpdir(base))
 
 
 def pytest_unconfigure(config):
     _session_tmp.close()
+    # A green session leaves pytest's own root (pytest-of-<user>) empty: take it away too, so the
+    # system's temporary folder is as it was. A root still holding a run (a failed one) stays.
+    for root in _roots:
+        with contextlib.suppress(OSError):
+            if root is not None:
+                root.rmdir()
 
 
 @pytest.fixture(scope="session")
