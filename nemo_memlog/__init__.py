@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what a type checker and an IDE see: the real signatures (loaded lazily below)
     from .attribution import GatheredMemory
-    from .composition import report_model_state
     from .config import LoggerConfig, from_overrides
     from .failure.recorder import FlightRecorder
     from .hook import close_writers, training_log
+    from .measure.composition import report_model_state
+    from .measure.phase import memory_phase
     from .memory import DEFAULT_MEMORY_KEYS, capacity_report, report_memory, reset_peaks
     from .monitor import MemoryMonitor
-    from .phase import memory_phase
     from .reduce import MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
     from .writers import build_writers
 
@@ -31,8 +31,8 @@ _EXPORTS = {
     "capacity_report": "memory",
     "MemoryMonitor": "monitor",
     "reset_peaks": "memory",
-    "memory_phase": "phase",
-    "report_model_state": "composition",
+    "memory_phase": "measure.phase",
+    "report_model_state": "measure.composition",
     "GatheredMemory": "attribution",
     "MemoryReduceError": "reduce",
     "gather_memory": "reduce",

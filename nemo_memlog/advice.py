@@ -73,7 +73,7 @@ class Run:
     @classmethod
     def of(cls, stages, layout: dict, facts: dict, *, gpu: bool, capacity_gb, capacity_source: str = "") -> Run:
         """A run from its stages, its ``layout`` (``pp_size``, ``dp_size``: a per-layer record has
-        them) and its ``facts`` (the record's ``"run"``: layer_record.py)."""
+        them) and its ``facts`` (the record's ``"run"``: measure/layer_record.py)."""
         sharded = facts.get("optimizer_sharded") or facts.get("distributed_optimizer")
         return cls(
             stages=tuple(stages),

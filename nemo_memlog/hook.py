@@ -5,7 +5,7 @@ Called on every rank at every iteration. The gate (``log_memory_to_tensorboard``
 so every stage decides alike and enters the one collective together. Off the logging
 iterations it does one dictionary lookup and the run's two attribute reads, and returns
 None: no collective, no allocation, no backend call. With a ``model``, the call before a
-logging iteration also arms the activation meter (activations.py) for that iteration. The
+logging iteration also arms the activation meter (measure/activations.py) for that iteration. The
 caller's ``metrics`` are logged only on logging iterations, in the same dict, at the same step.
 
 Which run a call belongs to:

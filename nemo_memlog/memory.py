@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import process_wide
-from .host_limit import limit_of_process
+from .measure.host_limit import limit_of_process
 from .process_wide import read_proc
 from .warn import WarnOnce
 
@@ -210,7 +210,7 @@ def reset_peaks() -> None:
         )
 
 
-#: Peaks read and reset in the middle of a peak window (by a memory phase, phase.py), by their
+#: Peaks read and reset in the middle of a peak window (by a memory phase, measure/phase.py), by their
 #: path in torch's nested statistics (HOST_PEAK: the host's VmHWM), in bytes: report_memory
 #: reports the max of these and the counters, so that a phase's reset loses nothing of the
 #: window's peak; reset_peaks() starts the window anew. Per process (a forked child's own
@@ -347,7 +347,7 @@ def capacity_report() -> dict[str, float]:
 
 
 def host_limit_bytes() -> tuple[int, int] | None:
-    """(limit, usage) of the memory cgroup whose limit binds this process (host_limit.py), in
+    """(limit, usage) of the memory cgroup whose limit binds this process (measure/host_limit.py), in
     bytes; None without one (no cgroup limit below the machine's RAM, or unreadable)."""
     limit = limit_of_process(os.getpid(), host_total_bytes())
     return None if limit is None else limit.read()

@@ -9,12 +9,12 @@ the once-only warnings (one ``WarnOnce``). ``close()`` releases them.
 ``log(iteration)`` is the per-iteration entry point, called on every rank: off the logging
 iterations it returns None after two attribute reads and a modulo, with no collective, no
 allocation and no backend call. ``before_iteration(iteration, model)`` arms the activation meter
-(activations.py) when ``iteration`` is a logging iteration: called at the end of the iteration
+(measure/activations.py) when ``iteration`` is a logging iteration: called at the end of the iteration
 before it (training_log) or at the framework's step start (the callbacks); the logging step
-reads and disarms it, and writes the per-layer record (layer_record.py).
+reads and disarms it, and writes the per-layer record (measure/layer_record.py).
 
 ``training_log()`` (hook.py) finds the monitor for its config's settings; a framework
-integration (bridge.py, lightning.py) holds one.
+integration (integrations/bridge.py, integrations/lightning.py) holds one.
 """
 
 from __future__ import annotations
@@ -25,14 +25,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import advice, attribution, composition, estimate, layer_record, megatron, memory, phase
-from .activations import ActivationMeter, chunks_of
+from . import advice, attribution, megatron, memory
 from .config import resolve, secrets_of
+from .measure import composition, estimate, layer_record, phase
+from .measure.activations import ActivationMeter, chunks_of
 from .payload import scalar
 from .reduce import Reduction, agree_on_restart, takes_part
 from .warn import WarnOnce
 
-#: A stage's figures the per-layer record carries (layer_record.py), where this rank has them.
+#: A stage's figures the per-layer record carries (measure/layer_record.py), where this rank has them.
 RECORDED_STAGE_KEYS = (
     *composition.NAMES,
     *composition.DERIVED,
@@ -84,8 +85,8 @@ class MemoryMonitor:
         self._placed = False  # group, coordinates and writer rank resolved (first logging step)
         self.world = self.settings.world_scope  # reduced over every rank (the scope, or no pipeline group known)
         self.model_state = composition.ModelState()
-        self.estimate: dict | None = None  # the framework's estimate (estimate.py), set by an integration
-        self.facts: dict = {}  # the run's facts for the per-layer record (layer_record.py): as known
+        self.estimate: dict | None = None  # the framework's estimate (measure/estimate.py), set by an integration
+        self.facts: dict = {}  # the run's facts for the per-layer record (measure/layer_record.py): as known
         self.meter = ActivationMeter()  # armed on logging iterations only
         self._state: dict | None = None  # the last model state counted (for the OOM record)
         self._measured: Any = None  # the last activations measured (for the OOM record)
@@ -95,7 +96,7 @@ class MemoryMonitor:
         """Every rank, every iteration. On logging iterations: report, reduce, merge with
         ``metrics``, hand to the writers (writer rank), and return the unified dict. ``model``
         and ``optimizer`` (read on logging iterations only): add what the memory is made of
-        (composition.py); every rank of the group passes them, or none."""
+        (measure/composition.py); every rank of the group passes them, or none."""
         if not self.enabled or iteration % self.interval:
             return None
         return self.log_step(iteration, metrics, model=model, optimizer=optimizer)
@@ -247,7 +248,7 @@ class MemoryMonitor:
         return report if self._state is None else composition.breakdown(report, self._state, self._measured)
 
     def _write_layers(self, iteration: int, report: dict, measured, model, optimizer) -> None:
-        """This rank's per-layer record (layer_record.py), beside its flight record. Never raises."""
+        """This rank's per-layer record (measure/layer_record.py), beside its flight record. Never raises."""
         try:
             layers = measured.layers
             owned = [list(layer.module.parameters()) for layer in layers if layer.module is not None]

@@ -214,7 +214,7 @@ def _agree_on_layout(channel, layout, group, iteration, timeout_s) -> None:
     raise MemoryReduceError(_key_mismatch_message(key_lists, group))
 
 
-#: Keys a rank may report while others do not: a memory phase (phase.py) only some stages ran.
+#: Keys a rank may report while others do not: a memory phase (measure/phase.py) only some stages ran.
 #: Ranks that differ only in these agree on the union, and a rank sends those it lacks as missing.
 OPTIONAL_PREFIX = "phase/"
 

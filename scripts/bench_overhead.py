@@ -56,7 +56,7 @@ Part 7 (this process): the memory cgroup limit's reads in capacity_report, and a
 memory_phase (enter and leave), against report_memory, interleaved.
 Part 8 (this process): a logging step with and without the model and optimizer (1,000 parameter
 tensors, Adam; the count cached), and the count from scratch.
-Part 9 (this process, one thread): the activation meter (nemo_memlog.activations) on a logging
+Part 9 (this process, one thread): the activation meter (nemo_memlog.measure.activations) on a logging
 iteration of the demo's model (scripts/demo_model.py's first stage, 4 microbatches in flight, Adam)
 and on a 100-layer model, armed and finished against not armed, interleaved; arm() + finish()
 alone; and off the logging iterations (no hook left; armed before against never armed).

@@ -1,4 +1,4 @@
-"""Retained activations, measured (activations.py), against a count made apart from the product:
+"""Retained activations, measured (measure/activations.py), against a count made apart from the product:
 the test walks autograd's graph of one microbatch and sums the storages its nodes saved
 (``grad_fn._saved_*``), parameters left out. Then per stage over real gloo ranks (PP 2 x DP 2),
 where stage s holds PP - s microbatches at once, through training_log, read back from TensorBoard
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from nemo_memlog.activations import ActivationMeter, find_layers
+from nemo_memlog.measure.activations import ActivationMeter, find_layers
 
 GB = 1e9
 WIDTH, BATCH = 32, 16
@@ -259,7 +259,7 @@ def test_every_stage_its_activations_in_flight_and_per_microbatch(pp2dp2, tmp_pa
         assert math.isnan(logged.get(row + "temporaries_gb", math.nan))  # no allocator on CPU
     assert logged["memory/peak_stage/activations_gb"] == 0
 
-    from nemo_memlog import layer_record
+    from nemo_memlog.measure import layer_record
     from nemo_memlog.offline.events import load_run
 
     written = load_run(tmp_path / "tb").per_stage("activations_gb")

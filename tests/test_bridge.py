@@ -290,7 +290,7 @@ def test_activations_measured_between_step_start_and_step_end_on_every_stage(wit
     """The harness's step runs one microbatch through ``model[0]``, a Linear(8, 8) on a (4, 8) float32
     input, which autograd saves (128 bytes; its weight is a parameter, not counted): on every stage,
     every logging step, measured between on_train_step_start and on_train_step_end."""
-    from nemo_memlog import layer_record
+    from nemo_memlog.measure import layer_record
 
     run = with_callback
     _, tb = tensorboard_events(run.spec.root)

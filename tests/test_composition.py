@@ -1,4 +1,4 @@
-"""What the memory is made of (composition.py): exact bytes for test models whose sizes and dtypes
+"""What the memory is made of (measure/composition.py): exact bytes for test models whose sizes and dtypes
 give the answer, each storage counted once; then per stage over real gloo ranks (PP 4, each stage
 a different size), through training_log, read back from TensorBoard."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nemo_memlog import report_model_state
-from nemo_memlog.composition import ModelState, breakdown
+from nemo_memlog.measure.composition import ModelState, breakdown
 
 GB = 1e9
 
@@ -94,7 +94,7 @@ def test_the_count_is_cached_until_the_optimizer_creates_its_state():
 
 
 def test_breakdown_adds_up_to_the_peak_reserved_on_a_gpu_and_is_nan_without_one():
-    from nemo_memlog.activations import Measurement
+    from nemo_memlog.measure.activations import Measurement
 
     state = {"params_gb": 6.1, "grads_gb": 6.1, "optimizer_state_gb": 18.3, "model_state_gb": 30.5}
     measured = Measurement(40.0, 4, 10.0, 8, (), (), (), {})
@@ -160,7 +160,7 @@ def test_every_stage_its_own_breakdown_the_max_and_its_stage(pp4, tmp_path):
 
 
 def test_the_estimate_and_its_gap_on_stage_0():
-    from nemo_memlog.estimate import derived
+    from nemo_memlog.measure.estimate import derived
 
     unified = {f"memory/pp_stage_{s}/activations_gb": [8.0, 6.0, 4.0, 2.0][s] for s in range(4)}
     unified["memory/pp_stage_0/model_state_gb"] = 30.5

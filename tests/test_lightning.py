@@ -131,7 +131,7 @@ def test_a_clean_end_leaves_every_ranks_flight_record_closed(job):
     assert status == 0 and found["first_failure"] is None, found["sentence"]
     assert [(r["status"], r["end_reason"]) for r in found["ranks"]] == [("closed", "close")] * 2, found
     # the per-layer records beside them carry the run's facts: the DataLoader's batch_size=4, no accumulation
-    from nemo_memlog import layer_record
+    from nemo_memlog.measure import layer_record
 
     records = layer_record.read_folder(fit.root / "memory_records")
     assert [r["rank"] for r in records] == [0, 1]

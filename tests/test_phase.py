@@ -30,7 +30,8 @@ def touch(megabytes: int):
 
 
 def test_a_phase_has_its_own_peak_and_the_windows_peak_is_kept():
-    from nemo_memlog import memory, memory_phase, phase
+    from nemo_memlog import memory, memory_phase
+    from nemo_memlog.measure import phase
 
     phase.take_pending()
     memory.reset_peaks()
@@ -52,7 +53,8 @@ def test_a_phase_has_its_own_peak_and_the_windows_peak_is_kept():
 
 
 def test_nested_phases_each_measure_their_span_and_a_repeat_keeps_the_largest():
-    from nemo_memlog import memory_phase, phase
+    from nemo_memlog import memory_phase
+    from nemo_memlog.measure import phase
 
     phase.take_pending()
     with memory_phase("checkpoint_save"):
@@ -77,7 +79,8 @@ def test_a_name_that_is_not_a_short_identifier_is_refused_saying_what_to_use(nam
 
 
 def test_a_failure_to_measure_warns_once_and_never_raises(monkeypatch):
-    from nemo_memlog import memory, memory_phase, phase
+    from nemo_memlog import memory, memory_phase
+    from nemo_memlog.measure import phase
 
     def broken():
         raise OSError("no /proc here")
@@ -96,7 +99,8 @@ def phases_on_some_stages(tensorboard_dir):
     """Every rank, three logging steps: stage 0 saves before step 2, stage 3 evaluates before step 3."""
     from megatron.core import parallel_state as ps
 
-    from nemo_memlog import LoggerConfig, close_writers, memory_phase, phase, training_log
+    from nemo_memlog import LoggerConfig, close_writers, memory_phase, training_log
+    from nemo_memlog.measure import phase
 
     phase.take_pending()
     stage = ps.get_pipeline_model_parallel_rank()

@@ -74,7 +74,7 @@ ESSENTIAL_KEYS = (
 # open there. Weak: the runs own their recorder, this only finds it.
 _open_by_directory: weakref.WeakValueDictionary[str, FlightRecorder] = weakref.WeakValueDictionary()
 #: Every recorder this process opened (a custom loop's own FlightRecorder too), weakly: a memory
-#: phase (phase.py), which belongs to the process, is recorded in each.
+#: phase (measure/phase.py), which belongs to the process, is recorded in each.
 _opened: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 
 
@@ -116,7 +116,7 @@ class FlightRecorder:
         self.clock = clock
         self.warn = warn or WarnOnce()
         self.iteration = None  # the last iteration recorded: an OOM record names it
-        self.phases: list[dict] = []  # the memory phases this rank is in (phase.py), innermost last
+        self.phases: list[dict] = []  # the memory phases this rank is in (measure/phase.py), innermost last
         self.ended = None  # the end reason written, if any
         self.oom_count = 0
         self._fd = None
@@ -175,7 +175,7 @@ class FlightRecorder:
             self._write({"kind": "step", "time": self.clock(), "iteration": iteration, "report": report})
 
     def phase(self, name: str, event: str, iteration: int | None, started: float) -> None:
-        """Write a ``phase`` record (phase.py's start or end of ``name``) and keep the phases this
+        """Write a ``phase`` record (measure/phase.py's start or end of ``name``) and keep the phases this
         rank is in for the liveness beat. Never raises."""
         at = self.iteration if iteration is None else iteration
         if event == "start":
@@ -320,7 +320,7 @@ class FlightRecorder:
 
 
 def open_recorders() -> list[FlightRecorder]:
-    """The recorders open in this process (phase.py records its phases in each)."""
+    """The recorders open in this process (measure/phase.py records its phases in each)."""
     return [recorder for recorder in list(_opened) if recorder.is_open]
 
 

@@ -31,7 +31,7 @@ does not show it)::
      "host_limit_gb": float|null, "host_limit_used_gb": float|null,
      "phase": str (only inside a memory phase), "phase_started": float, "phase_iteration": int|null}
 
-(the memory cgroup's limit and usage: host_limit.py; the phase: phase.py. Added within
+(the memory cgroup's limit and usage: measure/host_limit.py; the phase: measure/phase.py. Added within
 version 1: a reader that does not know a field ignores it.)
 
 A record object: ``{"seq": int, "kind": KIND, "time": float, "iteration": int|null, "report": {...}}``
@@ -45,7 +45,7 @@ plus, per kind:
 - ``"end"``: the process ended in a way it could record: ``"reason"``: one of END_REASONS,
   ``"detail": str``, and the OOM-kill counters then, ``"vmstat_oom_kill"``, ``"cgroup_oom_kill"``
   (int|null; added within version 1).
-- ``"phase"``: a memory phase (phase.py) began or ended: ``"name": str``, ``"event"``: "start"
+- ``"phase"``: a memory phase (measure/phase.py) began or ended: ``"name": str``, ``"event"``: "start"
   or "end", ``"started": float`` (the phase's start); ``report`` is {}. Added within version 1:
   older readers skip a kind they do not know.
 """

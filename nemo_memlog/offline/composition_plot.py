@@ -2,7 +2,7 @@
 stage, at the run's last logging step, against the device's capacity.
 
 Reads a ``MemoryRun`` (events.py): ``memory/pp_stage_{i}/<part>`` for the parts of PARTS (logged
-when the run passed its model to training_log or a callback: composition.py), and
+when the run passed its model to training_log or a callback: measure/composition.py), and
 ``microbatches_in_flight``, named under each bar: a stage's activations are that many
 microbatches'. In MB when the tallest bar is under 1 GB, else in GB. Draws through plotting.py
 (matplotlib, lazily). No torch.

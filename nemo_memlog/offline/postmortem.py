@@ -123,7 +123,7 @@ class RankState:
 
     @property
     def open_phase(self) -> dict | None:
-        """The memory phase (phase.py) this rank was in when it stopped: {"name", "started",
+        """The memory phase (measure/phase.py) this rank was in when it stopped: {"name", "started",
         "iteration"}, from its last beat, else from a phase record with no end after it; None."""
         beat = self.file.liveness or {}
         if isinstance(beat.get("phase"), str):

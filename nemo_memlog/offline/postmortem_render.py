@@ -11,8 +11,9 @@ import math
 import time
 from collections import Counter
 
-from .. import advice, composition, layer_record
+from .. import advice
 from ..failure.records import PEER_LOSS
+from ..measure import composition, layer_record
 from .postmortem import STATUSES, Postmortem, RankState
 from .tables import Column, cell, clock, date_time, finite_number, gb_cell, gb_text, render_block, whole_number
 

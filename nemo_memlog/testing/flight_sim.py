@@ -41,7 +41,7 @@ class Rank:
     oom: dict | None = None  # fields of an OOM record (bytes_requested, ...)
     end: str | None = None  # end reason; None: killed without a trace
     end_detail: str = "simulated"  # the end record's detail (an exception's "Type: message")
-    composition: dict | None = None  # what the memory is made of (composition.py's keys), in every report
+    composition: dict | None = None  # what the memory is made of (measure/composition.py's keys), in every report
 
     def identity(self, run_id: str) -> dict:
         return {

@@ -64,7 +64,7 @@ def activations_part(build_stage, repetitions: int, deep_repetitions: int, quick
     of 8 sequences instead of 128 (the smoke run; the times then mean little)."""
     import torch
 
-    from nemo_memlog.activations import ActivationMeter
+    from nemo_memlog.measure.activations import ActivationMeter
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

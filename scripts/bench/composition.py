@@ -17,8 +17,8 @@ LAYERS = 500
 def composition_part(repetitions: int) -> dict:
     import torch
 
-    from nemo_memlog.composition import report_model_state
     from nemo_memlog.config import LoggerConfig
+    from nemo_memlog.measure.composition import report_model_state
     from nemo_memlog.monitor import MemoryMonitor
 
     model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(LAYERS)))

@@ -36,8 +36,8 @@ import re
 import threading
 import time
 
-from . import memory
-from .warn import WarnOnce
+from .. import memory
+from ..warn import WarnOnce
 
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 PREFIX = "phase/"
@@ -184,7 +184,7 @@ def _remember(phase: _Phase) -> None:
 
 
 def _record(phase: _Phase, event: str) -> None:
-    from .failure.recorder import open_recorders
+    from ..failure.recorder import open_recorders
 
     for recorder in open_recorders():
         recorder.phase(phase.name, event, phase.iteration, phase.started)

@@ -8,7 +8,7 @@
 - ``derived(unified, estimate)``: pure, on the unified dict of a logging step:
   ``memory/estimate/<part>`` and ``memory/estimate/gap/<part>`` (measured on stage 0 minus the
   estimate, GB) for the model state and, where measured, the activations. (Activations per
-  microbatch are measured now, activations.py: no schedule is assumed.)
+  microbatch are measured now, measure/activations.py: no schedule is assumed.)
 
 - ``selective_share(config)``: the share of a transformer layer's activations that selective
   recompute keeps, by the formula Bridge 0.6+'s estimate uses (Korthikanti et al. 2022, Table 2):

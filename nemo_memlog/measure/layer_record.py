@@ -2,7 +2,7 @@
 flight record. Pure format, read and written here; no torch, no collective.
 
 ``<record dir>/rank-<global rank, 5 digits>.layers.json``, rewritten (atomically: a temporary file,
-then a rename) at each logging step whose activations were measured (activations.py)::
+then a rename) at each logging step whose activations were measured (measure/activations.py)::
 
     {"format": "nemo_memlog.layers", "version": 1, "rank": int, "world_size": int,
      "pp_rank": int, "pp_size": int, "tp_rank": int, "tp_size": int, "dp_rank": int, "dp_size": int,

@@ -26,7 +26,7 @@ mixed-precision or distributed optimizer (their ``.optimizer`` and ``.chained_op
 ``ModelState`` caches the count and recounts only when a figure can change: the optimizer's
 state entries (created lazily at its first step) or whether gradients exist (``zero_grad(
 set_to_none=True)`` frees them). ``breakdown(report, state, measured)`` adds the derived names to
-a memory report, with ``measured`` (activations.py's Measurement of the logging iteration):
+a memory report, with ``measured`` (measure/activations.py's Measurement of the logging iteration):
 ``activations_gb`` (the retained activations, measured on every device),
 ``activations_per_microbatch_gb``, ``microbatches_in_flight``, and from the allocator's peaks
 ``temporaries_gb`` = peak allocated - model state - activations (workspaces and transient

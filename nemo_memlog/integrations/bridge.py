@@ -1,0 +1,254 @@
+"""Megatron-Bridge integration: ``MemoryLogCallback``, for recipes run with ``pretrain()``.
+
+    from nemo_memlog.bridge import MemoryLogCallback
+    pretrain(cfg, forward_step, callbacks=[MemoryLogCallback()])
+
+Thin by design: it translates Bridge's events, step numbers, groups and already-open
+loggers into a MemoryMonitor, and nothing in the core imports this module.
+
+- Settings: ``log_memory_to_tensorboard``, ``tensorboard_log_interval`` and
+  ``memory_keys`` come from the recipe's own ``cfg.logger`` (so the dotted overrides users
+  already pass work); nemo_memlog's own settings are keyword arguments.
+- Steps: ``on_train_step_end`` fires before Bridge increments ``train_state.step``, and
+  Bridge's ``training_log`` then logs that iteration at ``step + 1``. Memory is gated and
+  logged at ``step + 1`` too, so memory and loss share an x-axis.
+- Loggers: on the last rank, the monitor writes into the TensorBoard writer, W&B run,
+  MLflow run and Comet experiment Bridge opened (``state.*_logger``), on the training
+  thread, before Bridge logs the same step; it opens none of its own.
+- Once per series: Bridge's own ``training_log`` also writes ``memory/*`` when the flag is
+  set (before 0.5, the last stage's values only). The callback takes that over: from
+  ``on_train_start`` to the end of training it holds ``cfg.logger.log_memory_to_tensorboard``
+  False on every rank (Bridge reads the flag for nothing else) and writes every series
+  itself, pipeline-wide.
+- Flight records: every rank records its memory for ``nemo-memlog postmortem``, by default in
+  ``memory_records`` beside the recipe's ``logger.tensorboard_dir`` (else its
+  ``wandb_save_dir``, else the working directory); ``memory_record_dir=`` picks another
+  folder, ``memory_record_dir="off"`` none. ``on_train_end`` marks the record ended.
+- The end of training: ``on_train_end``; on Bridge's ``should_exit`` path (a signal,
+  ``exit_duration_in_mins``, ``exit_interval``: ``train()`` calls ``sys.exit`` before
+  ``on_train_end``), the next ``on_train_start`` over the same ``cfg.logger`` in this
+  process (a caught ``SystemExit``, a driver that trains again). A process that exits
+  leaves no one to read the flag.
+- MLflow names: as the installed Bridge spells its report dicts there (``bridge_mlflow_spelling``).
+- What the memory is made of (measure/composition.py): ``context.model`` and ``context.optimizer`` at
+  each logging step; on Bridge 0.6+ its own ``estimate_training_memory`` once, at
+  ``on_train_start``, logged beside the measurement (measure/estimate.py; 0.3.1 has no estimator: none
+  is logged). Activations are measured on each logging step, between ``on_train_step_start`` and
+  ``on_train_step_end`` (measure/activations.py).
+- Memory phases (measure/phase.py), on every rank: ``eval`` from ``on_eval_start`` to ``on_eval_end``;
+  ``checkpoint_save`` from the ``on_train_step_end`` of an iteration Bridge saves at (the step it
+  is about to count is a multiple of ``cfg.checkpoint.save_interval``, with ``cfg.checkpoint.save``
+  set) to ``on_checkpoint_save`` where Bridge fires it at once (0.4+, synchronous saves), else to
+  the next ``on_train_step_start`` or ``on_train_end``: with ``async_save`` Bridge fires
+  ``on_checkpoint_save`` at finalisation, steps later, so the phase covers the synchronous part
+  (staging the state) and not the background write; Bridge 0.3.1 has no such event. The phase
+  spans what Bridge does between the step and the save: its logging, and an evaluation due at
+  the same iteration (then measured as both: phases nest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from megatron.bridge.training.callbacks import Callback
+
+from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve
+from ..measure import estimate, phase
+from ..monitor import MemoryMonitor
+
+#: Our settings that Bridge's LoggerConfig lacks: the callback's keyword arguments.
+BRIDGE_FIELDS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memory_keys")
+OWN_SETTINGS = tuple(
+    f.name for f in dataclasses.fields(LoggerConfig) if f.name.startswith("memory_") and f.name not in BRIDGE_FIELDS
+)
+#: Per process, by nature: the callbacks holding a recipe's flag whose run has not ended.
+#: On Bridge's should_exit path ``sys.exit`` comes between a callback's on_train_start and its
+#: on_train_end, so the one left to hand the flag back is the next on_train_start over the same
+#: ``cfg.logger`` in this process, from this callback or another (see _end_training). Strong
+#: references: after a caught SystemExit nothing else may keep the callback alive.
+_holding: set[MemoryLogCallback] = set()
+
+
+class MemoryLogCallback(Callback):
+    """Pipeline-wide memory in the recipe's own dashboards. Register it on every rank."""
+
+    def __init__(self, **settings):
+        self.settings = checked_settings(
+            "MemoryLogCallback",
+            settings,
+            OWN_SETTINGS,
+            " (log_memory_to_tensorboard, tensorboard_log_interval and memory_keys come from the recipe's cfg.logger)",
+        )
+        self.monitor: MemoryMonitor | None = None
+        self._bridge_logger = None
+        self._phases = phase.Slots()  # the memory phases this callback opened
+        self._save_interval = None  # cfg.checkpoint.save_interval, where Bridge saves (on_train_start)
+
+    def on_train_start(self, context) -> None:
+        bridge_logger = context.state.cfg.logger
+        for run in [run for run in _holding if run._bridge_logger is bridge_logger]:
+            run._end_training(flush=False)  # it exited by sys.exit (a caught SystemExit): hand the flag back
+        if not bridge_logger.log_memory_to_tensorboard:
+            return
+        # The flight records' default folder is beside the recipe's own logs (its tensorboard_dir).
+        settings = {
+            **self.settings,
+            "memory_record_dir": self.settings.get("memory_record_dir") or memory_record_dir(bridge_logger),
+        }
+        run_settings = resolve(
+            LoggerConfig(
+                log_memory_to_tensorboard=True,
+                tensorboard_log_interval=bridge_logger.tensorboard_log_interval,
+                memory_keys=bridge_memory_keys(getattr(bridge_logger, "memory_keys", None)),
+                **settings,
+            )
+        )
+        monitor = MemoryMonitor(run_settings, pg_collection=_pg_collection(context.model))
+        monitor.place()
+        if monitor.is_writer_rank:
+            # Open (or find) Bridge's loggers while the flag still reads true, so the
+            # config they record shows the user's setting.
+            monitor.use_writers(_adopt_open_loggers(context.state))
+        bridge_logger.log_memory_to_tensorboard = False
+        microbatches = _microbatches()
+        monitor.facts.update(_facts(context.state.cfg, microbatches))
+        checkpoint = getattr(context.state.cfg, "checkpoint", None)  # read once: Bridge saves where it says
+        self._save_interval = getattr(checkpoint, "save_interval", None) if getattr(checkpoint, "save", None) else None
+        monitor.estimate = estimate.bridge_estimate(context.state.cfg, microbatches)  # None before 0.6
+        self.monitor, self._bridge_logger = monitor, bridge_logger
+        _holding.add(self)
+
+    def on_train_step_end(self, context) -> None:
+        monitor = self.monitor
+        if monitor is None:
+            return
+        step = context.state.train_state.step + 1
+        monitor.log(step, model=context.model, optimizer=getattr(context, "optimizer", None))
+        if self._save_interval and step % self._save_interval == 0:
+            self._phases.enter("checkpoint_save", step)
+
+    def on_train_step_start(self, context) -> None:
+        self._phases.leave("checkpoint_save")  # an async save's staging, or a Bridge without on_checkpoint_save
+        if self.monitor is not None:  # the step on_train_step_end will log: measure its activations
+            self.monitor.before_iteration(context.state.train_state.step + 1, context.model)
+
+    def on_checkpoint_save(self, context) -> None:
+        self._phases.leave("checkpoint_save")
+
+    def on_eval_start(self, context) -> None:
+        if self.monitor is not None:
+            self._phases.enter("eval", context.state.train_state.step)
+
+    def on_eval_end(self, context) -> None:
+        self._phases.leave("eval")
+
+    def on_train_end(self, context) -> None:
+        self._phases.leave_all()
+        self._end_training(flush=True)
+
+    def _end_training(self, flush: bool) -> None:
+        """Once per run: hand the flag back (the recipe's config reads true again), end the
+        flight record, release the run's gloo group and, at ``on_train_end``, flush. Off that
+        event (Bridge's should_exit path) there is nothing to flush: every step was written
+        into Bridge's loggers when it was logged, and Bridge flushes and ends them itself
+        before ``sys.exit``. Never raises."""
+        if self.monitor is None:
+            return
+        _holding.discard(self)
+        monitor, self.monitor = self.monitor, None
+        self._bridge_logger.log_memory_to_tensorboard = True
+        self._bridge_logger = None
+        # Bridge's own loggers are flushed, never closed; after sys.exit Bridge has ended them: not even flushed.
+        monitor.close(writers=flush)
+
+
+def bridge_memory_keys(memory_keys: dict | None) -> dict | None:
+    """The recipe's ``memory_keys``, named as Bridge names them: ``bytes`` -> ``gigabytes``
+    in the logged names of byte statistics, as Bridge's ``report_memory`` renames them
+    (values are GB in both), so a recipe's own series keep their names. None (the recipe
+    sets none): our DEFAULT_MEMORY_KEYS names (``peak_reserved_gb``...), which headroom and
+    the per-stage defaults key on; docs/bridge.md maps Bridge's default names to them."""
+    if not memory_keys:
+        return None
+    return {stat: name.replace("bytes", "gigabytes") if "bytes" in stat else name for stat, name in memory_keys.items()}
+
+
+def _microbatches() -> int | None:
+    """Microbatches per iteration, as Bridge's calculator has them (None where it is not set up)."""
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        return get_num_microbatches()
+    except Exception:  # not initialised (a harness without it): no per-microbatch figure
+        return None
+
+
+def _facts(cfg, microbatches: int | None) -> dict:
+    """The run's facts the per-layer record carries (measure/layer_record.py), as the recipe states them."""
+    train = getattr(cfg, "train", None)
+    optimizer = getattr(cfg, "optimizer", None)
+    facts = {
+        "microbatches": microbatches,
+        "micro_batch_size": getattr(train, "micro_batch_size", None),
+        "global_batch_size": getattr(train, "global_batch_size", None),
+        "optimizer": getattr(optimizer, "optimizer", None),
+        "distributed_optimizer": getattr(getattr(cfg, "ddp", None), "use_distributed_optimizer", None),
+        "recompute": getattr(getattr(cfg, "model", None), "recompute_granularity", None),
+        "framework": "megatron-bridge",
+    }
+    facts["selective_recompute_ratio"] = estimate.selective_share(cfg)
+    return {name: value for name, value in facts.items() if isinstance(value, (bool, int, float, str))}
+
+
+def _pg_collection(model):
+    """Bridge's process groups for ``model`` (megatron-core's parallel_state without one)."""
+    try:
+        from megatron.bridge.training.utils.pg_utils import get_pg_collection
+    except ImportError:
+        return None
+    return get_pg_collection(model) if model else None
+
+
+def _adopt_open_loggers(state):
+    """Writers over every logger Bridge opened: each ``*_logger`` property of its state
+    (opened on first access, on the last rank only), whatever backends this Bridge has."""
+    from ..writers import adopt_writers
+
+    names = sorted(
+        name
+        for name in dir(type(state))
+        if name.endswith("_logger") and isinstance(getattr(type(state), name), property)
+    )
+    return adopt_writers((getattr(state, name) for name in names), spellings={"mlflow": bridge_mlflow_spelling()})
+
+
+def bridge_mlflow_spelling():
+    """``key -> name`` as the installed Bridge spells its report dicts (memory, throughput,
+    runtime) in MLflow, so our series sort with its own: its own ``_sanitize_mlflow_metrics``
+    where it can be imported, else its version's rule (``bridge_mlflow_rule``)."""
+    try:
+        from megatron.bridge.training.utils.mlflow_utils import _sanitize_mlflow_metrics
+    except ImportError:
+        from importlib.metadata import version
+
+        return bridge_mlflow_rule(version("megatron-bridge"))
+    return lambda key: next(iter(_sanitize_mlflow_metrics({key: None})))
+
+
+def bridge_mlflow_rule(bridge_version: str):
+    """Bridge's MLflow spelling by release. Before 0.4 every ``/`` -> ``_``
+    (``memory_mem-max-allocated-gigabytes``). From 0.4 the first ``/`` stays and later ones
+    become ``_``, runs of ``/`` count as one, ``@`` -> ``_at_``, and anything but letters,
+    digits, ``_ - . / :`` and space -> ``_`` (``memory/mem-max-allocated-gigabytes``)."""
+    if tuple(int(part) for part in re.findall(r"\d+", bridge_version)[:2]) < (0, 4):
+        return lambda key: key.replace("/", "_")
+    return _spelling_from_0_4
+
+
+def _spelling_from_0_4(key: str) -> str:
+    name = re.sub(r"/+", "/", key.replace("@", "_at_"))
+    if "/" in name:
+        first, rest = name.split("/", 1)
+        name = first + "/" + rest.replace("/", "_")
+    return re.sub(r"[^/\w.\- :]", "_", name)

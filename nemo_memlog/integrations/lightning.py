@@ -1,0 +1,192 @@
+"""Lightning integration: ``MemoryLogCallback``, for ``lightning.pytorch`` (NeMo 2) and ``pytorch_lightning``.
+
+    from nemo_memlog.lightning import MemoryLogCallback
+    trainer = Trainer(..., callbacks=[MemoryLogCallback()])
+    recipe.trainer.callbacks.append(MemoryLogCallback())        # a NeMo 2 recipe
+
+Thin by design: it translates Lightning's events, step numbers, groups and loggers into a
+MemoryMonitor, and nothing in the core imports this module.
+
+- Group: megatron-core's pipeline group when its ``parallel_state`` is initialised (NeMo 2's
+  ``MegatronStrategy``), else the whole world, with the exact global rank of each max
+  (``memory_reduce_scope="world"``). One gather per logging step, none otherwise.
+- Steps: ``on_train_batch_end`` on every rank. Lightning logs its own metrics of that batch
+  right after it, at ``fit_loop.epoch_loop._batches_that_stepped`` (``global_step - 1``
+  there), when ``(that + 1) % log_every_n_steps == 0``. Memory is gated by the same rule
+  and logged at the same step, so memory and loss share an x-axis; on the batch that
+  steps the optimizer only (with gradient accumulation, the last of the window). Unlike
+  Lightning's own rule it never logs off-interval because ``trainer.should_stop`` is set:
+  one rank could see that alone, and the others would wait in the gather.
+- Loggers: every logger the trainer has (``trainer.loggers``), written through its own
+  ``log_metrics`` on global rank 0, where Lightning's loggers write (their ``log_metrics``
+  is rank-zero-only). It opens no run or writer of its own, and never reads
+  ``trainer.log_dir`` (a broadcast: a collective that only some ranks entered would hang).
+  Lightning's own metrics are not touched: memory goes in a ``log_metrics`` call of its own.
+- Activations (measure/activations.py): measured over the batches of each logging step (every batch of a
+  gradient-accumulation window), armed at the first one's ``on_train_batch_start``, read at the
+  logging ``on_train_batch_end``. ``training_step`` is no module's forward, so each batch is one
+  microbatch, from ``on_train_batch_start`` to ``on_before_backward``. (Under NeMo 2's
+  MegatronStrategy, whose training_step runs a whole pipeline schedule, a step therefore counts
+  as one microbatch: use the Megatron-Bridge callback or training_log for per-microbatch figures.)
+- Settings: keyword arguments, named and validated as LoggerConfig's fields.
+- Memory phases (measure/phase.py), on every rank: ``eval`` from ``on_validation_start`` to
+  ``on_validation_end``; ``checkpoint_save`` from ``on_save_checkpoint`` to the next hook this
+  callback sees (the next batch, a validation, the end of training). Lightning calls
+  ``on_save_checkpoint`` at the end of building the checkpoint dict, before the strategy writes
+  it: the write is measured, the collection of the model and optimizer state before it is not
+  (Lightning has no hook before it), nor is an asynchronous write (``AsyncCheckpointIO``) after
+  the call returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+
+from .. import megatron
+from ..config import LoggerConfig, checked_settings, resolve
+from ..measure import phase
+from ..monitor import MemoryMonitor
+from ..writers import adopt_writers
+
+#: The keyword arguments: LoggerConfig's fields that concern what is measured and when.
+#: Not the writer fields (tensorboard_dir, wandb_project, ...): the trainer's loggers are the writers.
+SETTINGS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memory_keys") + tuple(
+    f.name for f in dataclasses.fields(LoggerConfig) if f.name.startswith("memory_")
+)
+#: Lightning's loggers write on global rank 0 only.
+WRITER_RANK = 0
+
+
+def _callback_bases() -> tuple:
+    """Lightning's ``Callback`` from each package that is installed: the callback is an
+    instance of both, so either package's Trainer accepts it wherever it checks."""
+    bases = []
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            bases.append(importlib.import_module(package).Callback)
+        except ImportError:
+            continue
+    if not bases:
+        raise ImportError(
+            "nemo_memlog.lightning needs Lightning: pip install 'nemo_memlog[lightning]' "
+            "(the lightning package), or pytorch_lightning"
+        )
+    return tuple(bases)
+
+
+class MemoryLogCallback(*_callback_bases()):
+    """Job-wide memory peak, and where it lives, in the trainer's own loggers. Register it
+    on every rank (as ``Trainer(callbacks=[...])`` does).
+
+    Keyword arguments are LoggerConfig's fields of the same names (``SETTINGS``), with two
+    defaults of its own: ``log_memory_to_tensorboard=True`` (False: no collective, nothing
+    logged), and ``tensorboard_log_interval=None``, meaning Lightning's ``log_every_n_steps``
+    (an int counts optimizer steps the same way). ``memory_reduce_scope`` unset: "pp" when
+    megatron-core's parallel_state is initialised at ``on_train_start``, else "world".
+    """
+
+    def __init__(self, **settings):
+        # None means "the default" for our settings; an unknown name raises whatever its value.
+        given = {name: value for name, value in settings.items() if value is not None or name not in SETTINGS}
+        self.settings = checked_settings(
+            "MemoryLogCallback",
+            {"log_memory_to_tensorboard": True, **given},
+            SETTINGS,
+            ". It writes into the Trainer's own loggers: add one there (Trainer(logger=...)), not a writer setting",
+        )
+        self.monitor: MemoryMonitor | None = None
+        self._phases = phase.Slots()  # the memory phases this callback opened
+        self.interval: int | None = None
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        settings = dict(self.settings)
+        interval = settings.pop("tensorboard_log_interval", trainer.log_every_n_steps)
+        if not settings["log_memory_to_tensorboard"] or not interval:
+            return  # off, or log_every_n_steps=0 (Lightning logs nothing while training): no collective
+        if not trainer.loggers:  # the same on every rank, so all skip the gather alike
+            warnings.warn(
+                "nemo_memlog: MemoryLogCallback has no logger to write to (Trainer(logger=False)); "
+                "memory is not logged",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
+        scope = settings.pop("memory_reduce_scope", None) or _scope()
+        if scope == "pp" and megatron.pipeline_group() is None:
+            warnings.warn(
+                "nemo_memlog: memory_reduce_scope='pp' but megatron-core's parallel_state is not "
+                "initialised, so there is no pipeline group: rank 0 logs its own memory only. Leave "
+                "memory_reduce_scope unset for every rank's",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        run_settings = resolve(LoggerConfig(tensorboard_log_interval=interval, memory_reduce_scope=scope, **settings))
+        monitor = MemoryMonitor(run_settings, writer_rank=WRITER_RANK)
+        monitor.place()
+        if monitor.is_writer_rank:
+            monitor.use_writers(adopt_writers(trainer.loggers))
+        monitor.state_facts(**_facts(trainer))
+        self.monitor, self.interval = monitor, interval
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self._phases.leave("checkpoint_save")
+        monitor = self.monitor
+        if monitor is None:
+            return
+        monitor.meter.close_microbatch()  # a batch without a backward (manual optimization skipped it)
+        epoch_loop = trainer.fit_loop.epoch_loop
+        step = epoch_loop._batches_that_stepped  # the step Lightning logs this batch's metrics at
+        if (step + 1) % self.interval or epoch_loop._should_accumulate():
+            return
+        monitor.log_step(step, model=pl_module, optimizer=list(trainer.optimizers))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._phases.leave("checkpoint_save")
+        if self.monitor is not None:  # a logging step's batches: measure their activations (measure/activations.py)
+            self.monitor.before_iteration(trainer.fit_loop.epoch_loop._batches_that_stepped + 1, pl_module)
+            self.monitor.meter.open_microbatch()  # training_step is no module's forward: the batch is one
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.monitor is not None:
+            self.monitor.meter.close_microbatch()
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if self.monitor is not None:
+            self._phases.enter("checkpoint_save", trainer.global_step)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._phases.leave("checkpoint_save")
+        if self.monitor is not None:
+            self._phases.enter("eval", trainer.global_step)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self._phases.leave("eval")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._phases.leave_all()
+        if self.monitor is not None:
+            self.monitor.meter.finish()  # armed for a step that never came: its hooks come off
+            self.monitor.end_record()  # the record's clean-end marker now, not whenever the collector frees it
+            self.monitor.flush()  # the loggers' save(); the Trainer finalizes them
+            self.monitor.release_reduction()  # its gloo group, if it made one
+            self.monitor = None
+
+
+def _facts(trainer) -> dict:
+    """What the per-layer record says of the run (nemo-memlog advise): the train dataloader's batch
+    size as the micro-batch size, gradient accumulation's batches as the microbatches per step."""
+    loader = getattr(trainer, "train_dataloader", None)
+    size = getattr(loader, "batch_size", None)
+    accumulate = getattr(trainer, "accumulate_grad_batches", None)
+    return {
+        "framework": "lightning",
+        "micro_batch_size": size if isinstance(size, int) else None,
+        "microbatches": accumulate if isinstance(accumulate, int) else None,
+    }
+
+
+def _scope() -> str:
+    """The pipeline group when megatron-core has one (NeMo 2), else every rank of the job."""
+    return "pp" if megatron.pipeline_group() is not None else "world"
