@@ -49,9 +49,18 @@ class _Entry:
         self.run, self.writers, self.config, self.key = run, writers, config, key
 
 
-_entries: list[_Entry] = []  # oldest first
-_by_object: dict = {}  # id(config), or (id(config), id(writers)) -> the _Entry last seen with that config
-_warnings = WarnOnce()  # per process
+class _OpenRuns:
+    """The runs training_log made in this process, and its one warning."""
+
+    def __init__(self):
+        self.entries: list[_Entry] = []  # oldest first
+        self.by_object: dict = {}  # id(config), or (id(config), id(writers)) -> the _Entry last seen with that config
+        self.warnings = WarnOnce()
+
+
+# Per process, not per run: training_log is a free function, called with a config, and this is
+# how it finds the run that config belongs to (close_writers() ends them all).
+_open_runs = _OpenRuns()
 
 
 def training_log(
@@ -80,18 +89,12 @@ def training_log(
     iteration, ``distributed_optimizer``...), recorded for ``nemo-memlog advise`` (docs/advise.md).
     """
     key = id(config) if writers is None else (id(config), id(writers))
-    entry = _by_object.get(key)
+    entry = _open_runs.by_object.get(key)
     if entry is None or entry.config is not config:  # the entry holds its config: an id match is that object
         entry = _entry_for(config, writers, key, pg_collection, pp_group)
-    run = entry.run
-    if not run.enabled:
-        return None
-    logged = None
-    if not iteration % run.interval:
-        if facts:  # read on logging iterations only
-            run.state_facts(**facts)
-        logged = run.log_step(iteration, metrics, model=model, optimizer=optimizer)
-    if model is not None and not (iteration + 1) % run.interval:  # the next iteration logs: measure it
+    run = entry.run  # the run's gate decides, the one gate: facts are read on logging iterations only
+    logged = run.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
+    if model is not None:  # when the next iteration logs, its activations are measured
         run.before_iteration(iteration + 1, model)
     return logged
 
@@ -101,10 +104,11 @@ def _entry_for(config, writers, key, pg_collection, pp_group) -> _Entry:
     settings = resolve(config)  # raises, naming the field, for a config that cannot work
     entry = _find(settings, writers)
     if entry is None:
-        if len(_entries) >= MANY_RUNS:
-            _warnings(
+        started = len(_open_runs.entries) + 1
+        if started > MANY_RUNS:
+            _open_runs.warnings(
                 ("many runs",),
-                f"training_log has started {len(_entries) + 1} runs in this process, one for each config whose "
+                f"training_log has started {started} runs in this process, one for each config whose "
                 f"settings differ from every earlier one's; each run has its own writers (a writer process), "
                 f"flight record and gloo group. Build the config once and pass the same settings at every call "
                 f"(or call close_writers() when a run ends).",
@@ -114,16 +118,17 @@ def _entry_for(config, writers, key, pg_collection, pp_group) -> _Entry:
             settings, run_config=config, pg_collection=pg_collection, pp_group=pp_group, writers=writers
         )
         entry = _Entry(run, writers, config, key)
-        _entries.append(entry)
+        _open_runs.entries.append(entry)
     else:
-        _by_object.pop(entry.key, None)  # one object per run: the map stays as small as the runs
+        _open_runs.by_object.pop(entry.key, None)  # one object per run: the map stays as small as the runs
         entry.config, entry.key = config, key
-    _by_object[key] = entry
+    _open_runs.by_object[key] = entry
     return entry
 
 
 def _find(settings, writers) -> _Entry | None:
-    return next((entry for entry in _entries if entry.writers is writers and entry.run.settings == settings), None)
+    matching = (entry for entry in _open_runs.entries if entry.writers is writers and entry.run.settings == settings)
+    return next(matching, None)
 
 
 def run_of(config, *, writers=None) -> MemoryMonitor | None:
@@ -135,7 +140,7 @@ def run_of(config, *, writers=None) -> MemoryMonitor | None:
 
 def runs() -> tuple[MemoryMonitor, ...]:
     """The open runs training_log made, oldest first."""
-    return tuple(entry.run for entry in _entries)
+    return tuple(entry.run for entry in _open_runs.entries)
 
 
 def close_writers() -> None:
@@ -150,9 +155,9 @@ def close_writers() -> None:
     (bounded, ``memory_reduce_timeout_s``) until every rank of its group has called it as often,
     and raises MemoryReduceError naming the ranks that did not, instead of entering a collective
     of a shape the others do not (which gloo answers by aborting the process)."""
-    entries = list(_entries)
-    _entries.clear()
-    _by_object.clear()
+    entries = list(_open_runs.entries)
+    _open_runs.entries.clear()
+    _open_runs.by_object.clear()
     for entry in entries:
         entry.run.close()
     runs_ended()

@@ -90,26 +90,20 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | 
         if type(value) is not int:  # absent here, or a name that stops at a sub-dict
             report[logged_name] = MISSING
             continue
-        if _kept and path[-1] == "peak":  # a phase reset the counter: the window's peak is kept here
-            value = max(value, _kept.get(path, 0))
+        if peak_counters.device and path[-1] == "peak":  # a phase reset the counter: the window's peak is kept
+            value = max(value, peak_counters.device.get(path, 0))
         if in_bytes:
             report[logged_name] = value / GB
         else:
             report[logged_name] = value
     rss, peak_rss = host_rss_bytes()
-    if _kept:
-        peak_rss = max(peak_rss, _kept.get(HOST_PEAK, 0))
+    peak_rss = max(peak_rss, peak_counters.host)
     report["host_rss_gb"] = rss / GB
     report["peak_host_rss_gb"] = peak_rss / GB
     used, other = _device_usage(device, stats)
     report["device_used_gb"] = MISSING if used is None else used / GB
     report["device_other_gb"] = MISSING if other is None else other / GB
     return report
-
-
-#: This module's warnings: once per process (what they are about, such as a host peak that
-#: cannot be reset, belongs to the process, not to a run).
-process_warnings = WarnOnce()
 
 
 def _cuda_in_use() -> bool:
@@ -198,35 +192,50 @@ def reset_peaks() -> None:
     Both are process-wide state: anything else reading the same peaks (Megatron's own
     text log, torch.cuda.max_memory_allocated) sees them reset too. No collective.
     """
-    _kept.clear()
+    peak_counters.clear()
     if _cuda_in_use():
         torch.cuda.reset_peak_memory_stats()
     problem = reset_host_peak()
     if problem is not None:
-        process_warnings(
+        peak_counters.warnings(
             "host peak reset",
             f"memory_peak_window='interval' cannot reset the host peak here: {problem}. "
             "peak_host_rss_gb stays the process's lifetime peak; CUDA peaks (if any) are still reset.",
         )
 
 
-#: Peaks read and reset in the middle of a peak window (by a memory phase, measure/phase.py), by their
-#: path in torch's nested statistics (HOST_PEAK: the host's VmHWM), in bytes: report_memory
-#: reports the max of these and the counters, so that a phase's reset loses nothing of the
-#: window's peak; reset_peaks() starts the window anew. Per process (a forked child's own
-#: counters start from its parent's; it clears these at its first fold, see fold_peaks).
-_kept: dict = {}
-HOST_PEAK = ("host_hwm",)
+class PeakCounters:
+    """What this module keeps of the process's peak counters: the peaks read and reset in the
+    middle of a peak window (by a memory phase, measure/phase.py), in bytes: ``device`` by their
+    path in torch's nested statistics, ``host`` the VmHWM. report_memory reports the max of these
+    and the counters, so that a phase's reset loses nothing of the window's peak; reset_peaks()
+    starts the window anew. Also the warnings about the counters, once per process."""
+
+    def __init__(self):
+        self.pid = os.getpid()  # a forked child's counters start from its parent's: it clears these first
+        self.device: dict[tuple[str, ...], int] = {}
+        self.host = 0
+        self.warnings = WarnOnce()
+
+    def clear(self) -> None:
+        self.pid = os.getpid()
+        self.device.clear()
+        self.host = 0
+
+
+# Per process, not per run: the counters (torch's allocator statistics, the host's VmHWM) are the
+# process's, read and reset by every run and memory phase in it alike.
+peak_counters = PeakCounters()
 
 
 def fold_peaks() -> tuple[dict, int]:
-    """Read every peak counter now, keep each in ``_kept`` (max), and reset the counters, so that
+    """Read every peak counter now, keep each in ``peak_counters`` (max), and reset the counters, so that
     from now on they measure a new span (a memory phase) while report_memory still reports the
     window's peak. Returns (the device peaks read, by path; {} without CUDA in use, the host peak
     read in bytes). Never creates a CUDA context; no collective."""
-    if _kept.get("pid") != os.getpid():
-        _kept.clear()
-        _kept["pid"] = os.getpid()
+    kept = peak_counters
+    if kept.pid != os.getpid():
+        kept.clear()
     device_peaks = {}
     device, stats = allocator_stats()
     if device is not None:
@@ -234,10 +243,10 @@ def fold_peaks() -> tuple[dict, int]:
             if isinstance(pools, dict) and isinstance(pools.get("all"), dict) and "peak" in pools["all"]:
                 path = (kind, "all", "peak")
                 device_peaks[path] = pools["all"]["peak"]
-                _kept[path] = max(_kept.get(path, 0), device_peaks[path])
+                kept.device[path] = max(kept.device.get(path, 0), device_peaks[path])
         torch.cuda.reset_peak_memory_stats()
     host = host_rss_bytes()[1]
-    _kept[HOST_PEAK] = max(_kept.get(HOST_PEAK, 0), host)
+    kept.host = max(kept.host, host)
     reset_host_peak()  # where it cannot be reset the lifetime peak stays: phases then see it too
     return device_peaks, host
 

@@ -92,20 +92,30 @@ class MemoryMonitor:
         self._measured: Any = None  # the last activations measured (for the OOM record)
         self._optimizer_facts: dict = {}  # the optimizer's class and whether it is sharded
 
-    def log(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict | None:
+    def logs_at(self, iteration: int) -> bool:
+        """The gate: whether ``iteration`` is a logging iteration. Read on every rank at every
+        iteration, from the settings and the iteration only, so every rank decides alike."""
+        return self.enabled and not iteration % self.interval
+
+    def log(
+        self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None, facts: dict | None = None
+    ) -> dict | None:
         """Every rank, every iteration. On logging iterations: report, reduce, merge with
         ``metrics``, hand to the writers (writer rank), and return the unified dict. ``model``
         and ``optimizer`` (read on logging iterations only): add what the memory is made of
-        (measure/composition.py); every rank of the group passes them, or none."""
-        if not self.enabled or iteration % self.interval:
+        (measure/composition.py); every rank of the group passes them, or none. ``facts``:
+        ``state_facts`` on logging iterations."""
+        if not self.logs_at(iteration):
             return None
+        if facts:
+            self.state_facts(**facts)
         return self.log_step(iteration, metrics, model=model, optimizer=optimizer)
 
     def before_iteration(self, iteration: int, model) -> None:
         """Arm the activation meter on ``model`` if ``iteration`` is a logging iteration (every
         rank alike: the gate's inputs only). Off them: a modulo, nothing installed. Raises TypeError
         for a ``model`` that is no module (composition.check_model_and_optimizer)."""
-        if self.enabled and model is not None and not iteration % self.interval:
+        if model is not None and self.logs_at(iteration):
             composition.check_model_and_optimizer(model, None)
             self.meter.arm(model)
             if self.meter.error is not None:
@@ -123,7 +133,7 @@ class MemoryMonitor:
         return {**self._optimizer_facts, **self.facts}
 
     def log_step(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict:
-        """``log`` past its gate: callers that gate themselves (training_log) call it directly.
+        """``log`` past its gate (an integration that has decided the step logs calls it directly).
         Raises TypeError, naming the argument, for a ``model`` or ``optimizer`` it cannot count."""
         if model is not None or optimizer is not None:
             composition.check_model_and_optimizer(model, optimizer)  # before any collective: every rank alike

@@ -130,7 +130,7 @@ def test_h100_statistics_by_path_equal_torch_flattened_ones(monkeypatch):
 
 def test_a_host_peak_that_cannot_be_reset_warns_once(monkeypatch):
     monkeypatch.setattr(memory, "reset_host_peak", lambda: "no /proc here")
-    monkeypatch.setattr(memory, "process_warnings", WarnOnce())  # this process has not warned yet
+    monkeypatch.setattr(memory.peak_counters, "warnings", WarnOnce())  # this process has not warned yet
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         reset_peaks()

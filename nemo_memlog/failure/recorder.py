@@ -68,13 +68,11 @@ ESSENTIAL_KEYS = (
     "device_other_gb",
 )
 
-# The one piece of recorder state that belongs to the process: this rank's file in a folder
-# is one file, and two recorders writing it would overwrite each other's slots. So
-# open_recorder hands every run of this process that asks for a folder the recorder already
-# open there. Weak: the runs own their recorder, this only finds it.
-_open_by_directory: weakref.WeakValueDictionary[str, FlightRecorder] = weakref.WeakValueDictionary()
-#: Every recorder this process opened (a custom loop's own FlightRecorder too), weakly: a memory
-#: phase (measure/phase.py), which belongs to the process, is recorded in each.
+# Per process, not per run: every recorder this process opened (a custom loop's own
+# FlightRecorder too), weakly (the runs own their recorders, this only finds them). A memory phase
+# (measure/phase.py), which belongs to the process, is recorded in each; and this rank's file in a
+# folder is one file, which two recorders would overwrite each other's slots of, so open_recorder
+# hands every run that asks for a folder the shared recorder already open there.
 _opened: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 
 
@@ -126,6 +124,7 @@ class FlightRecorder:
         self._stop = threading.Event()
         self._thread = None
         self._users = 1  # open_recorder shares an open recorder: the last user's close ends it
+        self._shared = False  # opened by open_recorder, for every run that asks for its folder
         self._oom_pending = False  # CUDA available but not initialised yet: attach at a later record
         who = identity if identity is not None else rank_identity(pp_group, pg_collection)
         self.rank = who["rank"]
@@ -329,13 +328,14 @@ def open_recorder(directory, **kwargs) -> FlightRecorder:
     takes them), or the one already open there (shared: each user closes it once, the last
     close ends it). Rank 0 says on stderr where a newly opened file's folder is."""
     path = os.path.abspath(os.fspath(directory))
-    recorder = _open_by_directory.get(path)
-    if recorder is not None and recorder.is_open:
+    shared = [recorder for recorder in list(_opened) if recorder._shared and recorder.directory == path]
+    recorder = next((recorder for recorder in shared if recorder.is_open), None)
+    if recorder is not None:
         recorder._users += 1
         return recorder
     recorder = FlightRecorder(path, **kwargs)
     if recorder.is_open:
-        _open_by_directory[path] = recorder
+        recorder._shared = True
         if recorder.rank == 0:
             print(
                 f"nemo_memlog: memory flight records in {path} (after a failure: {postmortem_command(path)})",

@@ -43,12 +43,6 @@ NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 PREFIX = "phase/"
 GB = 1e9
 
-_lock = threading.Lock()
-_open: list[_Phase] = []  # innermost last
-_pending: dict[str, dict[str, float]] = {}  # name -> report values waiting for a logging step
-_owner = [os.getpid()]  # a forked child starts with no phase
-_warnings = WarnOnce()
-
 
 class _Phase:
     __slots__ = ("name", "iteration", "started", "device", "host")
@@ -62,6 +56,29 @@ class _Phase:
         for path, value in device.items():
             self.device[path] = max(self.device.get(path, 0), value)
         self.host = max(self.host, host)
+
+
+class _Phases:
+    """This process's memory phases: those open, innermost last, and the values of those ended,
+    by name, waiting for a logging step."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.open: list[_Phase] = []
+        self.pending: dict[str, dict[str, float]] = {}
+        self.owner = os.getpid()  # a forked child inherits its parent's lists: it starts with none
+        self.warnings = WarnOnce()
+
+    def own(self) -> None:
+        if self.owner != os.getpid():
+            self.owner = os.getpid()
+            self.open.clear()
+            self.pending.clear()
+
+
+# Per process, not per run: a phase is entered by the user's code (``with memory_phase(...)``),
+# which names no run, and it spans the process's peak counters, which every run reads.
+_phases = _Phases()
 
 
 class Slots:
@@ -113,59 +130,52 @@ def enter(name: str, iteration: int | None = None) -> _Phase:
     check_name(name)
     phase = _Phase(name, iteration)
     try:
-        with _lock:
-            _own()
+        with _phases.lock:
+            _phases.own()
             _fold_into_open()
-            _open.append(phase)
+            _phases.open.append(phase)
         _record(phase, "start")
     except Exception as error:  # measuring must not stop training
-        _warnings(("enter", type(error)), f"memory_phase({name!r}) could not read the peaks: {error}")
+        _phases.warnings(("enter", type(error)), f"memory_phase({name!r}) could not read the peaks: {error}")
     return phase
 
 
 def leave(phase: _Phase) -> None:
     """End ``phase`` (what ``enter`` returned): its peaks wait for the next logging step. Never raises."""
     try:
-        with _lock:
-            _own()
-            if phase not in _open:
+        with _phases.lock:
+            _phases.own()
+            if phase not in _phases.open:
                 return  # left already, or entered before a fork
             _fold_into_open()
-            _open.remove(phase)
+            _phases.open.remove(phase)
             _remember(phase)
         _record(phase, "end")
     except Exception as error:
-        _warnings(("leave", type(error)), f"memory_phase({phase.name!r}) could not read the peaks: {error}")
+        _phases.warnings(("leave", type(error)), f"memory_phase({phase.name!r}) could not read the peaks: {error}")
 
 
 def current() -> _Phase | None:
     """The innermost open phase of this process, or None."""
-    return _open[-1] if _open and _owner[0] == os.getpid() else None
+    return _phases.open[-1] if _phases.open and _phases.owner == os.getpid() else None
 
 
 def take_pending() -> dict[str, float]:
     """The report values of the phases ended since the last call (``phase/<name>/<key>``), and
     forget them. Called by a run at its logging step; cheap when there are none."""
-    if not _pending:
+    pending = _phases.pending
+    if not pending:
         return {}
-    with _lock:
-        _own()
-        taken = {f"{PREFIX}{name}/{key}": value for name, values in _pending.items() for key, value in values.items()}
-        _pending.clear()
+    with _phases.lock:
+        _phases.own()
+        taken = {f"{PREFIX}{name}/{key}": value for name, values in pending.items() for key, value in values.items()}
+        pending.clear()
     return taken
-
-
-def _own() -> None:
-    """A forked child inherits its parent's lists: it starts with none."""
-    if _owner[0] != os.getpid():
-        _owner[0] = os.getpid()
-        _open.clear()
-        _pending.clear()
 
 
 def _fold_into_open() -> None:
     device, host = memory.fold_peaks()
-    for phase in _open:
+    for phase in _phases.open:
         phase.fold(device, host)
 
 
@@ -177,10 +187,10 @@ def _remember(phase: _Phase) -> None:
     ):
         if path in phase.device:
             values[name] = phase.device[path] / GB
-    kept = _pending.get(phase.name)
+    kept = _phases.pending.get(phase.name)
     if kept is not None:  # run again before a logging step: its largest values
         values = {key: max(value, kept.get(key, value)) for key, value in values.items()}
-    _pending[phase.name] = values
+    _phases.pending[phase.name] = values
 
 
 def _record(phase: _Phase, event: str) -> None:
