@@ -91,6 +91,25 @@ def memory_metrics(gathered, per_stage_patterns=("peak_*",), stage_names=None) -
     return out
 
 
+def stage_value(gathered: GatheredMemory, stage: int, key: str, *, world: bool = False):
+    """Pipeline stage ``stage``'s own value of ``key``, as the per-stage metrics give it: the value
+    at position ``stage`` (a PP group), or with ``world`` (positions are global ranks, each report
+    carrying its COORDINATES) the max over that stage's ranks. None where no rank has it."""
+    if key not in gathered.keys:
+        return None
+    slot = gathered.keys.index(key)
+    if world:
+        where = gathered.keys.index("pp_rank")
+        present = [v[slot] for v in gathered.per_rank if v[where] == stage and v[slot] is not None]
+        return max(present) if present else None
+    return gathered.per_rank[stage][slot] if stage < len(gathered.per_rank) else None
+
+
+def stage_figures(gathered: GatheredMemory, stage: int, keys, *, world: bool = False) -> dict:
+    """``{key: stage_value(...)}`` for each of ``keys``: one stage's figures, as data."""
+    return {key: stage_value(gathered, stage, key, world=world) for key in keys}
+
+
 @lru_cache(maxsize=32)
 def _per_stage_slots(keys: tuple, patterns: tuple) -> tuple:
     return tuple(i for i, key in enumerate(keys) if any(fnmatchcase(key, p) for p in patterns))

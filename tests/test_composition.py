@@ -160,14 +160,27 @@ def test_every_stage_its_own_breakdown_the_max_and_its_stage(pp4, tmp_path):
 
 
 def test_the_estimate_and_its_gap_on_stage_0():
-    from nemo_memlog.measure.estimate import derived
+    from nemo_memlog.attribution import GatheredMemory, line_up, stage_figures, stage_value
+    from nemo_memlog.measure.estimate import ESTIMATED_STAGE, PARTS, derived
+    from nemo_memlog.payload import RankReport
 
-    unified = {f"memory/pp_stage_{s}/activations_gb": [8.0, 6.0, 4.0, 2.0][s] for s in range(4)}
-    unified["memory/pp_stage_0/model_state_gb"] = 30.5
-    out = derived(unified, {"model_state_gb": 28.0, "activations_gb": 9.5})
+    keys = ("activations_gb", "model_state_gb")
+    values = [[8.0, 30.5], [6.0, 20.0], [4.0, 20.0], [2.0, 21.0]]
+    gathered = line_up(keys, [RankReport(key_count=2, fingerprint=0, iteration=1, values=v) for v in values])
+    measured = stage_figures(gathered, ESTIMATED_STAGE, PARTS)
+    assert measured == {"activations_gb": 8.0, "model_state_gb": 30.5}  # stage 0's own, not the max
+    out = derived({"model_state_gb": 28.0, "activations_gb": 9.5}, measured)
     assert out["memory/estimate/model_state_gb"] == 28.0 and out["memory/estimate/gap/model_state_gb"] == 2.5
     assert out["memory/estimate/gap/activations_gb"] == -1.5
-    assert derived({}, None) == {}
+    assert derived(None, {}) == {}
+    # The world scope: positions are global ranks, each report carries its pp_rank; stage 0 is the
+    # max over its ranks (here ranks 0 and 2).
+    world_keys = ("activations_gb", "pp_rank")
+    ranks = [[8.0, 0], [5.0, 1], [9.0, 0], [3.0, 1]]
+    world = GatheredMemory(world_keys, ranks)
+    assert stage_value(world, 0, "activations_gb", world=True) == 9.0
+    assert stage_value(world, 1, "activations_gb", world=True) == 5.0
+    assert stage_value(world, 0, "model_state_gb", world=True) is None
 
 
 MEGATRON_DDP = """

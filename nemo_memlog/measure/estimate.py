@@ -5,7 +5,8 @@
   (weights, gradients, optimizer state of the most-loaded shard) and ``activations_gb`` (the
   first pipeline stage's, which holds the most microbatches in flight). None where the installed
   Bridge has no estimator (0.3.1) or it cannot read the config. Computed once per run.
-- ``derived(unified, estimate)``: pure, on the unified dict of a logging step:
+- ``derived(estimate, measured)``: pure, from the estimate and the estimated stage's measured
+  figures of a logging step (the attribution hands them as data):
   ``memory/estimate/<part>`` and ``memory/estimate/gap/<part>`` (measured on stage 0 minus the
   estimate, GB) for the model state and, where measured, the activations. (Activations per
   microbatch are measured now, measure/activations.py: no schedule is assumed.)
@@ -29,6 +30,8 @@ GB = 1e9
 PREFIX = "memory/"
 #: The stage Bridge's estimate describes: its activations are the first stage's.
 ESTIMATED_STAGE = 0
+#: The parts an estimate gives, as the measurement names them (measure/composition.py).
+PARTS = ("model_state_gb", "activations_gb")
 
 
 def bridge_estimate(config, num_microbatches: int | None) -> dict[str, float] | None:
@@ -64,15 +67,16 @@ def selective_share(config) -> float | None:
         return None
 
 
-def derived(unified: dict, estimate: dict | None) -> dict:
-    """The estimate and its gap for ``unified`` (see the module docstring)."""
+def derived(estimate: dict | None, measured: dict) -> dict:
+    """The estimate and its gap (see the module docstring). ``measured``: the estimated stage's
+    figures by part (None or NaN where not measured)."""
     out = {}
-    for part in ("model_state_gb", "activations_gb"):
+    for part in PARTS:
         guess = (estimate or {}).get(part)
         if guess is None or guess != guess:
             continue
         out[f"{PREFIX}estimate/{part}"] = guess
-        measured = unified.get(f"{PREFIX}pp_stage_{ESTIMATED_STAGE}/{part}")
-        if measured is not None and measured == measured:
-            out[f"{PREFIX}estimate/gap/{part}"] = measured - guess
+        value = measured.get(part)
+        if value is not None and value == value:
+            out[f"{PREFIX}estimate/gap/{part}"] = value - guess
     return out
