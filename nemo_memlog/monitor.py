@@ -338,7 +338,7 @@ class MemoryMonitor:
         # least can flip from step to step, and a warning per flip would be noise.
         fraction = self.settings.memory_headroom_warn_fraction
         for kind, _stage, sentence in attribution.low_headroom(unified, fraction):
-            if run is not None and (kind == "device") == run.gpu:  # what would restore it (advice.py)
+            if run is not None and (kind == "device") == run.gpu:  # what would restore it (advice/)
                 sentence += advice.fix_sentence(run, fraction)
             self.warn_once(("headroom", kind), sentence)
 

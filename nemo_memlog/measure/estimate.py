@@ -16,7 +16,7 @@
   Bridge's per-layer ``18 + 4 * ffn_ratio`` (its own ffn ratio, MoE and gating included) over that
   plus the attention scores' ``5 * heads * seq / hidden``, which selective recompute drops. None
   before Bridge 0.6 (no estimator) or where the config lacks a field; ``nemo-memlog advise``
-  applies it to the measured activations (advice.py).
+  applies it to the measured activations (advice/).
 
 Megatron-LM's ``megatron/training/theoretical_memory_usage.py`` works on Megatron-LM's ``args``
 and ships in Megatron-LM's training package, not in the megatron-core wheel: not offered here.

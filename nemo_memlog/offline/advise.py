@@ -1,5 +1,5 @@
 """``nemo-memlog advise RUN_DIR``: each stage's parts today and under a change, from the run's
-per-layer records (measure/layer_record.py), by advice.py's arithmetic. No torch.
+per-layer records (measure/layer_record.py), by advice/'s arithmetic. No torch.
 
 ``load(path, capacity_gb)`` finds the records (the run folder, its TensorBoard folder beside them, or
 the record folder itself) and builds an ``advice.Run``: per stage, the data-parallel rank with the

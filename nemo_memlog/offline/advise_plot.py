@@ -1,6 +1,6 @@
 """The advise PNG: per stage, today's stacked bar beside the predicted one, against the capacity.
 
-Reads advice.py's outcomes; draws through plotting.py (matplotlib, lazily). No torch.
+Reads advice/'s outcomes; draws through plotting.py (matplotlib, lazily). No torch.
 """
 
 from __future__ import annotations

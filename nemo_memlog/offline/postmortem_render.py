@@ -82,7 +82,7 @@ def _oom_sentence(state: RankState) -> str:
 
 def advice_clause(state: RankState) -> str:
     """ "; predicted to fit: distributed_optimizer=true (peak 61.0 GB), ...": the changes after which
-    the failing rank's breakdown, with the request it could not serve, fits the device (advice.py);
+    the failing rank's breakdown, with the request it could not serve, fits the device (advice/);
     the run's facts from its per-layer record beside the flight record. "" without a breakdown."""
     oom = state.oom or {}
     report = oom.get("report") or state.last_report

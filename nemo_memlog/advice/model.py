@@ -1,0 +1,175 @@
+"""The words of the advice: a stage's measured parts (``Stage``), the run (``Run``), a change
+(``Change``, from ``parse``) and a predicted stage (``Outcome``). Pure: no torch, no I/O."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The part names, bottom to top, as the JSON and the picture show them.
+PARTS = (
+    "params_gb",
+    "grads_gb",
+    "optimizer_state_gb",
+    "activations_gb",
+    "temporaries_gb",
+    "allocator_slack_gb",
+    "outside_gb",
+)
+MODEL_STATE = ("params_gb", "grads_gb", "optimizer_state_gb")
+CHANGES = {
+    "micro_batch_size": "N, or xF (a factor of today's): micro_batch_size=4, micro_batch_size=x0.5",
+    "microbatches": "N, microbatches per iteration: microbatches=16",
+    "layers_per_stage": "a,b,...: transformer layers on each stage, first to last: layers_per_stage=3,5,5,5",
+    "distributed_optimizer": "true: optimizer state sharded over data parallelism",
+    "recompute": "full or selective",
+    "expandable_segments": "true (GPU): PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+}
+
+
+class Refused(ValueError):
+    """A change this run's record cannot predict; the message says what is missing."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage as measured (GB). ``layers``: the per-layer record's rows, or ()."""
+
+    stage: int
+    parts: dict
+    in_flight: int | None
+    chunks: int = 1
+    layers: tuple = ()
+    rank: int | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """What the run's record says of the run as a whole."""
+
+    stages: tuple[Stage, ...]
+    pp_size: int
+    dp_size: int = 1
+    microbatches: int | None = None
+    micro_batch_size: int | None = None
+    optimizer_sharded: bool | None = None
+    recompute: str | None = None
+    selective_ratio: float | None = None
+    gpu: bool = False
+    capacity_gb: float | None = None
+    capacity_source: str = ""
+
+    @classmethod
+    def of(cls, stages, layout: dict, facts: dict, *, gpu: bool, capacity_gb, capacity_source: str = "") -> Run:
+        """A run from its stages, its ``layout`` (``pp_size``, ``dp_size``: a per-layer record has
+        them) and its ``facts`` (the record's ``"run"``: measure/layer_record.py)."""
+        sharded = facts.get("optimizer_sharded") or facts.get("distributed_optimizer")
+        return cls(
+            stages=tuple(stages),
+            pp_size=int(layout.get("pp_size", len(stages))),
+            dp_size=int(layout.get("dp_size", 1)),
+            microbatches=facts.get("microbatches"),
+            micro_batch_size=facts.get("micro_batch_size"),
+            optimizer_sharded=bool(sharded) if sharded is not None else None,
+            recompute=facts.get("recompute"),
+            selective_ratio=facts.get("selective_recompute_ratio"),
+            gpu=gpu,
+            capacity_gb=capacity_gb,
+            capacity_source=capacity_source,
+        )
+
+
+@dataclass(frozen=True)
+class Change:
+    name: str
+    value: Any
+    text: str
+
+
+@dataclass
+class Outcome:
+    """One stage under a change: today's parts and the predicted ones, in flight, peak and fit."""
+
+    stage: int
+    now: dict
+    predicted: dict
+    in_flight_now: int | None
+    in_flight: int | None
+    capacity_gb: float | None
+    assumptions: list[str] = field(default_factory=list)
+
+    @property
+    def peak_now_gb(self) -> float:
+        return peak(self.now)
+
+    @property
+    def peak_gb(self) -> float:
+        return peak(self.predicted)
+
+    @property
+    def headroom_gb(self) -> float | None:
+        return None if self.capacity_gb is None else self.capacity_gb - self.peak_gb
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.capacity_gb is None else self.peak_gb <= self.capacity_gb
+
+
+def peak(parts: dict) -> float:
+    return sum(parts.get(name) or 0.0 for name in PARTS)
+
+
+def with_model_state(parts: dict) -> dict:
+    out = dict(parts)
+    out["model_state_gb"] = sum(out.get(name) or 0.0 for name in MODEL_STATE)
+    return out
+
+
+# ---- parsing ---------------------------------------------------------------------------------
+
+
+def parse(texts) -> list[Change]:
+    """``NAME=VALUE`` strings -> Changes (one combined change). ValueError names what to write."""
+    changes = []
+    for text in texts:
+        name, sep, value = text.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or name not in CHANGES:
+            known = "; ".join(f"{key}={form}" for key, form in CHANGES.items())
+            raise ValueError(f"--what-if {text!r}: expected NAME=VALUE with NAME one of: {known}")
+        changes.append(Change(name, _value(name, value, text), text))
+    names = [change.name for change in changes]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--what-if: each change once per combination; got {names}")
+    return changes
+
+
+def _value(name: str, value: str, text: str):
+    try:
+        if name == "micro_batch_size":
+            if value.lower().startswith("x"):
+                factor = float(value[1:])
+                if factor > 0:
+                    return ("x", factor)
+            elif int(value) > 0:
+                return ("n", int(value))
+        elif name == "microbatches" and int(value) > 0:
+            return int(value)
+        elif name == "layers_per_stage":
+            counts = tuple(int(part) for part in value.split(","))
+            if all(count >= 0 for count in counts):
+                return counts
+        elif name in ("distributed_optimizer", "expandable_segments") and value.lower() in ("true", "1", "yes"):
+            return True
+        elif name == "recompute" and value in ("full", "selective"):
+            return value
+    except ValueError:
+        pass
+    raise ValueError(f"--what-if {text!r}: {name} takes {CHANGES[name]}")
+
+
+def fmt(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value * 1000:.1f} MB" if abs(value) < 1 else f"{value:.2f} GB"
