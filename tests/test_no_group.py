@@ -14,11 +14,9 @@ what it saw to OUT_DIR/rank-N.json.
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 BALLAST_BYTES = 300 * 10**6
 ITERATIONS = 3
 
@@ -59,20 +57,10 @@ def rank_main(out: str) -> int:
     os._exit(0)
 
 
-def launch(out: Path) -> dict[int, dict]:
-    from nemo_memlog.testing.cluster import free_port
-
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), __file__, str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    found = {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
-    assert sorted(found) == [0, 1], done.stdout[-3000:] + done.stderr[-3000:]
-    return found
-
-
 def test_without_a_pipeline_group_the_world_is_reduced_with_a_note_once(tmp_path):
-    seen = launch(tmp_path)
+    from nemo_memlog.testing.torchrun import run_ranks
+
+    seen = run_ranks(__file__, [tmp_path], tmp_path, ranks=(0, 1))
     assert not seen[0]["parallel_state"] and not seen[1]["parallel_state"]  # nothing set the groups up
     rank0 = seen[0]
     # Rank 0's ballast makes its peak the job's, by far: held against VmHWM read apart from nemo_memlog.

@@ -6,6 +6,9 @@
 - ``flight_sim``: flight records of a simulated cluster, written by the real recorder.
 - ``gpu_work``: GPU work queued on the stream, to see what waits for it.
 - ``tmp``: ``private_tmpdir``, a TMPDIR removed with what every process left in it.
+- ``torchrun``: torchrun for real, one way for every test: ``run_ranks`` (run, read each rank's
+  ``rank-<r>.json``), ``run``, ``start`` and ``kill_group`` (for a job signalled while it runs).
+- ``wait``: ``wait_for``, a condition awaited with a deadline instead of a sleep; ``alive``.
 - ``bench``: the parts of the benchmarks (scripts/bench_*.py are their command lines) and
   their one timing helper.
 """
