@@ -11,7 +11,6 @@ killer ends inside a phase named as having died during it.
 """
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +20,6 @@ from pathlib import Path
 import numpy
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
 
 
@@ -152,6 +150,7 @@ def rank_main(root: str) -> int:
     from megatron.core import parallel_state
 
     from nemo_memlog import LoggerConfig, memory_phase, training_log
+    from nemo_memlog.testing.wait import wait_for
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -162,33 +161,49 @@ def rank_main(root: str) -> int:
         training_log(iteration, cfg)
         if iteration == SAVE_AT and dist.get_rank() == 0:
             with memory_phase("checkpoint_save"):
-                time.sleep(1.5)  # a beat inside the phase
+                wait_for(lambda: beat_in_phase(root, "checkpoint_save"), 60, "a liveness beat inside the phase")
                 while True:  # staging a checkpoint that does not fit: the OOM killer ends it
                     held.append(touch(64))
         time.sleep(0.1)
     return 0
 
 
+def beat_in_phase(root: str, name: str) -> bool:
+    """Whether this rank's last liveness beat, in its flight record under ``root``, names phase ``name``."""
+    import torch.distributed as dist
+
+    from nemo_memlog.failure import records
+
+    for path in Path(root, "memory_records").rglob(records.file_name(dist.get_rank())):
+        with open(path, "rb") as record:
+            record.seek(records.HEADER_BYTES)
+            slot = record.read(records.LIVENESS_BYTES)
+        try:
+            beat = records.decode(slot)
+        except records.RecordError:  # caught mid-write: the next poll reads it whole
+            continue
+        if beat and beat.get("phase") == name:
+            return True
+    return False
+
+
 def test_a_rank_killed_inside_a_phase_died_during_it_at_the_cgroup_limit(tmp_path):
     from nemo_memlog.testing import cgroups
-    from nemo_memlog.testing.cluster import free_port
+    from nemo_memlog.testing.torchrun import run, tail, torchrun_env
 
     ok, why = cgroups.available()
     if not ok:
         pytest.skip(f"cannot create a memory cgroup here: {why}")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), "--monitor-interval", "1", __file__, str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with cgroups.memory_cgroup(LIMIT) as group:
-        done = group.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        done = run(__file__, tmp_path, nproc=2, monitor_interval=1, cgroup=group)
         kills = group.oom_kills()
-    assert done.returncode != 0 and kills >= 1, (kills, done.stdout[-2000:], done.stderr[-2000:])
+    assert done.returncode != 0 and kills >= 1, (kills, tail(done, 2000))
     pm = subprocess.run(
         [sys.executable, "-m", "nemo_memlog.cli", "postmortem", "--json", str(tmp_path / "memory_records")],
         capture_output=True,
         text=True,
         timeout=120,
-        env=env,
+        env=torchrun_env(),
     )
     assert pm.returncode == 1, pm.stderr
     found = json.loads(pm.stdout)
