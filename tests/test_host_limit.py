@@ -277,15 +277,10 @@ def under_a_limit(tmp_path_factory):
     if not ok:
         pytest.skip(f"cannot create a memory cgroup here: {why}")
     out = tmp_path_factory.mktemp("limit")
-    from nemo_memlog.testing.cluster import free_port
+    from nemo_memlog.testing.torchrun import run_ranks
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), __file__, str(out)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     with cgroups.memory_cgroup(LIMIT) as group:
-        done = group.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return {int(p.stem.split("-")[1]): json.loads(p.read_text()) for p in out.glob("rank-*.json")}
+        return run_ranks(__file__, [out], out, ranks=(0, 1), check=True, cgroup=group)
 
 
 def test_the_headroom_is_the_distance_to_the_cgroup_limit_not_the_nodes_ram(under_a_limit):
