@@ -87,7 +87,7 @@ def _advise_parser(commands) -> None:
 
 def _postmortem_parser(commands) -> None:
     """``postmortem`` and its options, added to ``commands``."""
-    from .postmortem import DEFAULT_CLOCK_SKEW_S
+    from .postmortem_state import DEFAULT_CLOCK_SKEW_S
 
     postmortem = commands.add_parser(
         "postmortem",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import json
 
-from .postmortem import Postmortem, RankState, allowance_s
-from .postmortem_render import fragmented, sentence, stopped_after_first
+from .postmortem import allowance_s
+from .postmortem_sentence import fragmented, sentence, stopped_after_first
+from .postmortem_state import Postmortem, RankState
 from .tables import iso_time
 
 _OOM_KEYS = (

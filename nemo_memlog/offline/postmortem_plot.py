@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .plotting import finish_axes, integer_ticks, new_figure, save
-from .postmortem import Postmortem, RankState
+from .postmortem_state import Postmortem, RankState
 from .tables import finite_number
 
 METRICS = ("peak_reserved_gb", "peak_host_rss_gb", "host_rss_gb")
