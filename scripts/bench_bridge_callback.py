@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from nemo_memlog.testing.bridge_harness import bench_off_interval  # noqa: E402
+from nemo_memlog.testing.bridge_probes import bench_off_interval  # noqa: E402
 from nemo_memlog.testing.cluster import Cluster  # noqa: E402
 
 

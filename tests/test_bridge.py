@@ -19,15 +19,12 @@ import numpy as np
 import pytest
 
 from nemo_memlog.testing.bridge_env import bridge_version
-from nemo_memlog.testing.bridge_harness import (
-    RunSpec,
+from nemo_memlog.testing.bridge_harness import RunSpec, end_runs, exit_early_then_train_again, train
+from nemo_memlog.testing.bridge_probes import (
     bench_off_interval,
     bridge_logger_names,
     bridge_mlflow_names,
     callback_mlflow_names,
-    end_runs,
-    exit_early_then_train_again,
-    train,
 )
 from nemo_memlog.testing.cluster import Cluster
 from nemo_memlog.testing.collectives import GATHER
