@@ -255,7 +255,7 @@ def test_no_script_or_package_module_imports_the_tests():
     """Scripts and tests share helpers through nemo_memlog.testing only: never ``import tests``."""
     root = PACKAGE_DIR.parent
     offenders = []
-    for path in [*PACKAGE_DIR.rglob("*.py"), *(root / "scripts").glob("*.py")]:
+    for path in [*PACKAGE_DIR.rglob("*.py"), *(root / "scripts").rglob("*.py")]:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
@@ -470,3 +470,98 @@ def test_the_offline_commands_never_import_torch():
         if name.startswith(f"{PACKAGE}.offline"):
             problems += [f"  {path}" for path in _torch_paths(name)]
     assert not problems, "torch imported by the offline commands:\n" + "\n".join(sorted(set(problems)))
+
+
+#: The most lines a module of the package may have: one job per module, readable in a sitting.
+MAX_MODULE_LINES = 450
+#: Module-level state allowed outside process_wide.py (whose job it is): a handful of registries,
+#: each one named owner with a comment above it saying why no run can own it.
+MAX_PROCESS_STATE = 6
+#: What builds a mutable container when called (by the last part of its name).
+MUTABLE_CALLS = {
+    "list",
+    "dict",
+    "set",
+    "defaultdict",
+    "deque",
+    "OrderedDict",
+    "Counter",
+    "WeakSet",
+    "WeakValueDictionary",
+    "WeakKeyDictionary",
+}
+
+
+def test_no_module_is_longer_than_a_sitting():
+    long = {}
+    for module in modules().values():
+        path = PACKAGE_DIR / module.relative
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            long[module.relative] = lines
+    assert not long, f"modules over {MAX_MODULE_LINES} lines (split them by job): {long}"
+
+
+@functools.cache
+def _package_classes() -> frozenset[str]:
+    return frozenset(
+        node.name for module in modules().values() for node in ast.walk(module.tree) if isinstance(node, ast.ClassDef)
+    )
+
+
+def _is_state(value: ast.AST | None, name: str) -> bool:
+    """Whether a module-level ``name = value`` holds mutable state: a container (a literal, or
+    built by a call), or an instance of one of the package's classes. An upper-case name is a
+    constant (PEP 8), a table or an object never changed after import, and a dunder (``__all__``)
+    is what the module says of itself: neither is state."""
+    if name.startswith("__") or name.lstrip("_").isupper():
+        return False
+    if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
+        return True
+    if isinstance(value, ast.Call):
+        func = value.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        return called in MUTABLE_CALLS or called in _package_classes()
+    return False
+
+
+def _module_state(module: Module) -> list[tuple[str, int]]:
+    found = []
+    for node in module.tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name, value = node.targets[0].id, node.value
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            name, value = node.target.id, node.value
+        else:
+            continue
+        if _is_state(value, name):
+            found.append((name, node.lineno))
+    return found
+
+
+def _globals_rebound(module: Module) -> list[str]:
+    return [module.where(node) for node in ast.walk(module.tree) if isinstance(node, ast.Global)]
+
+
+def test_per_process_state_lives_in_process_wide_and_a_handful_of_named_registries():
+    """Module-level mutable state outside process_wide.py (and the test helpers under testing/):
+    at most MAX_PROCESS_STATE registries, each with a comment above it saying why it belongs to
+    the process (the word "process"), and no ``global`` statement rebinding one."""
+    registries, uncommented, rebound = [], [], []
+    for module in modules().values():
+        if module.relative == "process_wide.py" or module.relative.startswith("testing/"):
+            continue
+        source = (PACKAGE_DIR / module.relative).read_text().splitlines()
+        for name, line in _module_state(module):
+            registries.append(f"{module.relative}:{line} {name}")
+            above = []
+            for text in reversed(source[: line - 1]):
+                if not text.startswith("#"):
+                    break
+                above.append(text)
+            if "process" not in " ".join(above).lower():
+                uncommented.append(f"{module.relative}:{line} {name}")
+        rebound += _globals_rebound(module)
+    assert len(registries) <= MAX_PROCESS_STATE, f"module-level state outside process_wide.py: {registries}"
+    assert not uncommented, f"say in a comment above each why it belongs to the process: {uncommented}"
+    assert not rebound, f"a global rebound at run time (give it an owner): {rebound}"
