@@ -12,15 +12,13 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from nemo_memlog.testing import cgroups
-from nemo_memlog.testing.cluster import free_port
+from nemo_memlog.testing import cgroups, torchrun
+from nemo_memlog.testing.wait import wait_for
 from tests.readback import stored_steps, tensorboard_steps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,14 +43,6 @@ def _rank_zero(group) -> int | None:
     return None
 
 
-def _wait_for(condition, timeout_s: float, what: str, proc) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert proc.poll() is None, f"the job ended before {what}"
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s} s"
-        time.sleep(0.1)
-
-
 @pytest.fixture(
     scope="module",
     params=["before_the_backends_opened", "after_the_backends_opened", "after_the_backends_opened-thread"],
@@ -63,37 +53,35 @@ def torn_down(request, tmp_path_factory):
         pytest.skip(f"cannot create a memory cgroup here: {why}")
     root = tmp_path_factory.mktemp("teardown")
     run = root / "job"
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4"]
-    command += ["--master-port", str(free_port()), str(ROOT / "scripts" / "demo.py"), "train.iters=100000"]
-    command += ["logger.tensorboard_log_interval=1", f"run.root={root}", "run.name=job", "train.save_every=0"]
-    command += ["train.micro_batch_size=4", "train.seq_len=16"]
+    env = {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    args = ["train.iters=100000", "logger.tensorboard_log_interval=1", f"run.root={root}", "run.name=job"]
+    args += ["train.save_every=0", "train.micro_batch_size=4", "train.seq_len=16"]
     if request.param.endswith("-thread"):  # the backends in threads of the writer rank's own process
-        command += ["logger.writer_mode=thread"]
+        args += ["logger.writer_mode=thread"]
     lines: list[str] = []
     with cgroups.memory_cgroup(JOB_LIMIT) as group:
-        proc = group.popen(
-            command,
-            cwd=ROOT,
+        proc = torchrun.start(
+            ROOT / "scripts" / "demo.py",
+            *args,
+            nproc=4,
             env=env,
+            cgroup=group,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            start_new_session=True,
         )
         threading.Thread(target=_read_into, args=(proc.stderr, lines), daemon=True).start()
         try:
             if request.param.startswith("before"):
-                _wait_for(lambda: _progress(list(lines)) >= 2, 150, "two logged steps", proc)
+                wait_for(lambda: _progress(list(lines)) >= 2, 150, "two logged steps", proc=proc)
             else:
-                _wait_for(lambda: len(tensorboard_steps(run)) >= 6, 150, "six steps in TensorBoard", proc)
+                wait_for(lambda: len(tensorboard_steps(run)) >= 6, 150, "six steps in TensorBoard", proc=proc)
             victim = _rank_zero(group)
             assert victim is not None, "rank 0 not found in the job's cgroup"
             os.kill(victim, signal.SIGKILL)
             proc.wait(timeout=150)  # torchrun's own teardown: SIGTERM, then SIGKILL after 30 s
         finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+            torchrun.kill_group(proc)
             left = group.kill_all()  # torchrun has exited: SLURM ends whatever is left in the step
     return run, left, lines
 

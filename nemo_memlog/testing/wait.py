@@ -22,7 +22,7 @@ def wait_for(
     *,
     proc=None,
     detail: Callable[[], str] | None = None,
-    interval_s: float = 0.05,
+    interval_s: float = 0.1,
 ) -> T:
     """Poll ``predicate()`` until it returns something true, and return that. Fails (AssertionError)
     after ``timeout_s`` seconds, or as soon as ``proc`` (a Popen, if given) has ended first: the
