@@ -5,15 +5,14 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
-import time
 import zipfile
 from pathlib import Path
 
 import pytest
 
-from nemo_memlog.testing.cluster import free_port
+from nemo_memlog.testing import torchrun
+from nemo_memlog.testing.wait import wait_for
 from tests.readback import stored_steps, wandb_finished
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,16 +28,8 @@ def _progress(stderr_lines):
 def preempted(tmp_path_factory):
     """The demo under torchrun, SIGTERM'd mid-run: (its run directory, iterations tqdm showed done)."""
     tmp_path = tmp_path_factory.mktemp("preempted")
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "4",
-        "--master-port",
-        str(free_port()),
-        str(ROOT / "scripts" / "demo.py"),
+    proc = torchrun.start(
+        ROOT / "scripts" / "demo.py",
         "train.iters=100000",
         "logger.tensorboard_log_interval=1",
         f"run.root={tmp_path}",
@@ -46,24 +37,27 @@ def preempted(tmp_path_factory):
         "train.micro_batch_size=4",
         "train.seq_len=16",
         "logger.comet_api_key=SECRET-ARGV-KEY",
-    ]
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        nproc=4,
+        env={"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     lines: list[str] = []
     threading.Thread(target=_read_into, args=(proc.stderr, lines), daemon=True).start()
     try:
-        deadline = time.monotonic() + 180
-        while _progress(list(lines)) < 6 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert proc.poll() is None, "the demo ended before the signal:\n" + "\n".join(list(lines)[-30:])
+        wait_for(
+            lambda: _progress(list(lines)) >= 6,
+            180,
+            "six iterations done before the signal",
+            proc=proc,
+            detail=lambda: "\n".join(list(lines)[-30:]),
+        )
         finished = _progress(list(lines))
-        assert finished >= 6, "the demo made no progress in time"
         os.killpg(proc.pid, signal.SIGTERM)  # like SLURM: torchrun and every rank at once
         proc.wait(timeout=120)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        torchrun.kill_group(proc)
     return tmp_path / "preempted", finished, lines
 
 
