@@ -11,7 +11,9 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from functools import cache, lru_cache
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -24,20 +26,24 @@ from .warn import WarnOnce
 GB = 1e9
 
 #: torch.cuda.memory_stats() name -> logged name. Same shape as Megatron-Bridge's
-#: ``logger.memory_keys``, so a recipe's existing mapping can be passed unchanged.
-DEFAULT_MEMORY_KEYS: dict[str, str] = {
-    "allocated_bytes.all.peak": "peak_allocated_gb",
-    "reserved_bytes.all.peak": "peak_reserved_gb",
-    "active_bytes.all.peak": "peak_active_gb",
-    "inactive_split_bytes.all.peak": "peak_inactive_gb",
-    "allocated_bytes.all.current": "current_allocated_gb",
-    "reserved_bytes.all.current": "current_reserved_gb",
-    "active_bytes.all.current": "current_active_gb",
-    "inactive_split_bytes.all.current": "current_inactive_gb",
-    "num_alloc_retries": "alloc_retries",
-    "num_ooms": "num_ooms",
-    "allocation.all.allocated": "allocation_count",
-}
+#: ``logger.memory_keys``, so a recipe's existing mapping can be passed unchanged. Read-only (a
+#: change here would be silently ignored: it is resolved once): extend it in a mapping of your
+#: own, ``memory_keys={**DEFAULT_MEMORY_KEYS, "num_device_alloc": "device_allocs"}``.
+DEFAULT_MEMORY_KEYS: Mapping[str, str] = MappingProxyType(
+    {
+        "allocated_bytes.all.peak": "peak_allocated_gb",
+        "reserved_bytes.all.peak": "peak_reserved_gb",
+        "active_bytes.all.peak": "peak_active_gb",
+        "inactive_split_bytes.all.peak": "peak_inactive_gb",
+        "allocated_bytes.all.current": "current_allocated_gb",
+        "reserved_bytes.all.current": "current_reserved_gb",
+        "active_bytes.all.current": "current_active_gb",
+        "inactive_split_bytes.all.current": "current_inactive_gb",
+        "num_alloc_retries": "alloc_retries",
+        "num_ooms": "num_ooms",
+        "allocation.all.allocated": "allocation_count",
+    }
+)
 
 HOST_KEYS = ("host_rss_gb", "peak_host_rss_gb")
 #: Whole-device figures from cudaMemGetInfo, beside the allocator's own (CUDA in use only).

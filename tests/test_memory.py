@@ -166,3 +166,12 @@ def test_memory_keys_must_be_names():
 def test_capacity_is_real():
     capacity = capacity_report()
     assert 0 < capacity["host_available_gb"] <= capacity["host_total_gb"]
+
+
+def test_the_default_keys_cannot_be_changed_in_place_and_extend_into_a_mapping_of_ones_own():
+    """A change to DEFAULT_MEMORY_KEYS would be silently ignored (it is resolved once): it refuses."""
+    with pytest.raises(TypeError):
+        DEFAULT_MEMORY_KEYS["num_device_alloc"] = "device_allocs"  # type: ignore[index]
+    extended = {**DEFAULT_MEMORY_KEYS, "num_device_alloc": "device_allocs"}
+    report = report_memory(extended)
+    assert "device_allocs" in report and list(DEFAULT_MEMORY_KEYS.values())[0] in report
