@@ -176,3 +176,104 @@ def test_config_like_objects_are_checked_on_the_fields_nemo_memlog_reads_only(wr
         training_log(1, bad)
     with pytest.raises(ValueError, match=r"logger.tensorboard_dir must be a path string or None; got 123 \(int\)"):
         training_log(1, wrap(BridgeStyleLogger(log_memory_to_tensorboard=True, tensorboard_dir=123)))
+
+
+# The config package: one frozen Settings class, checked once per resolve.
+
+
+def test_settings_are_frozen():
+    import dataclasses
+
+    from nemo_memlog.config import resolve
+
+    settings = resolve(LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=5))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.tensorboard_log_interval = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.no_such_attribute = 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del settings.writer_mode
+    assert settings.tensorboard_log_interval == 5
+    # Equal settings compare and hash alike, whatever they came from.
+    again = resolve(LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=5))
+    assert again == settings and hash(again) == hash(settings) and len({settings, again}) == 1
+
+
+def test_one_settings_class_written_in_source():
+    import copy
+    import dataclasses
+    import pickle
+
+    from nemo_memlog.config import Settings, from_plain, resolve
+    from nemo_memlog.config.schema import Settings as SchemaSettings
+
+    settings = resolve(LoggerConfig(comet_api_key="TOP-SECRET", mlflow_tags={"team": "llm"}))
+    assert type(settings) is Settings is SchemaSettings
+    assert Settings.__module__ == "nemo_memlog.config.schema"
+    assert [cls.__module__ for cls in Settings.__mro__[:-1]] == ["nemo_memlog.config.schema"] * 2
+    assert "TOP-SECRET" not in repr(settings) and repr(settings).startswith("Settings(")
+    assert from_plain(settings.to_plain()) == settings
+    assert copy.deepcopy(settings) == settings and pickle.loads(pickle.dumps(settings)) == settings
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        copy.copy(settings).writer_mode = "thread"  # a copy is frozen too
+
+
+def test_resolve_checks_the_fields_once(monkeypatch):
+    from nemo_memlog.config import resolve, schema
+
+    cfg = LoggerConfig(log_memory_to_tensorboard=True)
+    real = schema.RULES.check
+    calls = []
+
+    def counted(logger):  # the real check, counted
+        calls.append(logger)
+        return real(logger)
+
+    monkeypatch.setattr(schema.RULES, "check", counted)
+    settings = resolve(cfg)
+    assert len(calls) == 1
+    assert resolve(settings) is settings and len(calls) == 1  # a Settings is taken as it is
+
+
+def test_the_callbacks_settings_are_checked_once(monkeypatch):
+    from nemo_memlog.config import resolve, resolve_fields, schema
+
+    real = schema.RULES.check
+    calls = []
+    monkeypatch.setattr(schema.RULES, "check", lambda logger: (calls.append(logger), real(logger))[1])
+    settings = resolve_fields(log_memory_to_tensorboard=True, memory_reduce_scope="world")
+    assert len(calls) == 1
+    assert settings == resolve(LoggerConfig(log_memory_to_tensorboard=True, memory_reduce_scope="world"))
+    with pytest.raises(TypeError, match=r"no field 'memory_reduce_scop' \(did you mean 'memory_reduce_scope'\?\)"):
+        resolve_fields(memory_reduce_scop="world")
+
+
+def test_an_unknown_keyword_names_the_closest_field_also_for_settings():
+    from nemo_memlog.config import Settings
+
+    with pytest.raises(TypeError, match=r"^LoggerConfig has no field 'writer_mod' \(did you mean 'writer_mode'\?\)"):
+        LoggerConfig(writer_mod="thread")
+    with pytest.raises(TypeError, match=r"no field 'writer_mod' \(did you mean 'writer_mode'\?\)"):
+        Settings(writer_mod="thread")
+
+
+def test_the_reduce_exchange_takes_one_of_two_collectives():
+    assert LoggerConfig().memory_reduce_exchange == "all_gather"
+    assert LoggerConfig(memory_reduce_exchange="all_to_all").memory_reduce_exchange == "all_to_all"
+    with pytest.raises(ValueError) as raised:
+        LoggerConfig(memory_reduce_exchange="ring")
+    assert str(raised.value) == (
+        "logger.memory_reduce_exchange must be one of 'all_gather', 'all_to_all' (the steady-state collective; "
+        "set it alike on every rank); got 'ring' (str)"
+    )
+    with pytest.raises(ValueError, match="memory_reduce_exchange must be one of"):
+        from_overrides(["logger.memory_reduce_exchange=all_reduce"])
+
+
+def test_one_walk_gives_the_recorded_params_and_the_secrets():
+    from nemo_memlog.config import recorded
+
+    cfg = LoggerConfig(comet_api_key="TOP-SECRET", mlflow_tags={"auth_token": "TOKEN-2", "team": "llm"})
+    params, secrets = recorded(cfg, cfg)
+    assert params == recorded_params(cfg, cfg) == flat_params(cfg)
+    assert sorted(secrets) == sorted(secrets_of(cfg)) == ["TOKEN-2", "TOP-SECRET"]

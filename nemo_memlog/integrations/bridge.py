@@ -53,7 +53,7 @@ import re
 
 from megatron.bridge.training.callbacks import Callback
 
-from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve
+from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve_fields
 from ..measure import estimate, phase
 from ..monitor import MemoryMonitor
 
@@ -96,13 +96,11 @@ class MemoryLogCallback(Callback):
             **self.settings,
             "memory_record_dir": self.settings.get("memory_record_dir") or memory_record_dir(bridge_logger),
         }
-        run_settings = resolve(
-            LoggerConfig(
-                log_memory_to_tensorboard=True,
-                tensorboard_log_interval=bridge_logger.tensorboard_log_interval,
-                memory_keys=bridge_memory_keys(getattr(bridge_logger, "memory_keys", None)),
-                **settings,
-            )
+        run_settings = resolve_fields(  # checked once, here; the monitor and the writers take it as it is
+            log_memory_to_tensorboard=True,
+            tensorboard_log_interval=bridge_logger.tensorboard_log_interval,
+            memory_keys=bridge_memory_keys(getattr(bridge_logger, "memory_keys", None)),
+            **settings,
         )
         monitor = MemoryMonitor(run_settings, pg_collection=_pg_collection(context.model))
         monitor.place()

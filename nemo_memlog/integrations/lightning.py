@@ -45,7 +45,7 @@ import importlib
 import warnings
 
 from .. import megatron
-from ..config import LoggerConfig, checked_settings, resolve
+from ..config import LoggerConfig, checked_settings, resolve_fields
 from ..measure import phase
 from ..monitor import MemoryMonitor
 from ..writers import adopt_writers
@@ -122,7 +122,7 @@ class MemoryLogCallback(*_callback_bases()):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        run_settings = resolve(LoggerConfig(tensorboard_log_interval=interval, memory_reduce_scope=scope, **settings))
+        run_settings = resolve_fields(tensorboard_log_interval=interval, memory_reduce_scope=scope, **settings)
         monitor = MemoryMonitor(run_settings, writer_rank=WRITER_RANK)
         monitor.place()
         if monitor.is_writer_rank:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 
-from ..config import logger_section, recorded_params, resolve, secrets_of
+from ..config import logger_section, recorded, resolve, secrets_of
 from .base import ADOPTABLE, CONFIGURED, Backend, Writers, backend_module, enabled_backends
 from .fanout import BufferedBackend, ThreadFanOut, open_thread_fanout
 from .inline import InlineFanOut
@@ -41,11 +41,12 @@ def build_writers(config, *, run_config=None) -> Writers:
     process, in process mode). Closed at interpreter exit and on SIGTERM (process_wide.py).
     No backend configured: an empty ThreadFanOut, and no process.
     """
-    settings = resolve(config)
+    settings = resolve(config)  # a Settings is used as it is: checked once, where it was resolved
     run_config = config if run_config is None else run_config
-    logger = _logger_of(run_config, config)
-    secrets = secrets_of(run_config) + secrets_of(logger)
-    params = recorded_params(run_config, logger)
+    logger, apart = _logger_of(run_config, config)
+    params, secrets = recorded(run_config, logger)  # one walk of the run config: the params and its secrets
+    if apart:  # the logger section is not in the run config (a dict of hyperparameters): its secrets too
+        secrets += secrets_of(logger)
     names = enabled_backends(settings)
     writers = None
     if names and settings.writer_mode == "process":
@@ -78,13 +79,14 @@ def adopt_writers(open_loggers, spellings: dict | None = None) -> InlineFanOut:
 
 
 def _logger_of(run_config, config):
-    """The logger section as the run config holds it (so a run config that IS the logger config
-    records ``memory_peak_window`` unprefixed, even when ``config`` is its Settings), else
-    ``config``'s (``run_config`` is not a config: a dict of hyperparameters, say)."""
+    """(the logger section as the run config holds it (so a run config that IS the logger config
+    records ``memory_peak_window`` unprefixed, even when ``config`` is its Settings), False), else
+    (``config``'s, True): ``run_config`` is not a config (a dict of hyperparameters, say), so the
+    section is apart from it."""
     try:
-        return logger_section(run_config)
+        return logger_section(run_config), False
     except TypeError:
-        return logger_section(config)
+        return logger_section(config), True
 
 
 def _process_fanout(settings, names, params, secrets):

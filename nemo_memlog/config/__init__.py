@@ -1,0 +1,59 @@
+"""nemo_memlog's configuration, one module per job:
+
+- schema.py: ``LoggerConfig`` (Megatron-Bridge's field names and ours), the frozen ``Settings``
+  a run reads, and reading a field of any config-like object (``setting``, ``logger_section``);
+- validation.py: the type and value rules of the fields, and the one message for a bad value;
+- resolution.py: ``resolve`` (any config -> one Settings, checked once) and what the writers
+  record of a run's config;
+- overrides.py: ``from_overrides``, a LoggerConfig from dotted command-line overrides;
+- secrets.py: the secrets in a config: one walk that redacts them and collects them, and scrubbing.
+
+Every name the package, its scripts and tests import from ``nemo_memlog.config`` is here.
+"""
+
+from .overrides import EXPECTED_FORM, from_overrides
+from .resolution import checked_settings, from_plain, recorded, recorded_params, resolve, resolve_fields
+from .schema import (
+    FIELDS,
+    LoggerConfig,
+    Settings,
+    check_logger_fields,
+    default_of,
+    logger_section,
+    memory_record_dir,
+    setting,
+)
+from .secrets import REDACTED, SECRET_NAME, flat_params, redact, redacted, scrubbed, secrets_of
+from .validation import PEAK_WINDOWS, RECORD_OFF, REDUCE_BACKENDS, REDUCE_EXCHANGES, WRITER_MODES, did_you_mean
+
+__all__ = [
+    "EXPECTED_FORM",
+    "FIELDS",
+    "PEAK_WINDOWS",
+    "RECORD_OFF",
+    "REDACTED",
+    "REDUCE_BACKENDS",
+    "REDUCE_EXCHANGES",
+    "SECRET_NAME",
+    "WRITER_MODES",
+    "LoggerConfig",
+    "Settings",
+    "check_logger_fields",
+    "checked_settings",
+    "default_of",
+    "did_you_mean",
+    "flat_params",
+    "from_overrides",
+    "from_plain",
+    "logger_section",
+    "memory_record_dir",
+    "recorded",
+    "recorded_params",
+    "redact",
+    "redacted",
+    "resolve",
+    "resolve_fields",
+    "scrubbed",
+    "secrets_of",
+    "setting",
+]

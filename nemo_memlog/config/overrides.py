@@ -1,0 +1,46 @@
+"""``from_overrides``: a LoggerConfig from dotted overrides, as recipes take them on the command
+line (read with OmegaConf, imported only when called)."""
+
+from .schema import FIELDS, LoggerConfig
+from .validation import did_you_mean
+
+EXPECTED_FORM = "expected logger.key=value, e.g. logger.log_memory_to_tensorboard=true"
+
+
+def from_overrides(overrides: list[str], base: LoggerConfig | None = None) -> LoggerConfig:
+    """Build a LoggerConfig from dotted overrides, as recipes take them on the command line:
+    ``["logger.log_memory_to_tensorboard=true", "logger.tensorboard_log_interval=10"]``.
+    The ``logger.`` prefix is optional; overrides for other sections (``train.iters=5``)
+    are ignored. Raises ValueError for anything else (a flag, a path, ``key=value`` with an
+    unknown key), showing the expected form, and for an unknown logger field, naming the
+    closest one: a script's own arguments are not overrides, pass only those that are.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    ours = []
+    for item in overrides:
+        key = item.split("=", 1)[0]
+        if "=" not in item or not key or key.startswith("-"):
+            raise ValueError(
+                f"from_overrides: {item!r} is not an override: {EXPECTED_FORM} "
+                f"(pass only the overrides, not the script's own arguments)"
+            )
+        if key.startswith("logger."):
+            key = key.removeprefix("logger.")
+        elif "." in key:
+            continue  # another section's override
+        name = key.split(".", 1)[0]
+        if name not in FIELDS:
+            raise ValueError(
+                f"from_overrides: {item!r}: LoggerConfig has no field {name!r}"
+                f"{did_you_mean(name, FIELDS)}; {EXPECTED_FORM}.\nKnown logger fields: {', '.join(FIELDS)}"
+            )
+        ours.append(item.removeprefix("logger."))
+    schema = OmegaConf.structured(base or LoggerConfig())
+    try:
+        merged = OmegaConf.merge(schema, OmegaConf.from_dotlist(ours))
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]  # a LoggerConfig: the schema's class
+    except OmegaConfBaseException as error:
+        known = ", ".join(FIELDS)
+        raise ValueError(f"bad logger override in {overrides!r}: {error.msg}\nKnown logger fields: {known}") from None

@@ -1,0 +1,90 @@
+"""Secrets in a config: the field names that hold them, one walk that finds them and redacts
+them, and scrubbing them from text a backend echoes. No other module of the package is read
+here, so anything may import it."""
+
+import dataclasses
+import re
+from typing import Any
+
+SECRET_NAME = re.compile(r"api[_-]?key|token|password|passwd|secret|credential|auth", re.IGNORECASE)
+REDACTED = "***redacted***"
+
+
+def redact(config: Any) -> tuple[Any, list[str]]:
+    """One walk of ``config``: (a copy safe to record, in which secret-looking fields are
+    REDACTED; the secret strings found, to scrub from anything a backend echoes).
+
+    The copy is plain dicts, lists and scalars: a dataclass or an object with attributes becomes
+    the dict of its fields, anything else unknown its ``str``. A secret is a non-empty value
+    under a secret-looking name (``SECRET_NAME``); strings within such a value are secrets too."""
+    found: list[str] = []
+
+    def secrets_in(value) -> None:  # a secret-named value: every string in it
+        if isinstance(value, str):
+            if value:
+                found.append(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                secrets_in(getattr(value, f.name))
+        elif hasattr(value, "items"):
+            for item in value.values():
+                secrets_in(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                secrets_in(item)
+
+    def walk(value, name: str = ""):
+        if name and SECRET_NAME.search(name) and value not in (None, ""):
+            secrets_in(value)
+            return REDACTED
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {f.name: walk(getattr(value, f.name), f.name) for f in dataclasses.fields(value)}
+        if isinstance(value, dict) or hasattr(value, "items"):
+            return {str(k): walk(v, str(k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [walk(v) for v in value]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if hasattr(value, "__dict__"):
+            return {k: walk(v, k) for k, v in vars(value).items() if not k.startswith("_")}
+        return str(value)
+
+    return walk(config), found
+
+
+def redacted(value: Any, name: str = "") -> Any:
+    """A copy of a config value safe to record: secret-looking fields become REDACTED."""
+    return redact({name: value})[0][name] if name else redact(value)[0]
+
+
+def flattened(value: Any) -> dict[str, Any]:
+    """A redacted copy (``redact``'s first item) flattened to ``{"a.b": value}``."""
+    out: dict[str, Any] = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            out[prefix] = value
+
+    walk("", value)
+    return out
+
+
+def flat_params(config) -> dict[str, Any]:
+    """The redacted config flattened to ``{"a.b": value}``, as hyperparameter stores want it."""
+    return flattened(redact(config)[0])
+
+
+def secrets_of(config) -> list[str]:
+    """The secret values in a config (to scrub from anything a backend echoes)."""
+    return redact(config)[1]
+
+
+def scrubbed(value, secrets: list[str]):
+    """``value`` with every secret string in it replaced by REDACTED (non-strings unchanged)."""
+    if isinstance(value, str):
+        for secret in filter(None, secrets):
+            value = value.replace(secret, REDACTED)
+    return value
