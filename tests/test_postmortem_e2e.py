@@ -78,41 +78,20 @@ def rank_main(scenario: str, root: str) -> int:
 # ---- the tests ------------------------------------------------------------------------------
 
 
-def launch(root: Path, scenario: str, *, until=None):
-    """torchrun with WORLD ranks of this script; ``until(root)`` true: SIGTERM the process group."""
-    from nemo_memlog.testing.cluster import free_port
+def launch(root: Path, scenario: str):
+    """torchrun with WORLD ranks of this script, run to its end: (exit status, its output)."""
+    from nemo_memlog.testing import torchrun
 
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(WORLD),
-        "--master-port",
-        str(free_port()),
-        "--monitor-interval",
-        "2",
+    done = torchrun.run(
         __file__,
         scenario,
-        str(root),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        root,
+        nproc=WORLD,
+        monitor_interval=2,
+        env={"PYTHONUNBUFFERED": "1"},
+        timeout_s=LAUNCH_TIMEOUT_S,
     )
-    try:
-        if until is not None:
-            deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-            while not until(root) and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.2)
-            assert proc.poll() is None, "the ranks ended before the signal"
-            os.killpg(proc.pid, signal.SIGTERM)  # like SLURM: torchrun and every rank at once
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    return proc.returncode, output
+    return done.returncode, done.stdout + done.stderr
 
 
 def postmortem(run_dir: Path) -> tuple[int, dict]:
