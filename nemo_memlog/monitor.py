@@ -174,8 +174,8 @@ class MemoryMonitor:
         else:
             logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
         if self.estimate:  # the framework's estimate beside the measurement
-            measured = attribution.stage_figures(gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, world=self.world)
-            logged.update(estimate.derived(self.estimate, measured))
+            stage0 = attribution.stage_figures(gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, world=self.world)
+            logged.update(estimate.derived(self.estimate, stage0))
         run = self._advice_run(logged) if model is not None else None
         if run is not None and run.micro_batch_size:  # the same arithmetic on every rank: one dict
             best, _ = advice.max_micro_batch_size(run)
