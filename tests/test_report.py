@@ -224,10 +224,10 @@ def test_a_second_run_that_starts_over_in_the_same_folder_is_not_stitched(tmp_pa
     # A job re-run into the same folder with fewer steps: its steps start over at 0. The old
     # run's later steps must not be appended to it, nor the two called a resume.
     folder = tmp_path / "tensorboard"
-    write_events(folder, STEPS)  # the first run: steps 0..70
-    time.sleep(0.05)  # distinct wall times: the second run started later
-    write_events(folder, STEPS[:3])  # the second run: steps 0..20
-    old, new = sorted(folder.glob("events.out.tfevents.*"), key=lambda path: path.stat().st_mtime)
+    started = time.time()
+    write_events(folder, STEPS, walltime=started - 3600)  # the first run, an hour earlier: steps 0..70
+    (old,) = folder.glob("events.out.tfevents.*")
+    write_events(folder, STEPS[:3], walltime=started)  # the second run: steps 0..20
     assert main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "steps 0..20 (3 logged)" in out and "resumed" not in out
