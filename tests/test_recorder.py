@@ -275,6 +275,16 @@ EXIT_SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     import torch.distributed  # imported once, before the forks: each way to end is a child
     from nemo_memlog import FlightRecorder
+    from nemo_memlog.failure import records
+    from nemo_memlog.testing.wait import wait_for
+    def beats():  # the liveness thread's count in this rank's file, as the parent will read it
+        with open(recorder.path, "rb") as record:
+            record.seek(records.HEADER_BYTES)
+            slot = record.read(records.LIVENESS_BYTES)
+        try:
+            return (records.decode(slot) or {}).get("beats") or 0
+        except records.RecordError:  # caught mid-write: the next poll reads it whole
+            return 0
     children = {}
     for how in sys.argv[2:]:
         pid = os.fork()
@@ -297,10 +307,10 @@ EXIT_SCRIPT = textwrap.dedent("""
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(30)
     elif how == "sigkill":
-        time.sleep(0.3)
+        wait_for(lambda: beats() >= 2, 60, "two liveness beats")
         os.kill(os.getpid(), signal.SIGKILL)
     elif how == "abandon":  # as a SIGKILL leaves it: the exit that follows writes no marker either
-        time.sleep(0.3)
+        wait_for(lambda: beats() >= 2, 60, "two liveness beats")
         recorder.abandon()
 """)
 
