@@ -17,13 +17,15 @@ import warnings
 from pathlib import Path
 
 from nemo_memlog import LoggerConfig, build_writers
-from nemo_memlog.testing.cluster import free_port
+from nemo_memlog.testing import torchrun
+from nemo_memlog.testing.wait import wait_for
 from nemo_memlog.writers import parent
 from tests.readback import stored_steps, tensorboard_steps, wandb_finished
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = ROOT / "tests" / "trainer.py"
 SECRET = "SECRET-WRITER-KEY"
+CLOSE_TIMEOUT_S = 5.0  # the close of a writer process already killed
 
 
 def _alive(pid: int) -> bool:
@@ -104,46 +106,41 @@ def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_p
     run, close_s = tmp_path / "killed", 20
     out_path = tmp_path / "stdout"
     with open(out_path, "w") as out, open(tmp_path / "stderr", "w") as err:
-        torchrun = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--master-port",
-                str(free_port()),
-                str(TRAINER),
-                str(run),
-                "--steps",
-                "0",
-                "--close-timeout",
-                str(close_s),
-            ],
-            cwd=ROOT,
-            env=_trainer_env(),
+        job = torchrun.start(
+            TRAINER,
+            run,
+            "--steps",
+            "0",
+            "--close-timeout",
+            close_s,
+            nproc=2,
+            env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"},
             stdout=out,
             stderr=err,
-            start_new_session=True,
         )
+
+    def handed_so_far() -> int:
+        lines = out_path.read_text().splitlines()
+        return max([int(line.split()[1]) for line in lines if line.startswith("handed ")], default=0)
+
     try:
-        handed, deadline = 0, time.monotonic() + 180
-        while handed < 25 or not list(run.glob("wandb/offline-run-*")):  # mid-run: the backends are writing
-            assert torchrun.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr").read_text()[-3000:]
-            time.sleep(0.1)
-            lines = out_path.read_text().splitlines()
-            handed = max([int(line.split()[1]) for line in lines if line.startswith("handed ")], default=0)
+        wait_for(
+            lambda: handed_so_far() >= 25 and list(run.glob("wandb/offline-run-*")),  # mid-run: backends writing
+            180,
+            "25 steps handed over and a W&B run",
+            proc=job,
+            detail=lambda: (tmp_path / "stderr").read_text()[-3000:],
+        )
+        handed, lines = handed_so_far(), out_path.read_text().splitlines()
         (ids,) = [line.split() for line in lines if line.startswith("trainer ")]
         trainer, writer = int(ids[1]), int(ids[3])
-        ours = _descendants(torchrun.pid)
+        ours = _descendants(job.pid)
         assert {trainer, writer} <= ours
         os.kill(trainer, signal.SIGKILL)  # as the OOM killer does: this one process, nothing else
         writer_exit_s = _wait_gone([writer], close_s + 10)
-        _wait_gone(ours | {torchrun.pid}, close_s + 60)  # torchrun ends rank 0 and itself
+        _wait_gone(ours | {job.pid}, close_s + 60)  # torchrun ends rank 0 and itself
     finally:
-        if torchrun.poll() is None:
-            os.killpg(torchrun.pid, signal.SIGKILL)
-        torchrun.wait()
+        torchrun.kill_group(job)
     stored = stored_steps(run)
     print(
         f"SIGKILL after {handed} steps handed over; the writer process ended {writer_exit_s:.1f} s later; "
@@ -205,7 +202,9 @@ def test_a_dead_trainer_and_a_hung_backend_leave_no_writer_process_behind(tmp_pa
             )
         writer = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])["writer_pid"]
         exit_s = _wait_gone([writer], 30)  # from the trainer's end
-    assert exit_s < close_s + 3, exit_s
+    # Within its close timeout, with room for a loaded machine; a writer that waited on the hung
+    # server instead would take MLflow's own HTTP timeouts (minutes) and fail _wait_gone above.
+    assert exit_s < 4 * close_s, exit_s
     assert tensorboard_steps(run) == set(range(1, 11))
     assert "nemo_memlog: mlflow backend: did not finish closing in time" in (tmp_path / "stderr").read_text()
 
@@ -267,15 +266,18 @@ def test_a_stopped_or_killed_writer_process_never_holds_up_training(tmp_path, mo
         for step in range(201, 206):
             fanout.log({"x": float(step)}, step)  # never raises
         started = time.perf_counter()
-        fanout.close(timeout_s=5)
+        fanout.close(timeout_s=CLOSE_TIMEOUT_S)
         close_s = time.perf_counter() - started
     messages = [str(w.message) for w in caught]
-    assert max(handoff) < 0.05, "the training thread never waits for the writer process"
+    # A hand-off is a non-blocking send or a queue append (microseconds); 0.5 s leaves room for a
+    # loaded 2-core machine's scheduling and still fails any wait on the stopped process.
+    assert max(handoff) < 0.5, "the training thread never waits for the writer process"
     assert 0 < dropped_here < 200 and stats["pending"] == 0
     assert stats["written"] + stats["dropped"] == 201, stats  # every step written or counted
     assert len([m for m in messages if "the writer process is behind" in m]) == 1
     assert len([m for m in messages if "writer process ended unexpectedly" in m]) == 1
-    assert fanout.dropped == dropped_here + 5 and close_s < 1
+    # The writer process is gone: close does not wait out its timeout (half of it: a loaded machine's margin).
+    assert fanout.dropped == dropped_here + 5 and close_s < CLOSE_TIMEOUT_S / 2, close_s
 
 
 def test_where_no_process_can_start_the_backends_run_in_threads(tmp_path, monkeypatch):
