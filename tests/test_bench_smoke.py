@@ -11,6 +11,9 @@ from pathlib import Path
 from nemo_memlog.testing.collectives import GATHER
 
 ROOT = Path(__file__).resolve().parents[1]
+#: A smoke run takes well under a minute here; a loaded 2-core machine may take twice that. A
+#: benchmark that hangs (a collective never answered) still fails, at this bound.
+BUDGET_S = 120
 
 
 def test_bench_smoke_runs_and_reports_every_part():
@@ -20,11 +23,11 @@ def test_bench_smoke_runs_and_reports_every_part():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=40,
+        timeout=BUDGET_S,
     )
     elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
-    assert elapsed < 40
+    assert elapsed < BUDGET_S
     out = done.stdout
     assert "| 2 | all_gather |" in out and "| 2 | all_to_all |" in out  # a, reduce, b, c, d and ratios
     assert f"PP 2: collectives per logging call: {GATHER} (all_to_all: all_to_all_single)" in out
