@@ -1,7 +1,7 @@
 """nemo_memlog: pipeline-wide memory metrics for Megatron-Core / NeMo training.
 
 The data path, one module each: ``report_memory`` (memory.py) -> ``gather_memory`` /
-``reduce_max_memory_across_pp_group`` (reduce.py) -> ``training_log`` (hook.py) ->
+``reduce_max_memory_across_pp_group`` (reduce/) -> ``training_log`` (hook.py) ->
 writers (writers/). Exports load on first use, so ``import nemo_memlog`` imports no
 logging backend, and the report command (cli.py) runs without torch.
 """

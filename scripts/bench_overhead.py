@@ -20,7 +20,7 @@ variant rotating, so that drift and the shared machine's noise hit every variant
     bridge    (b) Megatron-Bridge's reduce_max_memory_across_pp_group: float64 all_reduce MAX
     composer  (c) Composer's MemoryMonitor: an all_reduce per metric for each of avg, min, max
     floor     (d) one all_reduce of a 1-element tensor
-    ours_a2a, reduce_a2a   the same as ours and reduce with reduce.EXCHANGE = "all_to_all"
+    ours_a2a, reduce_a2a   the same as ours and reduce through a Reduction(exchange="all_to_all")
 
 ``reduce``, ``bridge`` and ``composer`` start from the same ready report; only ``ours`` reads
 memory. Without CUDA every allocator statistic would be missing, so ``report_memory`` reads

@@ -4,7 +4,8 @@ imported and no process is started, so this runs in well under a second.
 - no module imports another in a circle (imports inside functions count too);
 - a backend's library (wandb, mlflow, comet_ml, TensorBoard's SummaryWriter, tensorboardX) is
   named only in its own writer module under nemo_memlog/writers/;
-- no torch.distributed collective outside nemo_memlog/reduce.py;
+- no torch.distributed collective outside the nemo_memlog/reduce/ package, and none of
+  torch.distributed in its pure protocol module (nemo_memlog/reduce/protocol.py);
 - no module uses another module's private name;
 - nothing under nemo_memlog/offline imports torch, directly or through what it imports.
 
@@ -65,7 +66,9 @@ COLLECTIVE_PREFIXES = (
     "batch_isend_irecv",
 )
 COLLECTIVES_EXACT = {"reduce", "P2POp"}
-COLLECTIVES_ALLOWED = ("reduce.py", "testing/")
+COLLECTIVES_ALLOWED = ("reduce/", "testing/")
+#: The reduce package's pure module: the key agreement, decided from words every rank received alike.
+PURE_PROTOCOL = "reduce/protocol.py"
 
 
 @dataclass(frozen=True)
@@ -323,7 +326,7 @@ def test_a_backend_library_is_named_only_in_its_own_writer_module():
 
 
 # ------------------------------------------------------------------------------------------
-# (c) no collective outside reduce.py
+# (c) no collective outside the reduce package; none of torch.distributed in its protocol
 
 
 def _is_collective(name) -> bool:
@@ -355,10 +358,33 @@ def _collective_calls(module: Module) -> list[tuple[str, ast.AST]]:
 def test_no_collective_outside_reduce():
     problems = []
     for module in modules().values():
-        if module.relative == COLLECTIVES_ALLOWED[0] or module.relative.startswith(COLLECTIVES_ALLOWED[1]):
+        if module.relative.startswith(COLLECTIVES_ALLOWED):
             continue
         problems += [f"  {module.where(node)}: torch.distributed.{name}" for name, node in _collective_calls(module)]
-    assert not problems, "collectives outside nemo_memlog/reduce.py:\n" + "\n".join(sorted(set(problems)))
+    assert not problems, "collectives outside nemo_memlog/reduce/:\n" + "\n".join(sorted(set(problems)))
+
+
+def test_the_reduce_protocol_never_imports_torch_distributed():
+    """reduce/protocol.py, and the package modules it imports (at any depth, inside functions
+    too), never import torch.distributed nor name it: the key agreement is pure."""
+    (start,) = [name for name, module in modules().items() if module.relative == PURE_PROTOCOL]
+    problems, seen, queue = [], set(), [start]
+    while queue:
+        name = queue.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        module = modules()[name]
+        for imported in imports(name):
+            named = [imported.target, *(f"{imported.target}.{n}" for n in imported.names)]
+            if any(n == "torch.distributed" or n.startswith("torch.distributed.") for n in named):
+                problems.append(f"  {module.where(imported.node)}: imports {imported.target}")
+            queue += package_targets(imported)
+        bound = _bound_modules(module)
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Attribute) and (_dotted(node, bound) or "").startswith("torch.distributed"):
+                problems.append(f"  {module.where(node)}: {_dotted(node, bound)}")
+    assert not problems, f"torch.distributed in {PACKAGE}/{PURE_PROTOCOL}:\n" + "\n".join(sorted(set(problems)))
 
 
 # ------------------------------------------------------------------------------------------

@@ -9,6 +9,6 @@
 
 Imports go one way: recorder -> oom, identity, evidence, records; none of those imports
 recorder. Writing is the rank's, and it never raises into training. Of these, ``import nemo_memlog``
-imports ``records`` only (reduce.py words a lost peer as ``records.PEER_LOSS`` reads it); the
+imports ``records`` only (reduce/channel.py words a lost peer as ``records.PEER_LOSS`` reads it); the
 offline reader (``nemo_memlog.offline``) imports ``records`` only.
 """

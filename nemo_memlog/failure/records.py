@@ -70,7 +70,7 @@ KINDS = ("step", "oom", "end", "phase")
 #: a close (sys.exit, end of script); "exception": exit through an unhandled exception.
 END_REASONS = ("close", "sigterm", "exit", "exception")
 #: An "exception" end whose detail says a peer of the rank's collective is gone (gloo's, NCCL's and
-#: the sockets' words, and reduce.py's own "a peer left"): a consequence of another rank's death,
+#: the sockets' words, and reduce/channel.py's own "a peer left"): a consequence of another rank's death,
 #: which the post-mortem never names as the first failure.
 PEER_LOSS = re.compile(
     r"connection (closed|reset) by peer|broken pipe|socket (was )?closed|ECONNRESET|EPIPE"

@@ -51,5 +51,5 @@ def count_collectives():
             setattr(dist, name, original)
 
 
-#: The name reduce.py's one collective goes by in this torch.
+#: The name reduce/'s one collective goes by in this torch.
 GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"

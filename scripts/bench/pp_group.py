@@ -90,7 +90,7 @@ def _timed(group, plan: dict) -> dict:
     from nemo_memlog import memory
     from nemo_memlog.config import LoggerConfig
     from nemo_memlog.hook import run_of, training_log
-    from nemo_memlog.reduce import gather_memory
+    from nemo_memlog.reduce import Reduction, gather_memory
 
     # The flight recorder is on, as by default (its folder a temp dir rather than ./memory_records).
     cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1, memory_record_dir=plan["records"])
@@ -100,17 +100,23 @@ def _timed(group, plan: dict) -> dict:
     report.update(memory.capacity_report())
     one = torch.zeros(1)
     last = {}
+    # The all_to_all exchange, passed to Reductions of their own: one for reduce_a2a (as gather_memory
+    # uses the free functions'), one swapped into the run (made by its first call: ours, the first
+    # variant of the first repetition).
+    a2a = {"reduce": Reduction(exchange="all_to_all")}
 
     def ours(iteration):
         last["unified"] = training_log(iteration, cfg, pp_group=group, writers=fanout)
 
     def ours_a2a(iteration):
-        with exchange("all_to_all"):
+        if "run" not in a2a:
+            a2a["run"] = run_of(cfg, writers=fanout)
+            a2a["ours"] = Reduction(a2a["run"].warnings, exchange="all_to_all")
+        with exchange(a2a["run"], a2a["ours"]):
             ours(iteration)
 
     def reduce_a2a(iteration):
-        with exchange("all_to_all"):
-            gather_memory(report, group, iteration=iteration, timeout_s=timeout_s)
+        a2a["reduce"].gather(report, group, iteration=iteration, timeout_s=timeout_s)
 
     variants = {
         "ours": ours,
@@ -127,7 +133,11 @@ def _timed(group, plan: dict) -> dict:
         dist.barrier(group=group)
 
     out["samples"], out["cpu"] = interleaved(variants, plan["iters"], plan["warmup"], barrier)
-    out.update(_collectives_and_exchange(ours, report, group, plan["warmup"] + plan["iters"] + 1))
+    out.update(
+        _collectives_and_exchange(ours, ours_a2a, a2a["reduce"], report, group, plan["warmup"] + plan["iters"] + 1)
+    )
+    for reduction in (a2a["reduce"], a2a["ours"]):
+        reduction.close()
     out["unified"] = last["unified"]
     run = run_of(cfg, writers=fanout)  # the run training_log used: its channel and warnings
     out.update(_pieces_timed(run, report, last["unified"], plan, barrier))
@@ -140,20 +150,19 @@ def _timed(group, plan: dict) -> dict:
     return out
 
 
-def _collectives_and_exchange(ours, report: dict, group, iteration: int) -> dict:
+def _collectives_and_exchange(ours, ours_a2a, reduce_a2a, report: dict, group, iteration: int) -> dict:
     """The collectives one logging call issues, with either exchange, and whether the
-    all_to_all exchange gathers exactly what the all_gather one does."""
+    all_to_all exchange (``reduce_a2a``, a Reduction) gathers exactly what the all_gather one does."""
     from nemo_memlog.reduce import gather_memory
 
     out = {}
     with count_collectives() as calls:
         ours(iteration)
     out["collectives_per_logging_call"] = calls
-    with count_collectives() as calls, exchange("all_to_all"):
-        ours(iteration + 1)
+    with count_collectives() as calls:
+        ours_a2a(iteration + 1)
     out["collectives_per_logging_call_a2a"] = calls
-    with exchange("all_to_all"):
-        by_a2a = gather_memory(report, group, iteration=iteration + 2)
+    by_a2a = reduce_a2a.gather(report, group, iteration=iteration + 2)
     out["a2a_identical"] = repr(by_a2a) == repr(gather_memory(report, group, iteration=iteration + 2))
     return out
 

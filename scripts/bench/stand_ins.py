@@ -53,15 +53,15 @@ def fed_statistics(nested: dict):
 
 
 @contextlib.contextmanager
-def exchange(mode: str):
-    """reduce.EXCHANGE set to ``mode`` ("all_gather" or "all_to_all") inside the block."""
-    from nemo_memlog import reduce
-
-    previous, reduce.EXCHANGE = reduce.EXCHANGE, mode
+def exchange(run, reduction):
+    """``run`` (a MemoryMonitor) gathers through ``reduction`` inside the block: one made with
+    another exchange, ``Reduction(run.warnings, exchange="all_to_all")``, kept across blocks so
+    that its channel agrees on the keys once, as the run's own does."""
+    previous, run.reduction = run.reduction, reduction
     try:
         yield
     finally:
-        reduce.EXCHANGE = previous
+        run.reduction = previous
 
 
 class NullBackend:
