@@ -75,7 +75,7 @@ class MemoryMonitor:
         self.interval = self.settings.tensorboard_log_interval
         self.record_dir = self.settings.record_dir  # absolute now, as the working directory is now; None: off
         self.warnings = WarnOnce(secrets=secrets_of(self.settings))
-        self.reduction = Reduction(self.warnings)
+        self.reduction = Reduction(self.warnings, exchange=self.settings.memory_reduce_exchange)
         self.group: Any = None  # resolved at placement
         self.recorder: Any = None  # opened at placement, when the coordinates are known
         self.writers = writers
@@ -386,7 +386,7 @@ class MemoryMonitor:
         logging step places the run anew. For a framework whose run ends without ``close``.
         Never raises."""
         self.reduction.close()
-        self.reduction = Reduction(self.warnings)
+        self.reduction = Reduction(self.warnings, exchange=self.settings.memory_reduce_exchange)
         self.group = None
         self._placed = False
 

@@ -359,3 +359,35 @@ def test_a_rank_that_takes_a_noop_path_alone_makes_the_others_raise_not_hang():
         assert status == "raised", (rank, message)
         assert "memory_reduce_timeout_s=2" in message and "empty report" in message
         assert 1.5 < waited < 30, waited
+
+
+def log_with_exchange(exchange_by_stage):
+    """One logging step of a run whose memory_reduce_exchange is this stage's (a setting)."""
+    from nemo_memlog import LoggerConfig, MemoryMonitor
+    from nemo_memlog.testing.collectives import count_collectives
+
+    rank, stage, dp = _coords()
+    config = LoggerConfig(
+        log_memory_to_tensorboard=True, memory_reduce_exchange=exchange_by_stage[stage], memory_record_dir="off"
+    )
+    run = MemoryMonitor(config, pp_group=_pp_group())
+    try:
+        run.log(1, {"step_metric": 1.0})  # the handshake
+        with count_collectives() as calls:
+            unified = run.log(2, {"step_metric": 2.0})  # the steady state: the exchange itself
+        return {"calls": calls, "peak_stage": unified.get("memory/peak_stage/peak_host_rss_gb")}
+    finally:
+        run.close()
+
+
+def test_the_exchange_is_a_setting_and_ranks_that_differ_raise_before_either_collective(pp4):
+    """memory_reduce_exchange picks the steady-state collective, and the handshake agrees on it: ranks
+    set differently all raise, naming the setting, instead of entering collectives that do not match."""
+    for exchange, collective in (("all_gather", GATHER), ("all_to_all", "all_to_all_single")):
+        for result in pp4.run_ok(log_with_exchange, {stage: exchange for stage in range(4)}):
+            assert list(result["calls"]) == [collective] and result["peak_stage"] is not None, result
+    mixed = {0: "all_gather", 1: "all_to_all", 2: "all_gather", 3: "all_gather"}
+    for rank, result in enumerate(pp4.run(log_with_exchange, mixed)):
+        assert isinstance(result, RankFailure) and result.type_name == "MemoryReduceError", (rank, result)
+        assert "memory_reduce_exchange differ" in result.message and "'all_to_all' at position(s) [1]" in result.message
+    assert all(r["result"] for r in pp4.run_ok(reduce_basic))  # the group is still usable afterwards

@@ -42,6 +42,7 @@ class Channel:
     def __init__(self, group, exchange: str = EXCHANGE):
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_cuda(group) else torch.device("cpu")
         self.ranks = group.size()
+        self.exchange_name = exchange
         self.to_all = exchange == "all_to_all"
         self.layout: Any = None  # the agreed payload.Layout, once every rank adopted it
 

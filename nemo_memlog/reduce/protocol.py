@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 from .. import payload
+from ..config.validation import REDUCE_EXCHANGES
 
 
 class MemoryReduceError(RuntimeError):
@@ -55,6 +56,21 @@ def key_mismatch_message(key_lists: list, where: str) -> str:
         f"memory reduction over {where}: ranks report different keys, so values cannot be "
         f"lined up.\n" + "\n".join(lines) + "\nGive every rank the same memory_keys (and the same "
         "report keys in the same order); use NaN for a statistic one rank lacks."
+    )
+
+
+#: memory_reduce_exchange's values; the handshake sends each rank's as its index here.
+EXCHANGES = REDUCE_EXCHANGES
+
+
+def exchange_mismatch_message(exchanges: list[str], where: str) -> str:
+    """The error every rank raises when the ranks' steady-state exchanges differ (``exchanges[r]``:
+    position r's), before either collective runs: they would not match."""
+    by_exchange = {name: [r for r, e in enumerate(exchanges) if e == name] for name in EXCHANGES if name in exchanges}
+    said = "; ".join(f"{name!r} at position(s) {ranks}" for name, ranks in by_exchange.items())
+    return (
+        f"memory reduction over {where}: the ranks' memory_reduce_exchange differ ({said}); each would "
+        f"enter a different collective. Set logger.memory_reduce_exchange alike on every rank."
     )
 
 

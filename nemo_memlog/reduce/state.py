@@ -15,7 +15,15 @@ from .. import payload
 from ..attribution import GatheredMemory, line_up
 from ..warn import WarnOnce
 from .channel import EXCHANGE, Channel, describe, on_cuda
-from .protocol import MemoryReduceError, check_iterations, fits, key_mismatch_message, optional_union
+from .protocol import (
+    EXCHANGES,
+    MemoryReduceError,
+    check_iterations,
+    exchange_mismatch_message,
+    fits,
+    key_mismatch_message,
+    optional_union,
+)
 from .twins import pp_twin, world_twin
 
 
@@ -145,13 +153,17 @@ class Reduction:
 
 
 def _agree_on_layout(channel, layout, group, iteration, timeout_s) -> None:
-    """Handshake: a gather of (fingerprint, length of the key names). Identical everywhere
-    -> every rank adopts the layout. Otherwise every rank gathers the names (sized by
+    """Handshake: a gather of (fingerprint, length of the key names, the exchange). Every rank
+    raises alike when the ranks' exchanges (memory_reduce_exchange) differ. Identical fingerprints
+    everywhere -> every rank adopts the layout. Otherwise every rank gathers the names (sized by
     the longest, so the sizes agree too) and raises the same MemoryReduceError."""
     names = "\x1f".join(layout.keys).encode()
-    mine = torch.tensor([layout.fingerprint, len(names)], dtype=torch.int64)
+    exchange = EXCHANGES.index(channel.exchange_name)
+    mine = torch.tensor([layout.fingerprint, len(names), exchange], dtype=torch.int64)
     gathered = channel.gather_small(mine, group, iteration, timeout_s)
-    fingerprints, lengths = gathered[0::2], gathered[1::2]
+    fingerprints, lengths, exchanges = gathered[0::3], gathered[1::3], gathered[2::3]
+    if any(other != exchange for other in exchanges):  # before any exchange of a shape the others do not run
+        raise MemoryReduceError(exchange_mismatch_message([EXCHANGES[e] for e in exchanges], describe(group)))
     if all(f == layout.fingerprint for f in fingerprints):
         channel.adopt(layout, group)
         return
