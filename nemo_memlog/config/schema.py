@@ -78,7 +78,8 @@ class LoggerConfig:
     "group": the group itself; on NCCL that copies the words to the GPU, runs an NCCL
     kernel on the pipeline's communicator and waits for all queued GPU work."""
     memory_reduce_exchange: str = "all_gather"
-    """The steady-state collective of the memory gather; set it alike on every rank.
+    """The steady-state collective of the memory gather. Every rank of a group must use the same:
+    ranks that differ all raise MemoryReduceError at their first logging step, naming it.
     "all_gather" (the default): all_gather_single of each rank's words. "all_to_all":
     all_to_all_single of each rank's words repeated once per rank, which delivers the same
     gathered words. gloo runs the all-gather as a ring of N-1 dependent steps and the
