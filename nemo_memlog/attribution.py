@@ -24,6 +24,7 @@ the run, or the interval since the previous logging step); everything above foll
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import lru_cache
@@ -70,7 +71,11 @@ PREFIX = "memory/"
 CAPACITY = frozenset({"device_total_gb", "host_total_gb", "host_available_gb", "host_limit_gb"})
 
 
-def memory_metrics(gathered, per_stage_patterns=("peak_*",), stage_names=None) -> dict:
+def memory_metrics(
+    gathered: GatheredMemory,
+    per_stage_patterns: Iterable[str] = ("peak_*",),
+    stage_names: Sequence[str] | None = None,
+) -> dict:
     """The logged dict for one step. ``stage_names[i]`` labels position i (default: ``pp_stage_{i}``)."""
     keys = gathered.keys
     per_rank = gathered.per_rank
@@ -91,7 +96,7 @@ def memory_metrics(gathered, per_stage_patterns=("peak_*",), stage_names=None) -
     return out
 
 
-def stage_value(gathered: GatheredMemory, stage: int, key: str, *, world: bool = False):
+def stage_value(gathered: GatheredMemory, stage: int, key: str, *, world: bool = False) -> float | None:
     """Pipeline stage ``stage``'s own value of ``key``, as the per-stage metrics give it: the value
     at position ``stage`` (a PP group), or with ``world`` (positions are global ranks, each report
     carrying its COORDINATES) the max over that stage's ranks. None where no rank has it."""
@@ -105,7 +110,7 @@ def stage_value(gathered: GatheredMemory, stage: int, key: str, *, world: bool =
     return gathered.per_rank[stage][slot] if stage < len(gathered.per_rank) else None
 
 
-def stage_figures(gathered: GatheredMemory, stage: int, keys, *, world: bool = False) -> dict:
+def stage_figures(gathered: GatheredMemory, stage: int, keys: Iterable[str], *, world: bool = False) -> dict:
     """``{key: stage_value(...)}`` for each of ``keys``: one stage's figures, as data."""
     return {key: stage_value(gathered, stage, key, world=world) for key in keys}
 
@@ -220,7 +225,7 @@ def low_headroom(metrics: dict, fraction: float) -> list[tuple[str, int, str]]:
 COORDINATES = ("rank", "pp_rank", "tp_rank", "dp_rank")
 
 
-def world_metrics(gathered, per_stage_patterns=("peak_*",)) -> dict:
+def world_metrics(gathered: GatheredMemory, per_stage_patterns: Iterable[str] = ("peak_*",)) -> dict:
     """Metrics for memory_reduce_scope="world": positions are global ranks, and each rank's
     report carries its COORDINATES. Adds where each maximum lives: memory/peak_rank/<name>,
     memory/peak_tp_rank/<name>, memory/peak_dp_rank/<name>; pp_stage_{i} values are the

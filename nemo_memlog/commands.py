@@ -27,11 +27,11 @@ def console_command(name: str) -> str:
     return relative if not relative.startswith("..") else str(here)
 
 
-def postmortem_command(folder) -> str:
+def postmortem_command(folder: str | os.PathLike[str]) -> str:
     """The post-mortem of the flight records under ``folder``, as it runs when printed."""
     return f"{console_command('nemo-memlog')} postmortem {folder}"
 
 
-def report_command(folder) -> str:
+def report_command(folder: str | os.PathLike[str]) -> str:
     """The per-stage report of the run under ``folder``, as it runs when printed."""
     return f"{console_command('nemo-memlog')} report {folder}"

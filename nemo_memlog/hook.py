@@ -30,10 +30,20 @@ runs training_log made, and its one warning.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .config import resolve
 from .monitor import MemoryMonitor
 from .reduce import runs_ended
 from .warn import WarnOnce
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from .writers.base import Writers
 
 #: Open runs made by training_log past which a new one warns (once per process).
 MANY_RUNS = 4
@@ -65,14 +75,14 @@ _open_runs = _OpenRuns()
 
 def training_log(
     iteration: int,
-    config,
+    config: Any,
     *,
-    pg_collection=None,
-    pp_group=None,
-    writers=None,
+    pg_collection: Any = None,
+    pp_group: ProcessGroup | None = None,
+    writers: Writers | None = None,
     metrics: dict | None = None,
-    model=None,
-    optimizer=None,
+    model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+    optimizer: Any = None,
     facts: dict | None = None,
 ) -> dict | None:
     """Log pipeline-wide memory (and ``metrics``) every ``tensorboard_log_interval`` iterations.
@@ -131,7 +141,7 @@ def _find(settings, writers) -> _Entry | None:
     return next(matching, None)
 
 
-def run_of(config, *, writers=None) -> MemoryMonitor | None:
+def run_of(config: Any, *, writers: Writers | None = None) -> MemoryMonitor | None:
     """The open run training_log made for ``config``'s settings (and ``writers``), or None.
     Never starts one. Raises as training_log does for a config it cannot read."""
     entry = _find(resolve(config), writers)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
-def pipeline_group(pp_group=None, pg_collection=None):
+def pipeline_group(pp_group: ProcessGroup | None = None, pg_collection: Any = None) -> ProcessGroup | None:
     """``pp_group``; else ``pg_collection.pp``; else megatron-core's parallel_state group
     when it is initialised; else None (no reduction)."""
     if pp_group is not None:
@@ -18,12 +22,12 @@ def pipeline_group(pp_group=None, pg_collection=None):
     return None
 
 
-def coordinates(pp_group=None, pg_collection=None) -> dict[str, int]:
+def coordinates(pp_group: ProcessGroup | None = None, pg_collection: Any = None) -> dict[str, int]:
     """This rank's (pp, tp, dp) ranks, from the groups at hand (0 where unknown)."""
     return {name: rank for name, (rank, _) in _places(pp_group, pg_collection).items()}
 
 
-def layout(pp_group=None, pg_collection=None) -> dict[str, int]:
+def layout(pp_group: ProcessGroup | None = None, pg_collection: Any = None) -> dict[str, int]:
     """This rank's place and the job's sizes: ``pp_rank``, ``pp_size``, ``tp_rank``,
     ``tp_size``, ``dp_rank``, ``dp_size`` (rank 0 and size 1 where a group is unknown)."""
     out = {}

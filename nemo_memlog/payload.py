@@ -20,11 +20,16 @@ import hashlib
 import math
 import numbers
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    import numpy
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
 
 HEADER_WORDS = 3
 MASK_BITS = 63  # keep every mask word a non-negative int64
@@ -59,7 +64,7 @@ def _values_struct(count: int, int_words: int) -> struct.Struct:
     return struct.Struct("<" + "".join("q" if int_words >> slot & 1 else "d" for slot in range(count)))
 
 
-def pack(layout: Layout, report: dict, iteration: int | None, warn_key) -> bytes:
+def pack(layout: Layout, report: dict, iteration: int | None, warn_key: Callable[[str, str], object]) -> bytes:
     """Encode ``report`` (keys in ``layout`` order) as the int64 words of the header above.
 
     A value that is not a clean number is sent as missing (or converted), and
@@ -71,7 +76,13 @@ def pack(layout: Layout, report: dict, iteration: int | None, warn_key) -> bytes
     return bytes(buffer)
 
 
-def pack_into(buffer, layout: Layout, report: dict, iteration: int | None, warn_key) -> None:
+def pack_into(
+    buffer: Buffer | numpy.ndarray,
+    layout: Layout,
+    report: dict,
+    iteration: int | None,
+    warn_key: Callable[[str, str], object],
+) -> None:
     """``pack``, written into the first ``layout.words`` int64 words of a writable ``buffer``."""
     values = []
     int_mask = 0
@@ -106,7 +117,7 @@ class RankReport(NamedTuple):
     values: list
 
 
-def unpack(layout: Layout, buffer, ranks: int) -> list[RankReport]:
+def unpack(layout: Layout, buffer: Buffer | numpy.ndarray, ranks: int) -> list[RankReport]:
     """Decode ``ranks`` consecutive reports of ``layout`` from ``buffer`` (any bytes-like object)."""
     count = len(layout.keys)
     fields = HEADER_WORDS + 2 * layout.mask_words
@@ -159,7 +170,7 @@ def _all_values_struct(fields: int, count: int, ranks: int, int_words: int) -> s
     return struct.Struct("<" + f"{8 * fields}x{values}" * ranks)
 
 
-def scalar(value):
+def scalar(value: Any) -> tuple[int | float | None, str | None, str | None]:
     """Classify one report value as ``(python value, struct kind, problem)``.
 
     kind is "q" (int), "d" (float) or None (missing). problem is None, or a sentence
@@ -198,6 +209,6 @@ def _join_mask(words) -> int:
     return mask
 
 
-def is_missing(value) -> bool:
+def is_missing(value: object) -> bool:
     """True for the values a rank uses to say 'I lack this statistic'."""
     return value is None or (type(value) is float and math.isnan(value))

@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Hashable
 
 _sigterm: list = []
 _exit: list = []
@@ -71,14 +72,14 @@ def _dispatch(registry: list, *args) -> None:
             pass
 
 
-def forget(callback) -> None:
+def forget(callback: Callable[..., object]) -> None:
     """Unregister ``callback`` from every hook (a run that closed)."""
     with _lock:
         for registry in (_sigterm, _exit, _exception, _fork_child, _cuda_oom):
             registry[:] = [ref for ref in registry if ref() not in (None, callback)]
 
 
-def on_sigterm(callback, *, first: bool = False) -> None:
+def on_sigterm(callback: Callable[[], object], *, first: bool = False) -> None:
     """Run ``callback()`` on SIGTERM, then hand the signal on (see the module's docstring)."""
     _add(_sigterm, callback, first)
     if "sigterm" in _installed or threading.current_thread() is not threading.main_thread():
@@ -99,7 +100,7 @@ def on_sigterm(callback, *, first: bool = False) -> None:
     _installed.add("sigterm")
 
 
-def on_exit(callback) -> None:
+def on_exit(callback: Callable[[], object]) -> None:
     """Run ``callback()`` at interpreter exit."""
     _add(_exit, callback)
     if "exit" not in _installed:
@@ -107,7 +108,7 @@ def on_exit(callback) -> None:
         atexit.register(_dispatch, _exit)
 
 
-def on_exception(callback) -> None:
+def on_exception(callback: Callable[..., object]) -> None:
     """Run ``callback(kind, value, traceback)`` on an unhandled exception in the main thread."""
     _add(_exception, callback)
     if "exception" in _installed:
@@ -122,7 +123,7 @@ def on_exception(callback) -> None:
     sys.excepthook = excepthook
 
 
-def on_fork_child(callback) -> None:
+def on_fork_child(callback: Callable[[], object]) -> None:
     """Run ``callback()`` in the child after a fork of this process."""
     _add(_fork_child, callback)
     if "fork" not in _installed:
@@ -130,7 +131,7 @@ def on_fork_child(callback) -> None:
         os.register_at_fork(after_in_child=lambda: _dispatch(_fork_child))
 
 
-def on_cuda_oom(callback) -> bool:
+def on_cuda_oom(callback: Callable[[int, int, int, int], object]) -> bool:
     """Run ``callback(device, bytes_requested, device_limit, device_free)`` when the CUDA
     allocator runs out of memory. True once the observer is attached; False while CUDA is not
     initialised in this process (call ``attach_cuda_oom_observer`` again later)."""
@@ -206,12 +207,12 @@ def read_proc(path: str) -> bytes:
 _facts: set = set()
 
 
-def known(fact) -> bool:
+def known(fact: Hashable) -> bool:
     """Whether ``fact`` (any hashable name) was remembered in this process. No I/O."""
     return (os.getpid(), fact) in _facts
 
 
-def remember(fact) -> None:
+def remember(fact: Hashable) -> None:
     """Remember that ``fact`` holds in this process from now on. Keyed by pid: a forked child
     (a data-loader worker) knows nothing of its parent's facts and finds out for itself."""
     _facts.add((os.getpid(), fact))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Hashable
 
 from .config import scrubbed
 
@@ -40,5 +41,5 @@ class WarnOnce:
         """``text`` as it would be issued: prefixed, secrets scrubbed."""
         return scrubbed(PREFIX + self.context + text, self.secrets)
 
-    def seen(self, key) -> bool:
+    def seen(self, key: Hashable) -> bool:
         return key in self._seen

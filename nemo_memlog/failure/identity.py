@@ -13,12 +13,16 @@ import os
 import socket
 import time
 import uuid
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store
 
 #: The store key every rank of one run agrees on its run id through (compare_set: no collective).
 RUN_ID_KEY = "nemo_memlog/run_id"
 
 
-def identity(pp_group=None, pg_collection=None) -> dict:
+def identity(pp_group: ProcessGroup | None = None, pg_collection: Any = None) -> dict:
     """The header's who-am-I: ``run_id``, global ``rank`` and ``world_size``, ``pp_rank``,
     ``tp_rank``, ``dp_rank`` (megatron-core's parallel_state where initialised, else 0) and
     ``host``. Without torch.distributed: RANK and WORLD_SIZE from the environment. Never raises
@@ -64,7 +68,7 @@ def run_id() -> str:
     return uuid.uuid4().hex  # a single process: its own run
 
 
-def default_store():
+def default_store() -> Store | None:
     """torch.distributed's default store, or None (not initialised, or a torch without one).
     torch offers no public accessor; this is the one place that reaches for its private one."""
     try:

@@ -48,7 +48,12 @@ class Target(Protocol):
     def record_oom(self, fields: dict, report: dict) -> None: ...
 
 
-def watch(observer, *, warn, record_history: bool = False) -> bool:
+def watch(
+    observer: Callable[[int, int, int, int], object],
+    *,
+    warn: Callable[[str, str], object],
+    record_history: bool = False,
+) -> bool:
     """Have ``observer(device, bytes_requested, device_limit, device_free)`` called on a CUDA
     OOM in this process (process_wide holds it weakly when it is a bound method).
     ``record_history`` turns on the allocator's alloc/free history
@@ -67,7 +72,7 @@ def watch(observer, *, warn, record_history: bool = False) -> bool:
     return not _attached(process_wide.on_cuda_oom(observer), warn)
 
 
-def attach_when_ready(*, warn) -> bool:
+def attach_when_ready(*, warn: Callable[[str, str], object]) -> bool:
     """Attach the process's observer if CUDA is initialised here; True once attached."""
     return _attached(process_wide.attach_cuda_oom_observer(), warn)
 

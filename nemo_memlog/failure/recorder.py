@@ -42,6 +42,8 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .. import process_wide
 from ..commands import postmortem_command
@@ -49,6 +51,9 @@ from ..warn import WarnOnce
 from . import oom, records
 from .evidence import HostEvidence
 from .identity import identity as rank_identity
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 LIVENESS_PERIOD_S = 1.0
 #: Report keys kept when a record does not fit its slot (the rest are dropped, "truncated": true).
@@ -94,17 +99,17 @@ class FlightRecorder:
 
     def __init__(
         self,
-        directory,
+        directory: str | os.PathLike[str],
         *,
-        pp_group=None,
-        pg_collection=None,
-        report=None,
+        pp_group: ProcessGroup | None = None,
+        pg_collection: Any = None,
+        report: Callable[[], dict] | None = None,
         record_history: bool = False,
         slots: int = records.DEFAULT_SLOTS,
         slot_bytes: int = records.DEFAULT_SLOT_BYTES,
         liveness_period_s: float = LIVENESS_PERIOD_S,
         identity: dict | None = None,
-        clock=time.time,
+        clock: Callable[[], float] = time.time,
         liveness: bool = True,
         warn: WarnOnce | None = None,
     ):
@@ -323,7 +328,7 @@ def open_recorders() -> list[FlightRecorder]:
     return [recorder for recorder in list(_opened) if recorder.is_open]
 
 
-def open_recorder(directory, **kwargs) -> FlightRecorder:
+def open_recorder(directory: str | os.PathLike[str], **kwargs: Any) -> FlightRecorder:
     """The recorder for ``directory`` in this process: a new one (``kwargs`` as FlightRecorder
     takes them), or the one already open there (shared: each user closes it once, the last
     close ends it). Rank 0 says on stderr where a newly opened file's folder is."""

@@ -50,6 +50,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
+from typing import Any
 
 from megatron.bridge.training.callbacks import Callback
 
@@ -73,7 +75,7 @@ _holding: set[MemoryLogCallback] = set()
 class MemoryLogCallback(Callback):
     """Pipeline-wide memory in the recipe's own dashboards. Register it on every rank."""
 
-    def __init__(self, **settings):
+    def __init__(self, **settings: Any):
         self.settings = checked_settings(
             "MemoryLogCallback",
             settings,
@@ -85,7 +87,7 @@ class MemoryLogCallback(Callback):
         self._phases = phase.Slots()  # the memory phases this callback opened
         self._save_interval = None  # cfg.checkpoint.save_interval, where Bridge saves (on_train_start)
 
-    def on_train_start(self, context) -> None:
+    def on_train_start(self, context: Any) -> None:
         bridge_logger = context.state.cfg.logger
         for run in [run for run in _holding if run._bridge_logger is bridge_logger]:
             run._end_training(flush=False)  # it exited by sys.exit (a caught SystemExit): hand the flag back
@@ -117,7 +119,7 @@ class MemoryLogCallback(Callback):
         self.monitor, self._bridge_logger = monitor, bridge_logger
         _holding.add(self)
 
-    def on_train_step_end(self, context) -> None:
+    def on_train_step_end(self, context: Any) -> None:
         monitor = self.monitor
         if monitor is None:
             return
@@ -126,22 +128,22 @@ class MemoryLogCallback(Callback):
         if self._save_interval and step % self._save_interval == 0:
             self._phases.enter("checkpoint_save", step)
 
-    def on_train_step_start(self, context) -> None:
+    def on_train_step_start(self, context: Any) -> None:
         self._phases.leave("checkpoint_save")  # an async save's staging, or a Bridge without on_checkpoint_save
         if self.monitor is not None:  # the step on_train_step_end will log: measure its activations
             self.monitor.before_iteration(context.state.train_state.step + 1, context.model)
 
-    def on_checkpoint_save(self, context) -> None:
+    def on_checkpoint_save(self, context: Any) -> None:
         self._phases.leave("checkpoint_save")
 
-    def on_eval_start(self, context) -> None:
+    def on_eval_start(self, context: Any) -> None:
         if self.monitor is not None:
             self._phases.enter("eval", context.state.train_state.step)
 
-    def on_eval_end(self, context) -> None:
+    def on_eval_end(self, context: Any) -> None:
         self._phases.leave("eval")
 
-    def on_train_end(self, context) -> None:
+    def on_train_end(self, context: Any) -> None:
         self._phases.leave_all()
         self._end_training(flush=True)
 
@@ -221,7 +223,7 @@ def _adopt_open_loggers(state):
     return adopt_writers((getattr(state, name) for name in names), spellings={"mlflow": bridge_mlflow_spelling()})
 
 
-def bridge_mlflow_spelling():
+def bridge_mlflow_spelling() -> Callable[[str], str]:
     """``key -> name`` as the installed Bridge spells its report dicts (memory, throughput,
     runtime) in MLflow, so our series sort with its own: its own ``_sanitize_mlflow_metrics``
     where it can be imported, else its version's rule (``bridge_mlflow_rule``)."""
@@ -234,7 +236,7 @@ def bridge_mlflow_spelling():
     return lambda key: next(iter(_sanitize_mlflow_metrics({key: None})))
 
 
-def bridge_mlflow_rule(bridge_version: str):
+def bridge_mlflow_rule(bridge_version: str) -> Callable[[str], str]:
     """Bridge's MLflow spelling by release. Before 0.4 every ``/`` -> ``_``
     (``memory_mem-max-allocated-gigabytes``). From 0.4 the first ``/`` stays and later ones
     become ``_``, runs of ``/`` count as one, ``@`` -> ``_at_``, and anything but letters,

@@ -43,12 +43,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import warnings
+from typing import TYPE_CHECKING, Any
 
 from .. import megatron
 from ..config import LoggerConfig, checked_settings, resolve_fields
 from ..measure import phase
 from ..monitor import MemoryMonitor
 from ..writers import adopt_writers
+
+if TYPE_CHECKING:
+    import torch
 
 #: The keyword arguments: LoggerConfig's fields that concern what is measured and when.
 #: Not the writer fields (tensorboard_dir, wandb_project, ...): the trainer's loggers are the writers.
@@ -87,7 +91,7 @@ class MemoryLogCallback(*_callback_bases()):
     megatron-core's parallel_state is initialised at ``on_train_start``, else "world".
     """
 
-    def __init__(self, **settings):
+    def __init__(self, **settings: Any):
         # None means "the default" for our settings; an unknown name raises whatever its value.
         given = {name: value for name, value in settings.items() if value is not None or name not in SETTINGS}
         self.settings = checked_settings(
@@ -100,7 +104,7 @@ class MemoryLogCallback(*_callback_bases()):
         self._phases = phase.Slots()  # the memory phases this callback opened
         self.interval: int | None = None
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         settings = dict(self.settings)
         interval = settings.pop("tensorboard_log_interval", trainer.log_every_n_steps)
         if not settings["log_memory_to_tensorboard"] or not interval:
@@ -130,7 +134,7 @@ class MemoryLogCallback(*_callback_bases()):
         monitor.state_facts(**_facts(trainer))
         self.monitor, self.interval = monitor, interval
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._phases.leave("checkpoint_save")
         monitor = self.monitor
         if monitor is None:
@@ -142,29 +146,29 @@ class MemoryLogCallback(*_callback_bases()):
             return
         monitor.log_step(step, model=pl_module, optimizer=list(trainer.optimizers))
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._phases.leave("checkpoint_save")
         if self.monitor is not None:  # a logging step's batches: measure their activations (measure/activations.py)
             self.monitor.before_iteration(trainer.fit_loop.epoch_loop._batches_that_stepped + 1, pl_module)
             self.monitor.meter.open_microbatch()  # training_step is no module's forward: the batch is one
 
-    def on_before_backward(self, trainer, pl_module, loss) -> None:
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if self.monitor is not None:
             self.monitor.meter.close_microbatch()
 
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if self.monitor is not None:
             self._phases.enter("checkpoint_save", trainer.global_step)
 
-    def on_validation_start(self, trainer, pl_module) -> None:
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self._phases.leave("checkpoint_save")
         if self.monitor is not None:
             self._phases.enter("eval", trainer.global_step)
 
-    def on_validation_end(self, trainer, pl_module) -> None:
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         self._phases.leave("eval")
 
-    def on_train_end(self, trainer, pl_module) -> None:
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._phases.leave_all()
         if self.monitor is not None:
             self.monitor.meter.finish()  # armed for a step that never came: its hooks come off

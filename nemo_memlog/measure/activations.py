@@ -29,6 +29,7 @@ that fails counts nothing more and leaves training as it was).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,12 +56,12 @@ class Layer:
     number: int | None = None
 
 
-def chunks_of(model) -> list[nn.Module]:
+def chunks_of(model: nn.Module | Sequence[nn.Module] | None) -> list[nn.Module]:
     """The stage's chunks: ``model`` itself, or the items of Megatron's list of chunks."""
     return [m for m in modules_of(model) if isinstance(m, nn.Module)]
 
 
-def find_layers(model) -> list[Layer]:
+def find_layers(model: nn.Module | Sequence[nn.Module] | None) -> list[Layer]:
     """The stage's layers, in forward order, then one "other" entry per stage for the rest.
 
     Megatron (a chunk that is, or wraps through ``.module``, a model with ``decoder.layers``): its
@@ -136,7 +137,7 @@ class ActivationMeter:
         self.armed = False
         self.error: str | None = None  # why the last arm() could not measure (the run warns once)
 
-    def arm(self, model) -> None:
+    def arm(self, model: nn.Module | Sequence[nn.Module] | None) -> None:
         """Begin measuring: hooks on ``model``'s chunks, layers and parameters. Idempotent while armed."""
         if self.armed:
             return

@@ -42,6 +42,11 @@ Without CUDA statistics (CPU) the last two are NaN; without a measurement the fi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
 
 GB = 1e9
 NAMES = ("params_gb", "grads_gb", "optimizer_state_gb", "model_state_gb")
@@ -64,7 +69,7 @@ OPTIMIZER_TAKES = (
 _OPTIMIZER_PARTS = ("param_groups", "optimizer", "optim", "chained_optimizers")
 
 
-def check_model_and_optimizer(model, optimizer) -> None:
+def check_model_and_optimizer(model: nn.Module | Sequence[nn.Module] | None, optimizer: Any) -> None:
     """Raise TypeError naming the argument (``model``, ``optimizer``) and what it takes, for a value
     that cannot be counted (a state_dict, a string...). None passes. Cheap (isinstance and hasattr,
     no walk of the model): callers run it on logging iterations only. Mutates nothing."""
@@ -88,7 +93,7 @@ def _described(value) -> str:
     return f"{type(value).__name__} {value!r:.60}{hint}"
 
 
-def report_model_state(model, optimizer=None) -> dict[str, float]:
+def report_model_state(model: nn.Module | Sequence[nn.Module] | None, optimizer: Any = None) -> dict[str, float]:
     """This rank's model state in GB (the module docstring), counted now. Floats; mutates nothing."""
     return _count(modules_of(model), optimizer)
 
@@ -101,7 +106,7 @@ class ModelState:
         self._values: dict[str, float] = {}
         self._first = (None, None)  # (the modules' ids, their first parameter): found once per model
 
-    def report(self, model, optimizer=None) -> dict[str, float]:
+    def report(self, model: nn.Module | Sequence[nn.Module] | None, optimizer: Any = None) -> dict[str, float]:
         modules = modules_of(model)
         ids = tuple(map(id, modules))
         if self._first[0] != ids:  # Module.parameters() walks the module tree: once, not every step
@@ -112,7 +117,7 @@ class ModelState:
         return dict(self._values)
 
 
-def breakdown(report: dict, state: dict, measured=None) -> dict:
+def breakdown(report: dict, state: dict, measured: Any = None) -> dict:
     """``report`` (report_memory's) with ``state`` and the derived names added (a new dict).
     ``measured``: the logging iteration's activations.Measurement, or None (not measured)."""
     out = {**report, **state}
@@ -141,7 +146,9 @@ def with_iteration_grads(state: dict, grads: dict) -> dict:
     return out
 
 
-def layer_state(groups: list[list], optimizer=None, grads: dict | None = None, stage: dict | None = None) -> list[dict]:
+def layer_state(
+    groups: list[list], optimizer: Any = None, grads: dict | None = None, stage: dict | None = None
+) -> list[dict]:
     """Per group of parameters (a layer's; the last group is the rest of the stage): its
     ``params_gb``, ``grads_gb`` and ``optimizer_state_gb``, in element bytes (a flat buffer's
     padding belongs to no layer). Gradients: ``.grad``/``.main_grad`` now, or as ``grads`` noted
@@ -203,7 +210,7 @@ def _number(value) -> bool:
     return isinstance(value, (int, float)) and value == value
 
 
-def modules_of(model) -> list:
+def modules_of(model: nn.Module | Sequence[nn.Module] | None) -> list:
     """``model`` as a list of modules: itself, or the items of Megatron's (or Lightning's) list of chunks."""
     if model is None:
         return []
@@ -228,7 +235,7 @@ def _optimizers(optimizer) -> list:
     return [optimizer]
 
 
-def optimizer_facts(optimizer) -> dict:
+def optimizer_facts(optimizer: Any) -> dict:
     """What the per-layer record says of the optimizer: its class (the innermost torch optimizer's
     name) and whether its state is already sharded over data parallelism (Megatron's distributed
     optimizer, torch's ZeroRedundancyOptimizer). {} without one."""

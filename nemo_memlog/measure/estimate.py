@@ -25,6 +25,7 @@ and ships in Megatron-LM's training package, not in the megatron-core wheel: not
 from __future__ import annotations
 
 import math
+from typing import Any
 
 GB = 1e9
 PREFIX = "memory/"
@@ -34,7 +35,7 @@ ESTIMATED_STAGE = 0
 PARTS = ("model_state_gb", "activations_gb")
 
 
-def bridge_estimate(config, num_microbatches: int | None) -> dict[str, float] | None:
+def bridge_estimate(config: Any, num_microbatches: int | None) -> dict[str, float] | None:
     """Bridge's estimate for ``config`` (a ConfigContainer) in GB, or None (no estimator, or it failed)."""
     try:
         from megatron.bridge.training.utils.theoretical_memory_utils import estimate_training_memory
@@ -51,7 +52,7 @@ def bridge_estimate(config, num_microbatches: int | None) -> dict[str, float] | 
     }
 
 
-def selective_share(config) -> float | None:
+def selective_share(config: Any) -> float | None:
     """What selective recompute keeps of a layer's activations, by Bridge 0.6+'s formula (module docstring)."""
     try:
         from megatron.bridge.training.utils import theoretical_memory_utils as bridge_memory

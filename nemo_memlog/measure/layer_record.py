@@ -51,7 +51,7 @@ def write(folder, record: dict) -> Path:
     return path
 
 
-def read_rank(folder, rank: int) -> dict | None:
+def read_rank(folder: str | os.PathLike[str], rank: int) -> dict | None:
     """Rank ``rank``'s record in ``folder``, or None where it has none (or it cannot be read)."""
     try:
         return _checked(Path(folder) / file_name(rank))
@@ -59,7 +59,7 @@ def read_rank(folder, rank: int) -> dict | None:
         return None
 
 
-def read_folder(folder) -> list[dict]:
+def read_folder(folder: str | os.PathLike[str]) -> list[dict]:
     """Every rank's record in ``folder``, by rank; files of another format or a newer version raise
     ValueError naming the file and what to do."""
     records = []

@@ -35,6 +35,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 
 from .. import memory
 from ..warn import WarnOnce
@@ -102,7 +103,7 @@ class Slots:
             self.leave(name)
 
 
-def check_name(name) -> str:
+def check_name(name: str) -> str:
     """``name`` if it is a phase name (a lower-case identifier of at most 40 characters), else ValueError."""
     if not isinstance(name, str) or not NAME.fullmatch(name):
         raise ValueError(
@@ -113,7 +114,7 @@ def check_name(name) -> str:
 
 
 @contextlib.contextmanager
-def memory_phase(name: str, *, iteration: int | None = None):
+def memory_phase(name: str, *, iteration: int | None = None) -> Iterator[None]:
     """Measure and record the ``with`` block as phase ``name`` (see the module docstring).
     ``iteration``: the training iteration it belongs to, for the flight record (default: the
     last one a flight recorder of this process recorded)."""

@@ -28,7 +28,7 @@ class AdviseError(Exception):
     """The run cannot be advised on; the message says why and what to do."""
 
 
-def record_folder(path) -> Path:
+def record_folder(path: str | Path) -> Path:
     """The folder holding the per-layer records for ``path`` (a run, its tensorboard dir, the records)."""
     path = Path(path)
     for folder in (path, path / "memory_records", path.parent / "memory_records"):
@@ -41,7 +41,7 @@ def record_folder(path) -> Path:
     )
 
 
-def load(path, capacity_gb: float | None = None) -> advice.Run:
+def load(path: str | Path, capacity_gb: float | None = None) -> advice.Run:
     """The run as its records describe it, with ``capacity_gb`` (None: from the records)."""
     try:
         records = layer_record.read_folder(record_folder(path))
@@ -91,7 +91,7 @@ def _capacity(records: list[dict], gpu: bool) -> tuple[float | None, str]:
     return None, "unknown"
 
 
-def as_json(run: advice.Run, changes, outcomes, best: tuple) -> str:
+def as_json(run: advice.Run, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> str:
     """The contract: {"stages": [{"stage", "now", "predicted", "peak_gb", "capacity_gb", "fits", ...}], ...}."""
     return json.dumps(
         {
@@ -137,7 +137,7 @@ LABELS = {
 }
 
 
-def as_text(run: advice.Run, changes, outcomes, best: tuple) -> str:
+def as_text(run: advice.Run, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> str:
     """Per stage: each part today and predicted, the peak, capacity and headroom; then what fits."""
     what = " + ".join(change.text for change in changes) or "no change (today's figures)"
     capacity = f"{gb_cell(run.capacity_gb)} GB ({run.capacity_source})" if run.capacity_gb else "unknown"

@@ -6,9 +6,13 @@ Reads advice/'s outcomes; draws through plotting.py (matplotlib, lazily). No tor
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..advice import PARTS
 from .plotting import integer_ticks, new_figure, save
+
+if TYPE_CHECKING:
+    from ..advice import Change, Outcome, Run
 
 #: (part, label, colour), bottom to top, as the composition PNG colours them.
 COLOURS = {
@@ -22,7 +26,7 @@ COLOURS = {
 }
 
 
-def write_png(run, changes, outcomes, path) -> Path:
+def write_png(run: Run, changes: list[Change], outcomes: list[Outcome], path: str | Path) -> Path:
     """Two bars per stage (today, predicted) into the PNG at ``path``; returns the path."""
     tallest = max([o.peak_now_gb for o in outcomes] + [o.peak_gb for o in outcomes] + [run.capacity_gb or 0.0])
     scale, unit = (1000.0, "MB") if tallest < 1 else (1.0, "GB")

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .plotting import new_figure, save
+
+if TYPE_CHECKING:
+    from .events import MemoryRun
 
 #: (logged name, label, colour), bottom to top: on a GPU they add up to the peak reserved, then
 #: the memory outside the allocator. On CPU only the model state and activations are measured.
@@ -29,11 +33,11 @@ PARTS = (
 IN_FLIGHT = "microbatches_in_flight"
 
 
-def has_composition(run) -> bool:
+def has_composition(run: MemoryRun) -> bool:
     return bool(run.per_stage("model_state_gb"))
 
 
-def stage_parts(run) -> tuple[int | None, dict[int, dict[str, float]]]:
+def stage_parts(run: MemoryRun) -> tuple[int | None, dict[int, dict[str, float]]]:
     """(the last step every stage logged the model state at, {stage: {part: GB or NaN}})."""
     model_state = run.per_stage("model_state_gb")
     common = set.intersection(*(set(series.steps) for series in model_state.values())) if model_state else set()
@@ -58,7 +62,7 @@ def unit(parts: dict[int, dict[str, float]]) -> tuple[str, float]:
     return ("MB", 1000.0) if tallest < 1 else ("GB", 1.0)
 
 
-def in_flight_labels(run, step) -> dict[int, str]:
+def in_flight_labels(run: MemoryRun, step: int) -> dict[int, str]:
     """{stage: "4 in flight"} for each stage that logged its microbatches in flight at ``step``."""
     labels = {}
     for stage, series in run.per_stage(IN_FLIGHT).items():
@@ -68,7 +72,7 @@ def in_flight_labels(run, step) -> dict[int, str]:
     return labels
 
 
-def write_png(run, path) -> Path:
+def write_png(run: MemoryRun, path: str | Path) -> Path:
     """One stacked bar per stage into the PNG at ``path``; returns the path. A part no stage
     measured (temporaries, slack and outside the allocator on CPU: no CUDA allocator) is left out
     and said so in the legend."""

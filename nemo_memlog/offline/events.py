@@ -151,7 +151,7 @@ class MemoryRun:
 # ---- reading ------------------------------------------------------------------------------
 
 
-def load_run(run_dir) -> MemoryRun:
+def load_run(run_dir: str | Path) -> MemoryRun:
     """The newest run's ``memory/`` scalars in the event files under ``run_dir`` (a folder,
     searched recursively, or one event file).
 

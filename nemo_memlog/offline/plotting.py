@@ -8,9 +8,15 @@ that draws nothing never imports it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.axis import Axis
+    from matplotlib.figure import Figure
 
 
-def new_figure(width: float, height: float):
+def new_figure(width: float, height: float) -> Figure:
     """An empty ``matplotlib.figure.Figure`` of ``width`` x ``height`` inches at 100 dpi, laid out to fit."""
     import matplotlib
 
@@ -20,20 +26,20 @@ def new_figure(width: float, height: float):
     return Figure(figsize=(width, height), dpi=100, layout="constrained")
 
 
-def finish_axes(axes) -> None:
+def finish_axes(axes: Axes) -> None:
     """A light grid, and the legend outside the axes on the right: never over the lines."""
     axes.grid(alpha=0.3)
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
 
 
-def integer_ticks(axis) -> None:
+def integer_ticks(axis: Axis) -> None:
     """Ticks on whole numbers only, for an axis that counts (ranks, iterations): never a 0.5."""
     from matplotlib.ticker import MaxNLocator
 
     axis.set_major_locator(MaxNLocator(integer=True))
 
 
-def save(figure, path, title: str) -> Path:
+def save(figure: Figure, path: str | Path, title: str) -> Path:
     """The PNG at ``path`` (its folder made), with ``title`` as its Title text; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

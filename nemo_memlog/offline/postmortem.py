@@ -60,7 +60,7 @@ _RANK_IN_NAME = re.compile(r"rank-(\d+)")
 # ---- analysis -----------------------------------------------------------------------------
 
 
-def analyse(run_dir, run_id: str | None = None, clock_skew_s: float = DEFAULT_CLOCK_SKEW_S) -> Postmortem:
+def analyse(run_dir: str | Path, run_id: str | None = None, clock_skew_s: float = DEFAULT_CLOCK_SKEW_S) -> Postmortem:
     """Read every record file below ``run_dir`` and say who failed first.
 
     Files of several runs (run_id) in one folder: the run with the newest start is reported,

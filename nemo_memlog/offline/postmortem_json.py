@@ -7,6 +7,7 @@ prints (schema in docs/postmortem.md), strict JSON: no NaN, no Infinity.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from .postmortem import allowance_s
 from .postmortem_sentence import fragmented, sentence, stopped_after_first
@@ -112,7 +113,7 @@ def _rank_json(state: RankState) -> dict:
     }
 
 
-def finite(value):
+def finite(value: Any) -> Any:
     """``value`` with every non-finite float (NaN, Infinity: strict parsers refuse them) made None."""
     if isinstance(value, float):
         return value if value == value and abs(value) != float("inf") else None

@@ -16,7 +16,7 @@ METRICS = ("peak_reserved_gb", "peak_host_rss_gb", "host_rss_gb")
 _STATUS_COLOR = {"closed": "tab:green", "cuda_oom": "tab:red", "unfinished": "tab:orange"}
 
 
-def write_png(postmortem: Postmortem, path) -> Path:
+def write_png(postmortem: Postmortem, path: str | Path) -> Path:
     """Two panels into the PNG at ``path``; returns the path.
 
     Top: per pipeline stage, the records still in the ring of the rank holding the stage's

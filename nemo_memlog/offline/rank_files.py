@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +30,7 @@ class RankFile:
     slots: list[list]  # [seq, kind or None, checked JSON bytes, parsed record or None], oldest first
     problems: list[str] = field(default_factory=list)
 
-    def newest(self, kind: str | None = None, want=None) -> dict | None:
+    def newest(self, kind: str | None = None, want: Callable[[dict], bool] | None = None) -> dict | None:
         """The newest record of ``kind`` (any kind: None) for which ``want(record)`` holds."""
         for slot in reversed(self.slots):
             if kind is not None and slot[1] is not None and slot[1] != kind:
@@ -54,7 +55,7 @@ class RankFile:
         return slot[3]
 
 
-def find_record_files(run_dir) -> list[Path]:
+def find_record_files(run_dir: str | os.PathLike[str]) -> list[Path]:
     """Every ``*.memrec`` file at or below ``run_dir``, sorted."""
     found = []
     for folder, _, names in os.walk(run_dir):
@@ -62,7 +63,7 @@ def find_record_files(run_dir) -> list[Path]:
     return sorted(found)
 
 
-def read_rank_file(path) -> RankFile:
+def read_rank_file(path: str | Path) -> RankFile:
     """Read one rank's file with a single read and check every slot (length, checksum). Raises
     RecordError when the header cannot be used (empty, truncated, garbage, another format or
     version); a torn or corrupted liveness or record slot, or a truncated ring, is listed in

@@ -13,7 +13,7 @@ from .report import MemoryRun, capacity_tag
 from .tables import unit
 
 
-def write_png(run: MemoryRun, metric: str, path) -> Path:
+def write_png(run: MemoryRun, metric: str, path: str | Path) -> Path:
     """Draw ``metric`` for every stage of ``run`` into the PNG at ``path``; returns the path.
 
     One line per pipeline stage (memory/pp_stage_{i}/<metric>) over a wide grey band, the logged
@@ -65,7 +65,7 @@ def write_png(run: MemoryRun, metric: str, path) -> Path:
     return save(figure, path, title)  # the PNG's own text says what it shows
 
 
-def gap_to_last_stage(stages: dict, last) -> tuple[int, float, float, object] | None:
+def gap_to_last_stage(stages: dict, last: int) -> tuple[int, float, float, object] | None:
     """(step, peak over stages, last stage's value, the peak's stage) at the last step every stage
     logged; None without one. What stock dashboards (the last stage) miss of the peak there."""
     common = set.intersection(*(set(series.steps) for series in stages.values()))

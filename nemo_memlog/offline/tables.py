@@ -70,14 +70,14 @@ def render_block(columns: list[Column]) -> list[str]:
 # ---- numbers ------------------------------------------------------------------------------
 
 
-def finite_number(value) -> float | None:
+def finite_number(value: object) -> float | None:
     """A finite number as it is, else None (JSON null, NaN for a statistic a rank lacks, a bool, text)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return value
 
 
-def whole_number(value) -> int | None:
+def whole_number(value: object) -> int | None:
     """A finite number cut to an int (byte counts), else None."""
     number = finite_number(value)
     return None if number is None else int(number)
@@ -110,7 +110,7 @@ def gb_cell(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
-def gb_text(value, scale: float = 1e9) -> str:
+def gb_text(value: float | None, scale: float = 1e9) -> str:
     """Bytes (or GB with ``scale=1``) as a short GB figure for a sentence: "61 GB", "1.3 GB", "0.04 GB"."""
     if value is None:
         return "? GB"
@@ -118,7 +118,7 @@ def gb_text(value, scale: float = 1e9) -> str:
     return f"{number:.0f} GB" if number >= 10 else f"{number:.1f} GB" if number >= 0.1 else f"{number:.2f} GB"
 
 
-def cell(value) -> str:
+def cell(value: object) -> str:
     """Any value in a table cell: ``str``, "-" for none."""
     return "-" if value is None else str(value)
 

@@ -23,6 +23,8 @@ The words, one idea each, throughout this package:
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
+from typing import Any
 
 from ..config import logger_section, recorded, resolve, secrets_of
 from .base import ADOPTABLE, CONFIGURED, Backend, Writers, backend_module, enabled_backends
@@ -30,7 +32,7 @@ from .fanout import BufferedBackend, ThreadFanOut, open_thread_fanout
 from .inline import InlineFanOut
 
 
-def build_writers(config, *, run_config=None) -> Writers:
+def build_writers(config: Any, *, run_config: Any = None) -> Writers:
     """The writers for every backend ``config`` enables (possibly none): a ``ThreadFanOut``,
     or with ``writer_mode="process"`` a ``ProcessFanOut`` (same methods).
 
@@ -56,7 +58,7 @@ def build_writers(config, *, run_config=None) -> Writers:
     return writers
 
 
-def adopt_writers(open_loggers, spellings: dict | None = None) -> InlineFanOut:
+def adopt_writers(open_loggers: Iterable[Any], spellings: dict | None = None) -> InlineFanOut:
     """Writers over open loggers a framework already opened in this process (None entries
     are skipped; objects no backend recognises are ignored). They are written on the
     calling thread and flushed, never closed, by us: see inline.py.

@@ -23,7 +23,11 @@ import importlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 #: Backend modules a Settings can open, in the order they are fanned out to.
 CONFIGURED = ("tensorboard", "wandb", "mlflow", "comet")
@@ -67,7 +71,7 @@ PERMANENT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOE
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 
-def writable_folder(path, setting: str) -> Path:
+def writable_folder(path: str | os.PathLike[str], setting: str) -> Path:
     """``path`` (made if missing), after writing and removing a file in it; FolderNotWritable
     naming ``setting`` and the folder otherwise. A backend module calls it as it opens."""
     folder = Path(path)
@@ -96,13 +100,13 @@ def os_errno(error: BaseException) -> int | None:
     return None
 
 
-def backend_module(name: str):
+def backend_module(name: str) -> ModuleType:
     """The module of backend ``name`` (one of ADOPTABLE), imported now."""
     if name not in ADOPTABLE:
         raise ValueError(f"no writer backend {name!r}; known: {', '.join(ADOPTABLE)}")
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def enabled_backends(settings) -> list[str]:
+def enabled_backends(settings: Settings) -> list[str]:
     """The names of the CONFIGURED backends ``settings`` enables."""
     return [name for name in CONFIGURED if backend_module(name).enabled(settings)]

@@ -31,6 +31,8 @@ import socket
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
+from typing import Any
 
 from ..config import from_plain
 from . import wire
@@ -49,7 +51,7 @@ class Link:
         self._lock = threading.Lock()
         self.open = True
 
-    def send(self, message) -> bool:
+    def send(self, message: object) -> bool:
         with self._lock:
             if not self.open:
                 return False
@@ -64,7 +66,7 @@ class Link:
                 return False
 
 
-def messages(sock: socket.socket, parent: int):
+def messages(sock: socket.socket, parent: int) -> Iterator[Any]:
     """The training process's messages, until its end of the socket closes or it dies."""
     receiver = wire.Receiver(sock)
     sock.settimeout(PARENT_POLL_S)

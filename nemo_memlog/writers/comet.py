@@ -21,9 +21,14 @@ from __future__ import annotations
 
 import os
 import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from ..config import scrubbed
 from .base import writable_folder
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 DEFAULT_OFFLINE_DIRECTORY = "./comet_offline"
 _NO_HOOKS = "COMET_DISABLE_AUTO_LOGGING"
@@ -47,11 +52,11 @@ NO_CAPTURE = dict(
 )
 
 
-def enabled(settings) -> bool:
+def enabled(settings: Settings) -> bool:
     return bool(settings.comet_project)
 
 
-def open_backend(settings, params: dict, secrets: list[str]) -> CometBackend:
+def open_backend(settings: Settings, params: dict, secrets: list[str]) -> CometBackend:
     """A Comet experiment named ``comet_experiment_name`` with ``comet_tags``, and
     ``params`` logged once (string values with ``secrets`` scrubbed)."""
     comet_ml = import_comet_ml()
@@ -74,7 +79,7 @@ def open_backend(settings, params: dict, secrets: list[str]) -> CometBackend:
     return CometBackend(experiment)
 
 
-def import_comet_ml():
+def import_comet_ml() -> ModuleType:
     """comet_ml, imported without its import hooks unless the program imported it itself."""
     if "comet_ml" in sys.modules:
         return sys.modules["comet_ml"]
@@ -90,7 +95,7 @@ def import_comet_ml():
     return comet_ml
 
 
-def adopt(obj) -> CometBackend | None:
+def adopt(obj: object) -> CometBackend | None:
     """A comet_ml Experiment (online or offline) that someone else opened, else None."""
     if type(obj).__module__.startswith("comet_ml") and hasattr(obj, "log_metrics"):
         return CometBackend(obj)
@@ -98,7 +103,7 @@ def adopt(obj) -> CometBackend | None:
 
 
 class CometBackend:
-    def __init__(self, experiment):
+    def __init__(self, experiment: Any):
         self.experiment = experiment
 
     def log(self, metrics: dict, step: int) -> None:

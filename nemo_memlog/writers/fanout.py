@@ -25,10 +25,16 @@ import collections
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .. import process_wide
 from ..warn import WarnOnce
 from .base import DISK_FULL_ERRNOS, PERMANENT_ERRNOS, backend_module, os_errno
+
+if TYPE_CHECKING:
+    from ..config import Settings
+    from .base import Backend
 
 RETRY_FIRST_S = 0.5
 RETRY_MAX_S = 30.0
@@ -46,7 +52,7 @@ def step_ranges(ranges: list) -> str:
 class BufferedBackend:
     """One backend behind a buffer and a thread. ``opener()`` builds the backend (in the thread)."""
 
-    def __init__(self, name: str, opener, buffer_steps: int, secrets: list[str]):
+    def __init__(self, name: str, opener: Callable[[], Backend], buffer_steps: int, secrets: list[str]):
         self.name = name
         self._opener = opener
         self._backend = None
@@ -327,7 +333,7 @@ class ThreadFanOut:
 
 
 def open_thread_fanout(
-    settings, names: list[str], params: dict, secrets: list[str], *, closes_with_process: bool = True
+    settings: Settings, names: list[str], params: dict, secrets: list[str], *, closes_with_process: bool = True
 ) -> ThreadFanOut:
     """The backends ``names`` (of base.CONFIGURED), each opened lazily in a thread of this
     process behind its own buffer of ``settings.writer_buffer_steps``."""

@@ -11,11 +11,13 @@ with its own names (MLFlowLogger keeps ``/``; WandbLogger adds ``trainer/global_
 
 from __future__ import annotations
 
+from typing import Any
+
 #: Where Lightning's ``Logger`` base class lives, in either package.
 _LOGGER_MODULES = ("lightning.pytorch.loggers", "pytorch_lightning.loggers")
 
 
-def adopt(obj) -> LightningLoggerBackend | None:
+def adopt(obj: object) -> LightningLoggerBackend | None:
     """A Lightning ``Logger`` (any subclass, either package) that a Trainer holds, else None.
     Recognised by its base classes' modules, without importing Lightning."""
     for cls in type(obj).__mro__:
@@ -25,7 +27,7 @@ def adopt(obj) -> LightningLoggerBackend | None:
 
 
 class LightningLoggerBackend:
-    def __init__(self, logger):
+    def __init__(self, logger: Any):
         self.logger = logger
 
     def log(self, metrics: dict, step: int) -> None:

@@ -22,10 +22,15 @@ import os
 import re
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from ..config import scrubbed
 from .base import writable_folder
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 MAX_NAME = 250  # mlflow.utils.validation.MAX_ENTITY_KEY_LENGTH
 MAX_PARAM_VALUE = 6000  # MAX_PARAM_VAL_LENGTH
@@ -53,11 +58,11 @@ def _bounded(name: str, key: str) -> str:
     return name
 
 
-def enabled(settings) -> bool:
+def enabled(settings: Settings) -> bool:
     return bool(settings.mlflow_experiment)
 
 
-def open_backend(settings, params: dict, secrets: list[str]) -> MlflowBackend:
+def open_backend(settings: Settings, params: dict, secrets: list[str]) -> MlflowBackend:
     """A run named ``mlflow_run_name`` (tags ``mlflow_tags``) in ``mlflow_experiment``,
     created if missing, with ``params`` as its params (strings, secrets scrubbed)."""
     from mlflow.entities import Param
@@ -86,7 +91,7 @@ def open_backend(settings, params: dict, secrets: list[str]) -> MlflowBackend:
     return MlflowBackend(client, run_id)
 
 
-def create_sqlite_store(tracking_uri: str | None, client_class) -> None:
+def create_sqlite_store(tracking_uri: str | None, client_class: Callable[..., Any]) -> None:
     """A new SQLite store made whole or not at all: MLflow creates its tables and runs its schema
     migrations for seconds, and a process killed meanwhile (a launcher's teardown) would leave a
     file its own client then cannot open (``CircularDependencyError``). So a store that does not
@@ -122,7 +127,7 @@ def artifact_location(tracking_uri: str | None) -> str | None:
     return None if database is None else (database.parent / "mlartifacts").as_uri()
 
 
-def adopt(obj, spell=None) -> MlflowBackend | None:
+def adopt(obj: Any, spell: Callable[[str], str] | None = None) -> MlflowBackend | None:
     """The ``mlflow`` module with a run active on this thread, opened by someone else (a
     framework such as Megatron-Bridge); else None.
 
@@ -148,7 +153,7 @@ def _underscored(key: str) -> str:
     return key.replace("/", "_")
 
 
-def framework_namer(spell):
+def framework_namer(spell: Callable[[str], str]) -> Callable[[str], str]:
     """A cached ``key -> name``: ``spell(key)``, then what MLflow would still refuse made
     safe as ``mlflow_name`` does, except ``:``, which a framework's rule may keep (MLflow
     takes it everywhere but on Windows, where these frameworks do not run)."""
@@ -161,7 +166,7 @@ def framework_namer(spell):
 
 
 class MlflowBackend:
-    def __init__(self, client, run_id: str, name=mlflow_name):
+    def __init__(self, client: Any, run_id: str, name: Callable[[str], str] = mlflow_name):
         self.client = client
         self.run_id = run_id
         self.name = name

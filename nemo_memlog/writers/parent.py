@@ -40,11 +40,16 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from .. import process_wide
 from ..config import SECRET_NAME
 from ..warn import WarnOnce
 from . import wire
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 CHILD_MODULE = "nemo_memlog.writers.child"
 SEND_BUFFER = 8 << 20  # asked for; the kernel caps it at net.core.wmem_max (x2)
@@ -52,7 +57,7 @@ REPLY_GRACE_S = 2.0  # a reply may take this much longer than the budget it answ
 STATS_WAIT_S = 10.0
 
 
-def split_environment(environ, secrets: list[str]) -> tuple[dict, dict]:
+def split_environment(environ: Mapping[str, str], secrets: list[str]) -> tuple[dict, dict]:
     """(public, private): private holds every variable whose name looks like a secret or
     whose value contains one of ``secrets``; public the rest."""
     public, private = {}, {}
@@ -66,7 +71,7 @@ class ProcessFanOut:
     """The writers, in a writer process: ThreadFanOut's interface. ``pid`` is the writer
     process's. Raises (OSError, ...) when no process can be started here."""
 
-    def __init__(self, settings, names: list[str], params: dict, secrets: list[str]):
+    def __init__(self, settings: Settings, names: list[str], params: dict, secrets: list[str]):
         """The backends ``names`` (of base.CONFIGURED) for ``settings`` (a config.Settings),
         recording ``params``; ``secrets`` are scrubbed from every warning and kept off the
         writer process's command line and environment."""

@@ -12,10 +12,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from .. import process_wide
 from ..config import scrubbed
 from .base import writable_folder
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 #: The text summary holding the run config; TensorBoard stores it as "<tag>/text_summary".
 CONFIG_TAG = "config"
@@ -25,11 +30,11 @@ LAYOUT_CATEGORY = "memory per stage"
 _PER_STAGE = re.compile(r"memory/pp_stage_\d+/(.+)")
 
 
-def enabled(settings) -> bool:
+def enabled(settings: Settings) -> bool:
     return bool(settings.tensorboard_dir)
 
 
-def open_backend(settings, params: dict, secrets: list[str]) -> TensorBoardBackend:
+def open_backend(settings: Settings, params: dict, secrets: list[str]) -> TensorBoardBackend:
     """A SummaryWriter on ``tensorboard_dir``, with ``params`` recorded once as the "config" text."""
     from torch.utils.tensorboard import SummaryWriter
 
@@ -59,7 +64,7 @@ def config_text(params: dict, secrets: list[str]) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def adopt(obj) -> TensorBoardBackend | None:
+def adopt(obj: object) -> TensorBoardBackend | None:
     """A SummaryWriter (torch's or tensorboardX's) that someone else opened, else None."""
     if type(obj).__module__.startswith(("torch.utils.tensorboard", "tensorboardX")) and hasattr(obj, "add_scalar"):
         return TensorBoardBackend(obj)
@@ -71,14 +76,14 @@ def params_from_text(text: str) -> dict:
     return json.loads("\n".join(line.removeprefix("    ") for line in text.splitlines()))
 
 
-def layout(names) -> dict:
+def layout(names: Iterable[str]) -> dict:
     """The custom-scalars layout: per name, one chart overlaying every stage's line."""
     charts = {name: ["Multiline", [rf"memory/pp_stage_\d+/{re.escape(name)}$"]] for name in sorted(names)}
     return {LAYOUT_CATEGORY: charts}
 
 
 class TensorBoardBackend:
-    def __init__(self, writer):
+    def __init__(self, writer: Any):
         self.writer = writer
         self.charted: set[str] = set()  # the per-stage names the layout has a chart for
 

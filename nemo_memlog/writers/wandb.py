@@ -17,8 +17,13 @@ arguments), the code, git state and installed packages.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..config import scrubbed
 from .base import writable_folder
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 RUN_SETTINGS = dict(
     # The metadata record holds sys.argv (verified: the secret reached the .wandb file
@@ -36,11 +41,11 @@ RUN_SETTINGS = dict(
 )
 
 
-def enabled(settings) -> bool:
+def enabled(settings: Settings) -> bool:
     return bool(settings.wandb_project)
 
 
-def open_backend(settings, params: dict, secrets: list[str]) -> WandbBackend:
+def open_backend(settings: Settings, params: dict, secrets: list[str]) -> WandbBackend:
     """A W&B run in ``wandb_project`` with ``params`` as its config (``secrets`` scrubbed
     from its values again, in case one hid in a field not named like a secret)."""
     import wandb
@@ -58,7 +63,7 @@ def open_backend(settings, params: dict, secrets: list[str]) -> WandbBackend:
     return WandbBackend(run)
 
 
-def adopt(obj) -> WandbBackend | None:
+def adopt(obj: object) -> WandbBackend | None:
     """The ``wandb`` module after ``wandb.init()``, or a W&B Run, that someone else opened;
     else None. Rows are merged into the opener's row for the step, not committed: a
     commit would make W&B drop every later metric the opener logs at that step."""
@@ -68,7 +73,7 @@ def adopt(obj) -> WandbBackend | None:
 
 
 class WandbBackend:
-    def __init__(self, run, commit: bool = True):
+    def __init__(self, run: Any, commit: bool = True):
         self.run = run
         self.commit = commit
 

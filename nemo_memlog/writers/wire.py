@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pickle
 import socket
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 VERSION = 1
 CHUNK = 32 * 1024  # bytes of pickle per socket message; a larger message is sent in several
@@ -77,7 +77,7 @@ class Goodbye(NamedTuple):
     stats: dict
 
 
-def encode(message) -> list[bytes]:
+def encode(message: object) -> list[bytes]:
     """``message`` pickled, as socket messages of at most CHUNK + 1 bytes (a flag byte each).
     Raises what pickle raises (a value that cannot be pickled)."""
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -94,7 +94,7 @@ class Receiver:
         self.sock = sock
         self._parts: list[bytes] = []
 
-    def receive(self):
+    def receive(self) -> Any:
         """The next message, or EOF. Raises socket.timeout / BlockingIOError as the socket is set,
         OSError when it breaks."""
         while True:
