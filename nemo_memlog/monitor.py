@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -32,6 +33,12 @@ from .measure.activations import ActivationMeter, chunks_of
 from .payload import scalar
 from .reduce import Reduction, agree_on_restart, takes_part
 from .warn import WarnOnce
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+    from .writers.base import Writers
 
 #: A stage's figures the per-layer record carries (measure/layer_record.py), where this rank has them.
 RECORDED_STAGE_KEYS = (
@@ -60,14 +67,14 @@ class MemoryMonitor:
 
     def __init__(
         self,
-        config,
+        config: Any,
         *,
-        pg_collection=None,
-        pp_group=None,
-        writers=None,
+        pg_collection: Any = None,
+        pp_group: ProcessGroup | None = None,
+        writers: Writers | None = None,
         writer_rank: int | None = None,
-        run_config=None,
-    ):
+        run_config: Any = None,
+    ) -> None:
         self.settings = resolve(config)  # raises, naming the field and what to change
         self.config = config if run_config is None else run_config  # recorded by the writers as the run config
         # The gate, read on every rank at every iteration: two attribute reads.
@@ -98,7 +105,13 @@ class MemoryMonitor:
         return self.enabled and not iteration % self.interval
 
     def log(
-        self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None, facts: dict | None = None
+        self,
+        iteration: int,
+        metrics: dict | None = None,
+        *,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        optimizer: Any = None,
+        facts: dict | None = None,
     ) -> dict | None:
         """Every rank, every iteration. On logging iterations: report, reduce, merge with
         ``metrics``, hand to the writers (writer rank), and return the unified dict. ``model``
@@ -111,7 +124,7 @@ class MemoryMonitor:
             self.state_facts(**facts)
         return self.log_step(iteration, metrics, model=model, optimizer=optimizer)
 
-    def before_iteration(self, iteration: int, model) -> None:
+    def before_iteration(self, iteration: int, model: torch.nn.Module | Sequence[torch.nn.Module] | None) -> None:
         """Arm the activation meter on ``model`` if ``iteration`` is a logging iteration (every
         rank alike: the gate's inputs only). Off them: a modulo, nothing installed. Raises TypeError
         for a ``model`` that is no module (composition.check_model_and_optimizer)."""
@@ -121,7 +134,7 @@ class MemoryMonitor:
             if self.meter.error is not None:
                 self.warn_once(("activations",), f"activations cannot be measured on this model ({self.meter.error})")
 
-    def state_facts(self, **facts) -> None:
+    def state_facts(self, **facts: Any) -> None:
         """What the run knows of itself, for the per-layer record and ``nemo-memlog advise``:
         ``micro_batch_size``, ``microbatches`` (per iteration), ``global_batch_size``,
         ``distributed_optimizer``, ``recompute``... (None values are ignored)."""
@@ -132,7 +145,14 @@ class MemoryMonitor:
         """The run's facts as known: the optimizer's (read at the last logging step), then the stated ones."""
         return {**self._optimizer_facts, **self.facts}
 
-    def log_step(self, iteration: int, metrics: dict | None = None, *, model=None, optimizer=None) -> dict:
+    def log_step(
+        self,
+        iteration: int,
+        metrics: dict | None = None,
+        *,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        optimizer: Any = None,
+    ) -> dict:
         """``log`` past its gate (an integration that has decided the step logs calls it directly).
         Raises TypeError, naming the argument, for a ``model`` or ``optimizer`` it cannot count."""
         if model is not None or optimizer is not None:
@@ -284,6 +304,7 @@ class MemoryMonitor:
                     }
                 )
             record = {**self._layout, "iteration": iteration, "time": time.time(), "run": self.run_facts}
+            assert self.record_dir is not None  # _write_layers runs only with a folder
             layer_record.write(self.record_dir, {**record, "stage": stage, "layers": rows})
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")
@@ -295,7 +316,7 @@ class MemoryMonitor:
             raise ValueError(f"writer_rank={self.writer_rank} is not a rank of this job (world size {world_size})")
         return self.writer_rank
 
-    def use_writers(self, writers) -> None:
+    def use_writers(self, writers: Writers) -> None:
         """Write to ``writers`` (opened by someone else: flushed at close, never closed)."""
         self.writers = writers
         self._owns_writers = False
@@ -349,7 +370,7 @@ class MemoryMonitor:
         except (TypeError, ValueError):  # a value that is not a number where a part should be
             return None
 
-    def warn_once(self, key, text: str) -> None:
+    def warn_once(self, key: Hashable, text: str) -> None:
         """Warn ``nemo_memlog: <text>`` (a RuntimeWarning) the first time this run sees ``key``."""
         self.warnings(key, text, stacklevel=4)
 
@@ -402,7 +423,7 @@ NO_PIPELINE_GROUP = (
 )
 
 
-def check_launch(warn) -> None:
+def check_launch(warn: Callable[[Hashable, str], None]) -> None:
     """A process a launcher started as one of several, logging with no process group.
 
     Under torchrun or a SLURM script with ``WORLD_SIZE`` > 1, each process would log itself as a

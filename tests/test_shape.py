@@ -591,3 +591,38 @@ def test_per_process_state_lives_in_process_wide_and_a_handful_of_named_registri
     assert len(registries) <= MAX_PROCESS_STATE, f"module-level state outside process_wide.py: {registries}"
     assert not uncommented, f"say in a comment above each why it belongs to the process: {uncommented}"
     assert not rebound, f"a global rebound at run time (give it an owner): {rebound}"
+
+
+def _unannotated(module: Module) -> list[str]:
+    """Public functions and methods (of public classes) of ``module`` with a parameter (self and
+    cls aside) or a return (``__init__`` aside) that has no annotation."""
+    missing = []
+
+    def visit(node: ast.AST, owner: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef) and not child.name.startswith("_"):
+                visit(child, f"{child.name}.")
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if child.name.startswith("_") and child.name != "__init__":
+                    continue
+                arguments = child.args
+                params = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+                params += [a for a in (arguments.vararg, arguments.kwarg) if a is not None]
+                bare = [a.arg for a in params if a.annotation is None and a.arg not in ("self", "cls")]
+                if child.returns is None and child.name != "__init__":
+                    bare.append("return")
+                if bare:
+                    missing.append(f"{module.where(child)} {owner}{child.name}: {', '.join(bare)}")
+
+    visit(module.tree, "")
+    return missing
+
+
+def test_every_public_function_is_annotated():
+    """What a user's type checker and IDE read: every public function's parameters and return
+    (the test helpers under testing/ aside)."""
+    missing = []
+    for module in modules().values():
+        if not module.relative.startswith("testing/"):
+            missing += _unannotated(module)
+    assert not missing, "annotate:\n" + "\n".join(missing)

@@ -3,6 +3,10 @@ and at a CUDA OOM (the post-mortem's one-stage run)."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 from .model import MODEL_STATE, Run, Stage, fmt, parse
 from .predict import Refused, predict, smallest_fix
 
@@ -11,7 +15,7 @@ from .predict import Refused, predict, smallest_fix
 PREFIX = "memory/"
 
 
-def stage_parts(figure, gpu: bool) -> dict:
+def stage_parts(figure: Callable[[str], Any], gpu: bool) -> dict:
     """One stage's parts (PARTS) from its figures as logged: ``figure(name)`` is a logged name's
     value, or None. GPU: temporaries, slack and the memory outside the allocator as measured; CPU:
     the rest of the process's resident memory (interpreter, libraries, buffers) as ``outside_gb``.
@@ -30,6 +34,10 @@ def _gb(value) -> float:
     return float(value) if isinstance(value, (int, float)) and value == value else 0.0
 
 
+def _figure(unified: dict, row: str, name: str) -> Any:
+    return unified.get(row + name)
+
+
 def run_from_unified(unified: dict, facts: dict, layout: dict) -> Run | None:
     """The run as one logging step's unified dict shows it (per-stage keys, no layers), with the
     run's ``facts`` and ``layout`` (pp/dp sizes, local_world_size); None where activations or the
@@ -39,7 +47,7 @@ def run_from_unified(unified: dict, facts: dict, layout: dict) -> Run | None:
         row = f"{PREFIX}pp_stage_{stage}/"
         if row + "activations_gb" not in unified or row + "params_gb" not in unified:
             return None
-        parts = stage_parts(lambda name, row=row: unified.get(row + name), gpu)
+        parts = stage_parts(functools.partial(_figure, unified, row), gpu)
         in_flight = unified.get(row + "microbatches_in_flight")
         stages.append(Stage(stage, parts, int(in_flight) if in_flight is not None else None))
     if gpu:

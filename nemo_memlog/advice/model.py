@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,7 +62,16 @@ class Run:
     capacity_source: str = ""
 
     @classmethod
-    def of(cls, stages, layout: dict, facts: dict, *, gpu: bool, capacity_gb, capacity_source: str = "") -> Run:
+    def of(
+        cls,
+        stages: Sequence[Stage],
+        layout: dict,
+        facts: dict,
+        *,
+        gpu: bool,
+        capacity_gb: float | None,
+        capacity_source: str = "",
+    ) -> Run:
         """A run from its stages, its ``layout`` (``pp_size``, ``dp_size``: a per-layer record has
         them) and its ``facts`` (the record's ``"run"``: measure/layer_record.py)."""
         sharded = facts.get("optimizer_sharded") or facts.get("distributed_optimizer")
@@ -129,7 +139,7 @@ def with_model_state(parts: dict) -> dict:
 # ---- parsing ---------------------------------------------------------------------------------
 
 
-def parse(texts) -> list[Change]:
+def parse(texts: Iterable[str]) -> list[Change]:
     """``NAME=VALUE`` strings -> Changes (one combined change). ValueError names what to write."""
     changes = []
     for text in texts:

@@ -3,6 +3,7 @@ Settings), its inverse in the writer process (``from_plain``), the integrations'
 arguments (``checked_settings``, ``resolve_fields``), and what the writers record of a run's
 config (``recorded``: the params and the secrets, from one walk)."""
 
+from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,7 +11,7 @@ from .schema import FIELDS, RULES, LoggerConfig, Settings, check_logger_fields, 
 from .secrets import flattened, redact
 
 
-def resolve(config) -> Settings:
+def resolve(config: Any) -> Settings:
     """The Settings of ``config``: a LoggerConfig, any object with its field names (Megatron-Bridge's
     LoggerConfig: our defaults for the fields it lacks), a container whose ``.logger`` is one
     (Megatron-Bridge's ConfigContainer), or a Settings (returned as is: it was checked when it
@@ -24,7 +25,7 @@ def resolve(config) -> Settings:
     return Settings(**{name: _copied(setting(logger, name)) for name in FIELDS})
 
 
-def resolve_fields(**fields) -> Settings:
+def resolve_fields(**fields: Any) -> Settings:
     """The Settings of these LoggerConfig fields (the others: their defaults), checked once:
     ``resolve(LoggerConfig(**fields))`` without checking them twice. An unknown name raises
     LoggerConfig's TypeError, a value that cannot work its ValueError."""
@@ -49,7 +50,7 @@ def _copied(value):
     return value
 
 
-def checked_settings(owner: str, settings: dict, valid, hint: str = "") -> dict:
+def checked_settings(owner: str, settings: dict, valid: Iterable[str], hint: str = "") -> dict:
     """``settings`` (keyword arguments named as LoggerConfig's fields), unchanged, when every
     name is in ``valid`` and LoggerConfig accepts the values. Else ValueError: the unknown
     names with the valid ones listed (and ``hint``), or the bad field and what to change."""
@@ -60,7 +61,7 @@ def checked_settings(owner: str, settings: dict, valid, hint: str = "") -> dict:
     return settings
 
 
-def recorded(run_config, logger) -> tuple[dict[str, Any], list[str]]:
+def recorded(run_config: Any, logger: Any) -> tuple[dict[str, Any], list[str]]:
     """What the writers record for a run, and the secrets to scrub from what they echo, from one
     walk of ``run_config``: (``recorded_params(run_config, logger)``, ``secrets_of(run_config)``)."""
     copy, secrets = redact(run_config)
@@ -72,7 +73,7 @@ def recorded(run_config, logger) -> tuple[dict[str, Any], list[str]]:
     return params, secrets
 
 
-def recorded_params(run_config, logger) -> dict[str, Any]:
+def recorded_params(run_config: Any, logger: Any) -> dict[str, Any]:
     """What the writers record for a run: ``flat_params(run_config)``, with the peak window
     this run uses (``logger``: run_config's logger section or its Settings) always present, also
     when the logger object lacks the field (Megatron-Bridge's LoggerConfig): the report command

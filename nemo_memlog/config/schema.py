@@ -126,7 +126,7 @@ FIELDS = {f.name: f for f in dataclasses.fields(LoggerConfig)}
 RULES = FieldRules(FIELDS.values())
 
 
-def check_logger_fields(logger) -> None:
+def check_logger_fields(logger: Any) -> None:
     """Raise ValueError naming the field, what to write and the value given, for a setting that
     cannot work: first each field's type (from LoggerConfig's annotations), then its value. Reads
     only nemo_memlog's fields of ``logger`` (any object with those names: Megatron-Bridge's
@@ -134,16 +134,16 @@ def check_logger_fields(logger) -> None:
     RULES.check(logger)
 
 
-def default_of(name: str):
+def default_of(name: str) -> Any:
     return RULES.default(name)
 
 
-def setting(logger, name: str):
+def setting(logger: Any, name: str) -> Any:
     """A field of any logger config object, with our default when it lacks the field."""
     return RULES.read(logger, name)
 
 
-def logger_section(config):
+def logger_section(config: Any) -> Any:
     """The logger part of a config: ``config.logger`` for a ConfigContainer, else ``config``.
 
     Raises TypeError for anything that has ``log_memory_to_tensorboard`` neither itself nor
@@ -161,7 +161,7 @@ def logger_section(config):
     )
 
 
-def memory_record_dir(logger) -> str | None:
+def memory_record_dir(logger: Any) -> str | None:
     """The flight recorder's folder for these settings (absolute), or None when it is off:
     memory logging off, or ``memory_record_dir="off"``. See LoggerConfig.memory_record_dir."""
     chosen = setting(logger, "memory_record_dir")
@@ -232,7 +232,7 @@ class Settings(LoggerConfig):
         return {name: plain(getattr(self, name)) for name in FIELDS}
 
 
-def plain(value):
+def plain(value: Any) -> Any:
     """``value`` as plain dicts, lists and scalars (picklable where the config's classes are not)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value

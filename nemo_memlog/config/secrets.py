@@ -72,17 +72,17 @@ def flattened(value: Any) -> dict[str, Any]:
     return out
 
 
-def flat_params(config) -> dict[str, Any]:
+def flat_params(config: Any) -> dict[str, Any]:
     """The redacted config flattened to ``{"a.b": value}``, as hyperparameter stores want it."""
     return flattened(redact(config)[0])
 
 
-def secrets_of(config) -> list[str]:
+def secrets_of(config: Any) -> list[str]:
     """The secret values in a config (to scrub from anything a backend echoes)."""
     return redact(config)[1]
 
 
-def scrubbed(value, secrets: list[str]):
+def scrubbed(value: Any, secrets: list[str]) -> Any:
     """``value`` with every secret string in it replaced by REDACTED (non-strings unchanged)."""
     if isinstance(value, str):
         for secret in filter(None, secrets):

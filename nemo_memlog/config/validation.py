@@ -28,13 +28,13 @@ REDUCE_EXCHANGES = ("all_gather", "all_to_all")
 RECORD_OFF = "off"
 
 
-def did_you_mean(name: str, known) -> str:
+def did_you_mean(name: str, known: Iterable[str]) -> str:
     """`` (did you mean 'x'?)`` for the closest of ``known`` to a misspelt ``name``, else ''."""
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def type_rule(annotation) -> tuple[Callable[[Any], bool], str]:
+def type_rule(annotation: Any) -> tuple[Callable[[Any], bool], str]:
     """(accepts(value), what to write) for a LoggerConfig field's annotation: bool takes only a
     bool; int an int (not a bool); float an int or float; str a string (``str | None``: also an
     ``os.PathLike``); dict a mapping; list[str] a list or tuple of strings; ``X | None`` also None."""
@@ -122,11 +122,11 @@ class FieldRules:
         #: Per field: (accepts its type, what to write): one place, one rule per type.
         self.types = {name: type_rule(spec.type) for name, spec in self.fields.items()}
 
-    def default(self, name: str):
+    def default(self, name: str) -> Any:
         spec = self.fields[name]
         return spec.default_factory() if spec.default is dataclasses.MISSING else spec.default  # type: ignore[misc, operator]
 
-    def read(self, logger, name: str):
+    def read(self, logger: Any, name: str) -> Any:
         """Field ``name`` of any logger config object, with the default when it lacks the field."""
         value = getattr(logger, name, _ABSENT)
         return self.default(name) if value is _ABSENT else value
@@ -135,7 +135,7 @@ class FieldRules:
         """``<owner> has no field 'x' (did you mean 'y'?); fields: ...``."""
         return f"{owner} has no field {name!r}{did_you_mean(name, self.fields)}; fields: {', '.join(self.fields)}"
 
-    def check(self, logger) -> None:
+    def check(self, logger: Any) -> None:
         """Raise ValueError naming the field, what to write and the value given, for a setting that
         cannot work: first each field's type, then its value. Reads only these fields of ``logger``
         (any object with those names: Megatron-Bridge's LoggerConfig has fields of its own, of its

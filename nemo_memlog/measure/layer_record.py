@@ -40,7 +40,7 @@ def file_name(rank: int) -> str:
     return f"rank-{rank:05d}.layers.json"
 
 
-def write(folder, record: dict) -> Path:
+def write(folder: str | os.PathLike[str], record: dict) -> Path:
     """Write ``record`` (its ``rank`` names the file) into ``folder``, atomically; returns the path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

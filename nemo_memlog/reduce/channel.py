@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy
@@ -39,14 +40,14 @@ class Channel:
     ``exchange`` ("all_gather" or "all_to_all", see ``EXCHANGE``) is the steady-state collective;
     the handshake's small gathers are all-gathers either way."""
 
-    def __init__(self, group, exchange: str = EXCHANGE):
+    def __init__(self, group: dist.ProcessGroup, exchange: str = EXCHANGE):
         self.device = torch.device("cuda", torch.cuda.current_device()) if on_cuda(group) else torch.device("cpu")
         self.ranks = group.size()
         self.exchange_name = exchange
         self.to_all = exchange == "all_to_all"
         self.layout: Any = None  # the agreed payload.Layout, once every rank adopted it
 
-    def adopt(self, layout, group) -> None:
+    def adopt(self, layout: payload.Layout, group: dist.ProcessGroup) -> None:
         self.layout = layout
         # One row per rank on both sides: an all-gather sends row 0, an all-to-all sends every
         # row (each a copy of row 0), and both receive rank r's words in row r.
@@ -62,7 +63,15 @@ class Channel:
         self.send_words = self.send_rows[0]
         self.recv_words = self.recv_host.numpy()
 
-    def exchange(self, layout, memory_report, group, iteration, timeout_s, warn_value) -> list:
+    def exchange(
+        self,
+        layout: payload.Layout,
+        memory_report: dict,
+        group: dist.ProcessGroup,
+        iteration: int | None,
+        timeout_s: float | None,
+        warn_value: Callable[[str, str], None],
+    ) -> list:
         """The one collective: every rank's words in the agreed layout, unpacked. ``warn_value(key, why)``
         hears of a value sent as missing."""
         if layout is self.layout or layout.keys == self.layout.keys:
@@ -85,7 +94,9 @@ class Channel:
             self.recv_host.copy_(self.recv)
         return payload.unpack(self.layout, self.recv_words, self.ranks)
 
-    def gather_small(self, mine, group, iteration, timeout_s) -> list[int]:
+    def gather_small(
+        self, mine: torch.Tensor, group: dist.ProcessGroup, iteration: int | None, timeout_s: float | None
+    ) -> list[int]:
         """Every rank's ``mine`` (same size and dtype on every rank), concatenated, as a list."""
         out = torch.empty(mine.numel() * self.ranks, dtype=mine.dtype, device=self.device)
         self._wait(all_gather_single(out, mine.to(self.device), group), group, iteration, timeout_s)
@@ -118,25 +129,25 @@ def timedelta_of(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
-def all_gather_single(out, inp, group):
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> Any:
     """Start an all-gather of ``inp`` into ``out`` over ``group`` (async); the exchange's collective."""
     # torch >= 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single.
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return gather(out, inp, group=group, async_op=True)
 
 
-def all_to_all_single(out, inp, group):
+def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> Any:
     """Start an all-to-all of ``inp`` into ``out`` over ``group`` (async); the other exchange's collective."""
     return dist.all_to_all_single(out, inp, group=group, async_op=True)
 
 
-def on_cuda(group) -> bool:
+def on_cuda(group: dist.ProcessGroup | None) -> bool:
     """Whether a collective over ``group`` runs on CUDA tensors (NCCL without a gloo part)."""
     backend = str(dist.get_backend(group))
     return "gloo" not in backend and "nccl" in backend
 
 
-def describe(group) -> str:
+def describe(group: dist.ProcessGroup | None) -> str:
     """The group, as an error names it: "the group of global ranks [...]"."""
     try:
         ranks = dist.get_process_group_ranks(group)

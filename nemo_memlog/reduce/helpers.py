@@ -16,7 +16,7 @@ DEFAULT_TIMEOUT_S = default_of("memory_reduce_timeout_s")
 
 
 def reduce_max_memory_across_pp_group(
-    memory_report: dict, pp_group, *, timeout_s: float | None = DEFAULT_TIMEOUT_S
+    memory_report: dict, pp_group: dist.ProcessGroup | None, *, timeout_s: float | None = DEFAULT_TIMEOUT_S
 ) -> dict:
     """Per-key MAX of ``memory_report`` across ``pp_group``, on every rank of the group.
 
@@ -31,7 +31,7 @@ def reduce_max_memory_across_pp_group(
     that takes one of the no-op paths above while the others reduce leaves them waiting:
     they raise MemoryReduceError after ``timeout_s`` (None: wait forever).
     """
-    if not takes_part(memory_report, pp_group):
+    if pp_group is None or not takes_part(memory_report, pp_group):
         return memory_report
     # A MemoryMonitor placed in this job made a gloo twin of this group: same ranks, same
     # result, and no GPU work. Without one, the group itself (this helper creates no group:
@@ -40,7 +40,7 @@ def reduce_max_memory_across_pp_group(
     return gather_memory(memory_report, pp_group if twin is None else twin, timeout_s=timeout_s).maximum
 
 
-def takes_part(memory_report: dict, group) -> bool:
+def takes_part(memory_report: dict, group: dist.ProcessGroup | None) -> bool:
     """Whether a reduction over ``group`` would run a collective (same answer on every rank)."""
     if not memory_report or group is None:
         return False
@@ -52,7 +52,7 @@ def takes_part(memory_report: dict, group) -> bool:
 
 def gather_memory(
     memory_report: dict,
-    group,
+    group: dist.ProcessGroup,
     *,
     iteration: int | None = None,
     interval: int | None = None,
@@ -76,7 +76,9 @@ def single_rank(memory_report: dict) -> GatheredMemory:
     return PROCESS.shared.single_rank(memory_report)
 
 
-def reduction_group(group, *, backend: str = "auto", world_scope: bool = False, timeout_s: float | None = None):
+def reduction_group(
+    group: dist.ProcessGroup | None, *, backend: str = "auto", world_scope: bool = False, timeout_s: float | None = None
+) -> dist.ProcessGroup | None:
     """The group to gather memory over: ``group`` itself, or a gloo group of the same ranks.
 
     ``backend`` is LoggerConfig.memory_reduce_backend: "group" -> ``group``; "gloo" -> a gloo
@@ -96,7 +98,7 @@ def reduction_group(group, *, backend: str = "auto", world_scope: bool = False, 
     return PROCESS.shared.group_for(group, backend=backend, world_scope=world_scope, timeout_s=timeout_s)
 
 
-def twin_for(group):
+def twin_for(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The gloo twin an open ``Reduction`` (a placed run's, or the free functions') made for
     ``group``, or None. Asked in the order they were made, which is the same on every rank
     (every rank makes its runs in the same order), so every rank of the group finds the same

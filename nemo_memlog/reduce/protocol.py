@@ -9,6 +9,8 @@ words that name it in an error (``describe(group)``, called on the error path on
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 from .. import payload
 from ..config.validation import REDUCE_EXCHANGES
@@ -74,7 +76,9 @@ def exchange_mismatch_message(exchanges: list[str], where: str) -> str:
     )
 
 
-def check_iterations(reports: list, iteration: int | None, interval: int | None, group, describe) -> None:
+def check_iterations(
+    reports: list, iteration: int | None, interval: int | None, group: Any, describe: Callable[[Any], str]
+) -> None:
     """Raise MemoryReduceError when the ranks sent different iterations (every rank sees the same
     words, so every rank raises). ``interval``: this rank's tensorboard_log_interval. A rank logs only
     at multiples of its own interval, so another rank's iteration that is no multiple of this rank's

@@ -26,7 +26,7 @@ def runs_ended() -> None:
         store.set(RUNS_ENDED_KEY.format(rank=dist.get_rank()), str(PROCESS.runs_ended))
 
 
-def agree_on_restart(group, timeout_s: float) -> None:
+def agree_on_restart(group: dist.ProcessGroup | None, timeout_s: float) -> None:
     """Before a run that follows a ``close_writers()`` enters its first collective: wait (bounded
     by ``timeout_s``) until every rank of ``group`` has ended its runs as often as this one, so a
     call made on one rank only raises here, naming the ranks, instead of a collective of different

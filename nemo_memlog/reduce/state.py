@@ -56,7 +56,7 @@ class Reduction:
     def gather(
         self,
         memory_report: dict,
-        group,
+        group: dist.ProcessGroup,
         *,
         iteration: int | None = None,
         interval: int | None = None,
@@ -95,7 +95,7 @@ class Reduction:
             values.append(None if kind is None else value)
         return line_up(tuple(memory_report), [payload.RankReport(len(values), 0, payload.NOT_CHECKED, values)])
 
-    def channel(self, group) -> Channel:
+    def channel(self, group: dist.ProcessGroup) -> Channel:
         """The channel for ``group``, made at its first use."""
         channel = self._channels.get(group)
         if channel is None:
@@ -106,11 +106,20 @@ class Reduction:
         """The groups this Reduction holds a channel for (none once closed)."""
         return self._channels.keys()
 
-    def group_for(self, group, *, backend: str = "auto", world_scope: bool = False, timeout_s: float | None = None):
+    def group_for(
+        self,
+        group: dist.ProcessGroup | None,
+        *,
+        backend: str = "auto",
+        world_scope: bool = False,
+        timeout_s: float | None = None,
+    ) -> dist.ProcessGroup | None:
         """``reduction_group``, keeping the twin (made once per group) in this Reduction."""
         if backend == "group" or not (dist.is_available() and dist.is_initialized()):
             return group
         world = dist.group.WORLD
+        if world is None:  # initialised means a world group: for the type checker
+            return group
         if backend == "auto" and (world_scope or not on_cuda(world)):
             return group
         twin = self._twins.get(group, _NONE)
@@ -120,7 +129,7 @@ class Reduction:
             self._twins[group] = twin
         return twin
 
-    def twin_of(self, group):
+    def twin_of(self, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
         """The twin this Reduction made for ``group``, or None."""
         return self._twins.get(group)
 

@@ -13,13 +13,13 @@ from .channel import Channel, timedelta_of
 from .protocol import MemoryReduceError
 
 
-def world_twin(timeout_s) -> tuple:
+def world_twin(timeout_s: float | None) -> tuple:
     """(a gloo group of every rank, [it]): the world scope's twin, and what was created."""
     twin = _new_gloo_group(None, timeout_s)
     return twin, [twin]
 
 
-def pp_twin(group, world, timeout_s) -> tuple:
+def pp_twin(group: dist.ProcessGroup | None, world: dist.ProcessGroup, timeout_s: float | None) -> tuple:
     """(this rank's twin, [the group created that holds this rank]). Every rank names its
     group by its lowest global rank (-1: no group, or one of one); the same gathered names
     give every rank the same partition and creation order."""
