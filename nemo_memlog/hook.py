@@ -62,7 +62,7 @@ class _Entry:
 class _OpenRuns:
     """The runs training_log made in this process, and its one warning."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.entries: list[_Entry] = []  # oldest first
         self.by_object: dict = {}  # id(config), or (id(config), id(writers)) -> the _Entry last seen with that config
         self.warnings = WarnOnce()

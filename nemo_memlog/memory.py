@@ -217,7 +217,7 @@ class PeakCounters:
     and the counters, so that a phase's reset loses nothing of the window's peak; reset_peaks()
     starts the window anew. Also the warnings about the counters, once per process."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.pid = os.getpid()  # a forked child's counters start from its parent's: it clears these first
         self.device: dict[tuple[str, ...], int] = {}
         self.host = 0

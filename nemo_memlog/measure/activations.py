@@ -131,7 +131,7 @@ class Measurement:
 class ActivationMeter:
     """Arms on one iteration and measures it (module docstring). One per run."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._handles: list = []
         self._session: _Session | None = None
         self.armed = False

@@ -101,10 +101,10 @@ def report_model_state(model: nn.Module | Sequence[nn.Module] | None, optimizer:
 class ModelState:
     """``report_model_state`` for one (model, optimizer), counted again only when it can change."""
 
-    def __init__(self):
-        self._key = None
+    def __init__(self) -> None:
+        self._key: tuple | None = None
         self._values: dict[str, float] = {}
-        self._first = (None, None)  # (the modules' ids, their first parameter): found once per model
+        self._first: tuple = (None, None)  # (the modules' ids, their first parameter): found once per model
 
     def report(self, model: nn.Module | Sequence[nn.Module] | None, optimizer: Any = None) -> dict[str, float]:
         modules = modules_of(model)

@@ -63,7 +63,7 @@ class _Phases:
     """This process's memory phases: those open, innermost last, and the values of those ended,
     by name, waiting for a logging step."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.open: list[_Phase] = []
         self.pending: dict[str, dict[str, float]] = {}
@@ -86,7 +86,7 @@ class Slots:
     """Phases an integration opens in one callback and closes in another, by name: entering a
     name again closes the open one first; ``leave`` of a name not open does nothing."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._open: dict[str, _Phase] = {}
 
     def enter(self, name: str, iteration: int | None) -> None:

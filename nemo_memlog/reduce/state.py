@@ -197,7 +197,7 @@ _NONE = object()  # "no entry", where None is a value (the twin of a rank with n
 class _GroupMap:
     """group -> value, weakly keyed where the group allows it, else held (see Reduction)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._weak: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._held: dict = {}
 
@@ -228,7 +228,7 @@ class ProcessReductions:
     #: ``PROCESS``, at import, so it is the oldest open Reduction (``twin_for`` asks it first).
     shared: Reduction
 
-    def __init__(self):
+    def __init__(self) -> None:
         #: The open Reductions, oldest first, for ``twin_for``; weakly (a run dropped without
         #: closing drops out). Each Reduction adds itself when made and leaves when closed.
         self.open: list = []
