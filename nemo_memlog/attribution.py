@@ -28,6 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from functools import lru_cache
+from typing import NamedTuple
 
 
 @dataclass
@@ -96,23 +97,27 @@ def memory_metrics(
     return out
 
 
-def stage_value(gathered: GatheredMemory, stage: int, key: str, *, world: bool = False) -> float | None:
+def stage_value(
+    gathered: GatheredMemory, stage: int, key: str, *, stage_of: Sequence[int] | None = None
+) -> float | None:
     """Pipeline stage ``stage``'s own value of ``key``, as the per-stage metrics give it: the value
-    at position ``stage`` (a PP group), or with ``world`` (positions are global ranks, each report
-    carrying its COORDINATES) the max over that stage's ranks. None where no rank has it."""
+    at position ``stage`` (a PP group), or, given ``stage_of`` (the world scope: positions are
+    global ranks, ``stage_of[r]`` the stage of position r), the max over that stage's ranks. None
+    where no rank has it."""
     if key not in gathered.keys:
         return None
     slot = gathered.keys.index(key)
-    if world:
-        where = gathered.keys.index("pp_rank")
-        present = [v[slot] for v in gathered.per_rank if v[where] == stage and v[slot] is not None]
+    if stage_of is not None:
+        present = [v[slot] for v, s in zip(gathered.per_rank, stage_of) if s == stage and v[slot] is not None]
         return max(present) if present else None
     return gathered.per_rank[stage][slot] if stage < len(gathered.per_rank) else None
 
 
-def stage_figures(gathered: GatheredMemory, stage: int, keys: Iterable[str], *, world: bool = False) -> dict:
+def stage_figures(
+    gathered: GatheredMemory, stage: int, keys: Iterable[str], *, stage_of: Sequence[int] | None = None
+) -> dict:
     """``{key: stage_value(...)}`` for each of ``keys``: one stage's figures, as data."""
-    return {key: stage_value(gathered, stage, key, world=world) for key in keys}
+    return {key: stage_value(gathered, stage, key, stage_of=stage_of) for key in keys}
 
 
 @lru_cache(maxsize=32)
@@ -222,30 +227,37 @@ def low_headroom(metrics: dict, fraction: float) -> list[tuple[str, int, str]]:
     return found
 
 
-COORDINATES = ("rank", "pp_rank", "tp_rank", "dp_rank")
+class Coordinates(NamedTuple):
+    """Where a rank sits in the job: its global rank and its pipeline, tensor and data-parallel ranks."""
+
+    rank: int
+    pp_rank: int
+    tp_rank: int
+    dp_rank: int
 
 
-def world_metrics(gathered: GatheredMemory, per_stage_patterns: Iterable[str] = ("peak_*",)) -> dict:
-    """Metrics for memory_reduce_scope="world": positions are global ranks, and each rank's
-    report carries its COORDINATES. Adds where each maximum lives: memory/peak_rank/<name>,
-    memory/peak_tp_rank/<name>, memory/peak_dp_rank/<name>; pp_stage_{i} values are the
-    max over that stage's ranks."""
+def world_metrics(
+    gathered: GatheredMemory, per_stage_patterns: Iterable[str] = ("peak_*",), coordinates: Sequence = ()
+) -> dict:
+    """Metrics for memory_reduce_scope="world": positions are global ranks, ``coordinates[r]``
+    (a ``Coordinates``) says where position r sits (gathered once, when the run was placed). Adds
+    where each maximum lives: memory/peak_rank/<name>, memory/peak_tp_rank/<name>,
+    memory/peak_dp_rank/<name>; pp_stage_{i} values are the max over that stage's ranks."""
     keys = gathered.keys
     per_rank = gathered.per_rank
-    where = {name: keys.index(name) for name in COORDINATES}
-    stage_of = [values[where["pp_rank"]] for values in per_rank]
+    stage_of = [where.pp_rank for where in coordinates]
     out = {}
     for key, value in gathered.maximum.items():
-        if key in where or key == "host_available_gb":
+        if key == "host_available_gb":
             continue
         out[PREFIX + key] = value
         if key in CAPACITY:
             continue
-        rank = gathered.peak_rank[key]
-        out[f"{PREFIX}peak_stage/{key}"] = stage_of[rank]
-        out[f"{PREFIX}peak_rank/{key}"] = per_rank[rank][where["rank"]]
-        out[f"{PREFIX}peak_tp_rank/{key}"] = per_rank[rank][where["tp_rank"]]
-        out[f"{PREFIX}peak_dp_rank/{key}"] = per_rank[rank][where["dp_rank"]]
+        where = coordinates[gathered.peak_rank[key]]
+        out[f"{PREFIX}peak_stage/{key}"] = where.pp_rank
+        out[f"{PREFIX}peak_rank/{key}"] = where.rank
+        out[f"{PREFIX}peak_tp_rank/{key}"] = where.tp_rank
+        out[f"{PREFIX}peak_dp_rank/{key}"] = where.dp_rank
     for slot in _per_stage_slots(keys, tuple(per_stage_patterns)):
         for stage in sorted(set(stage_of)):
             present = [v[slot] for v, s in zip(per_rank, stage_of) if s == stage and v[slot] is not None]
@@ -253,7 +265,7 @@ def world_metrics(gathered: GatheredMemory, per_stage_patterns: Iterable[str] = 
                 out[f"{PREFIX}pp_stage_{stage}/{keys[slot]}"] = max(present)
     for name, value in _headroom(keys, per_rank).items():
         if name.endswith("_stage"):  # positions are ranks here: name the stage, keep the rank
-            out[name.removesuffix("_stage") + "_rank"] = per_rank[value][where["rank"]]
+            out[name.removesuffix("_stage") + "_rank"] = coordinates[value].rank
             value = stage_of[value]
         out[name] = value
     return out

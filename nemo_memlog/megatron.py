@@ -1,8 +1,11 @@
-"""Finding the pipeline-parallel group (and a rank's coordinates) from megatron-core."""
+"""The job's shape: the pipeline-parallel group and this rank's coordinates, from megatron-core (never
+importing it where nothing did), and what a launch without a process group means."""
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -59,3 +62,40 @@ def _parallel_state():
     # megatron-core (seconds, and warnings) into a job that does not use it. Optional: plain
     # torch groups work too.
     return sys.modules.get("megatron.core.parallel_state")
+
+
+#: The note of a job of several ranks with no pipeline group known (MemoryMonitor.place).
+NO_PIPELINE_GROUP = (
+    "no pipeline-parallel group is known in this job of {world} ranks (no pp_group=, no pg_collection=, and "
+    "megatron-core's parallel_state is not initialised): memory is reduced over the whole world instead, as with "
+    "memory_reduce_scope='world' (memory/peak_rank/<name> names the rank of each max). To reduce over each "
+    "pipeline, pass pp_group= (the pipeline's torch.distributed group) or pg_collection= (with .pp), or call "
+    "megatron-core's parallel_state.initialize_model_parallel(...) before the first logging step; or set "
+    "memory_reduce_scope='world' to reduce over the whole world without this note."
+)
+
+
+def check_launch(warn: Callable[[Hashable, str], None]) -> None:
+    """A process a launcher started as one of several, logging with no process group.
+
+    Under torchrun or a SLURM script with ``WORLD_SIZE`` > 1, each process would log itself as a
+    one-stage job into the same dashboards: pipeline peaks that are wrong in the way this tool
+    exists to fix, and never a setup that works, so it raises before the first write. ``RANK``
+    set with no larger world (``--nproc-per-node 1``) is only odd: ``warn(key, text)`` once."""
+    world = os.environ.get("WORLD_SIZE", "")
+    fix = (
+        "call torch.distributed.init_process_group() (and megatron-core's "
+        "parallel_state.initialize_model_parallel for pipeline stages) before the first training_log"
+    )
+    if world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"nemo_memlog: WORLD_SIZE={world} and RANK={os.environ.get('RANK', '?')} say a launcher started "
+            f"{world} processes, but torch.distributed is not initialised: each would log itself as a one-stage "
+            f"job into the same dashboards. {fix[0].upper()}{fix[1:]}."
+        )
+    if "RANK" in os.environ:
+        warn(
+            ("launch",),
+            f"RANK={os.environ['RANK']} is set but torch.distributed is not initialised: logging as a one-process "
+            f"job. If this process is one of several, {fix}.",
+        )

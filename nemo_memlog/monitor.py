@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -91,6 +91,7 @@ class MemoryMonitor:
         self.writer_rank = writer_rank
         self._placed = False  # group, coordinates and writer rank resolved (first logging step)
         self.world = self.settings.world_scope  # reduced over every rank (the scope, or no pipeline group known)
+        self._coordinates: list = []  # the world scope: where each position sits (gathered at placement)
         self.model_state = composition.ModelState()
         self.estimate: dict | None = None  # the framework's estimate (measure/estimate.py), set by an integration
         self.facts: dict = {}  # the run's facts for the per-layer record (measure/layer_record.py): as known
@@ -177,8 +178,6 @@ class MemoryMonitor:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
         if self.recorder is not None:  # before the collective: a rank that dies in it has this step
             self.recorder.record(iteration, report)
-        if self.world:
-            report.update(self._coordinates)
         if takes_part(report, self.group):
             gathered = self.reduction.gather(
                 report,
@@ -190,11 +189,12 @@ class MemoryMonitor:
         else:
             gathered = self.reduction.single_rank(report)
         if self.world:
-            logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys)
+            logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys, self._coordinates)
         else:
             logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
         if self.estimate:  # the framework's estimate beside the measurement
-            stage0 = attribution.stage_figures(gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, world=self.world)
+            stage_of = [where.pp_rank for where in self._coordinates] if self.world else None
+            stage0 = attribution.stage_figures(gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, stage_of=stage_of)
             logged.update(estimate.derived(self.estimate, stage0))
         run = self._advice_run(logged) if model is not None else None
         if run is not None and run.micro_batch_size:  # the same arithmetic on every rank: one dict
@@ -221,19 +221,14 @@ class MemoryMonitor:
         pp_group, pg_collection = self._groups
         distributed = dist.is_available() and dist.is_initialized()
         if not distributed:
-            check_launch(self.warn_once)
+            megatron.check_launch(self.warn_once)
         pipeline = None if settings.world_scope else megatron.pipeline_group(pp_group, pg_collection)
         no_group = pipeline is None and distributed and dist.get_world_size() > 1
         self.world = settings.world_scope or no_group
         if self.world:
             self.group = dist.group.WORLD if distributed else None
             coords = megatron.coordinates(pp_group, pg_collection)
-            self._coordinates = {
-                "rank": dist.get_rank() if distributed else 0,
-                "pp_rank": coords["pp"],
-                "tp_rank": coords["tp"],
-                "dp_rank": coords["dp"],
-            }
+            mine = (dist.get_rank() if distributed else 0, coords["pp"], coords["tp"], coords["dp"])
         else:
             self.group = pipeline
         # On NCCL jobs, by default, a gloo group of the same ranks: memory logging off the GPU stream.
@@ -245,9 +240,12 @@ class MemoryMonitor:
             world_scope=self.world,
             timeout_s=settings.memory_reduce_timeout_s,
         )
+        if self.world:  # where each position sits, gathered once: the steps carry memory only
+            gathered = self.reduction.gather_ints(self.group, mine, settings.memory_reduce_timeout_s)
+            self._coordinates = [attribution.Coordinates(*where) for where in gathered]
         self.is_writer_rank = not distributed or dist.get_rank() == self._writer_rank(dist.get_world_size())
         if no_group and self.is_writer_rank:
-            self.warn_once(("no-pipeline-group",), NO_PIPELINE_GROUP.format(world=dist.get_world_size()))
+            self.warn_once(("no-pipeline-group",), megatron.NO_PIPELINE_GROUP.format(world=dist.get_world_size()))
         self._layout = {
             "rank": dist.get_rank() if distributed else 0,
             "world_size": dist.get_world_size() if distributed else 1,
@@ -410,40 +408,3 @@ class MemoryMonitor:
         self.reduction = Reduction(self.warnings, exchange=self.settings.memory_reduce_exchange)
         self.group = None
         self._placed = False
-
-
-#: The note of a job of several ranks with no pipeline group known (MemoryMonitor.place).
-NO_PIPELINE_GROUP = (
-    "no pipeline-parallel group is known in this job of {world} ranks (no pp_group=, no pg_collection=, and "
-    "megatron-core's parallel_state is not initialised): memory is reduced over the whole world instead, as with "
-    "memory_reduce_scope='world' (memory/peak_rank/<name> names the rank of each max). To reduce over each "
-    "pipeline, pass pp_group= (the pipeline's torch.distributed group) or pg_collection= (with .pp), or call "
-    "megatron-core's parallel_state.initialize_model_parallel(...) before the first logging step; or set "
-    "memory_reduce_scope='world' to reduce over the whole world without this note."
-)
-
-
-def check_launch(warn: Callable[[Hashable, str], None]) -> None:
-    """A process a launcher started as one of several, logging with no process group.
-
-    Under torchrun or a SLURM script with ``WORLD_SIZE`` > 1, each process would log itself as a
-    one-stage job into the same dashboards: pipeline peaks that are wrong in the way this tool
-    exists to fix, and never a setup that works, so it raises before the first write. ``RANK``
-    set with no larger world (``--nproc-per-node 1``) is only odd: ``warn(key, text)`` once."""
-    world = os.environ.get("WORLD_SIZE", "")
-    fix = (
-        "call torch.distributed.init_process_group() (and megatron-core's "
-        "parallel_state.initialize_model_parallel for pipeline stages) before the first training_log"
-    )
-    if world.isdigit() and int(world) > 1:
-        raise RuntimeError(
-            f"nemo_memlog: WORLD_SIZE={world} and RANK={os.environ.get('RANK', '?')} say a launcher started "
-            f"{world} processes, but torch.distributed is not initialised: each would log itself as a one-stage "
-            f"job into the same dashboards. {fix[0].upper()}{fix[1:]}."
-        )
-    if "RANK" in os.environ:
-        warn(
-            ("launch",),
-            f"RANK={os.environ['RANK']} is set but torch.distributed is not initialised: logging as a one-process "
-            f"job. If this process is one of several, {fix}.",
-        )

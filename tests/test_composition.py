@@ -173,14 +173,13 @@ def test_the_estimate_and_its_gap_on_stage_0():
     assert out["memory/estimate/model_state_gb"] == 28.0 and out["memory/estimate/gap/model_state_gb"] == 2.5
     assert out["memory/estimate/gap/activations_gb"] == -1.5
     assert derived(None, {}) == {}
-    # The world scope: positions are global ranks, each report carries its pp_rank; stage 0 is the
-    # max over its ranks (here ranks 0 and 2).
-    world_keys = ("activations_gb", "pp_rank")
-    ranks = [[8.0, 0], [5.0, 1], [9.0, 0], [3.0, 1]]
-    world = GatheredMemory(world_keys, ranks)
-    assert stage_value(world, 0, "activations_gb", world=True) == 9.0
-    assert stage_value(world, 1, "activations_gb", world=True) == 5.0
-    assert stage_value(world, 0, "model_state_gb", world=True) is None
+    # The world scope: positions are global ranks, stage_of[r] the stage of position r (gathered at
+    # placement); stage 0 is the max over its ranks (here ranks 0 and 2).
+    world = GatheredMemory(("activations_gb",), [[8.0], [5.0], [9.0], [3.0]])
+    stage_of = [0, 1, 0, 1]
+    assert stage_value(world, 0, "activations_gb", stage_of=stage_of) == 9.0
+    assert stage_value(world, 1, "activations_gb", stage_of=stage_of) == 5.0
+    assert stage_value(world, 0, "model_state_gb", stage_of=stage_of) is None
 
 
 MEGATRON_DDP = """

@@ -95,6 +95,16 @@ class Reduction:
             values.append(None if kind is None else value)
         return line_up(tuple(memory_report), [payload.RankReport(len(values), 0, payload.NOT_CHECKED, values)])
 
+    def gather_ints(self, group: dist.ProcessGroup | None, mine: tuple[int, ...], timeout_s: float | None) -> list:
+        """Every position's ``mine`` (a few ints, the same count on every rank), in one small
+        gather over ``group``: a tuple per position. No collective for no group or a group of one.
+        A run calls it once, when it is placed (the world scope's coordinates of every rank)."""
+        if group is None or group.size() <= 1 or not (dist.is_available() and dist.is_initialized()):
+            return [tuple(mine)]
+        words = self.channel(group).gather_small(torch.tensor(mine, dtype=torch.int64), group, None, timeout_s)
+        count = len(mine)
+        return [tuple(words[at : at + count]) for at in range(0, len(words), count)]
+
     def channel(self, group: dist.ProcessGroup) -> Channel:
         """The channel for ``group``, made at its first use."""
         channel = self._channels.get(group)
