@@ -102,11 +102,9 @@ def training_log(
     entry = _open_runs.by_object.get(key)
     if entry is None or entry.config is not config:  # the entry holds its config: an id match is that object
         entry = _entry_for(config, writers, key, pg_collection, pp_group)
-    run = entry.run  # the run's gate decides, the one gate: facts are read on logging iterations only
-    logged = run.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
-    if model is not None:  # when the next iteration logs, its activations are measured
-        run.before_iteration(iteration + 1, model)
-    return logged
+    # The run's gate decides (facts are read on logging iterations only); when the next iteration
+    # logs, its activations are measured.
+    return entry.run.on_iteration(iteration, metrics, model, optimizer, facts)
 
 
 def _entry_for(config, writers, key, pg_collection, pp_group) -> _Entry:

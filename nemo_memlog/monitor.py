@@ -125,15 +125,38 @@ class MemoryMonitor:
             self.state_facts(**facts)
         return self.log_step(iteration, metrics, model=model, optimizer=optimizer)
 
+    def on_iteration(
+        self,
+        iteration: int,
+        metrics: dict | None = None,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        optimizer: Any = None,
+        facts: dict | None = None,
+    ) -> dict | None:
+        """``log`` at ``iteration``, then ``before_iteration(iteration + 1, model)``, in one call:
+        training_log's, on every rank at every iteration. It is ``logs_at`` written out, because
+        off the logging iterations this call is all the run costs: two modulos, no other call."""
+        if not self.enabled:
+            return None
+        logged = None
+        if not iteration % self.interval:
+            logged = self.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
+        if model is not None and not (iteration + 1) % self.interval:  # the next iteration logs: measure it
+            self._arm(model)
+        return logged
+
     def before_iteration(self, iteration: int, model: torch.nn.Module | Sequence[torch.nn.Module] | None) -> None:
         """Arm the activation meter on ``model`` if ``iteration`` is a logging iteration (every
         rank alike: the gate's inputs only). Off them: a modulo, nothing installed. Raises TypeError
         for a ``model`` that is no module (composition.check_model_and_optimizer)."""
         if model is not None and self.logs_at(iteration):
-            composition.check_model_and_optimizer(model, None)
-            self.meter.arm(model)
-            if self.meter.error is not None:
-                self.warn_once(("activations",), f"activations cannot be measured on this model ({self.meter.error})")
+            self._arm(model)
+
+    def _arm(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
+        composition.check_model_and_optimizer(model, None)
+        self.meter.arm(model)
+        if self.meter.error is not None:
+            self.warn_once(("activations",), f"activations cannot be measured on this model ({self.meter.error})")
 
     def state_facts(self, **facts: Any) -> None:
         """What the run knows of itself, for the per-layer record and ``nemo-memlog advise``:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, from_overrides, recorded_params, secrets_of
+from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, from_overrides, recorded, secrets_of
 
 
 def test_dotted_overrides_as_recipes_pass_them():
@@ -56,11 +56,11 @@ def test_the_peak_window_is_recorded_also_for_a_config_without_the_field():
     class Container:
         logger = BridgeLogger()
 
-    assert recorded_params(Container(), Container.logger)["logger.memory_peak_window"] == "run"
+    assert recorded(Container(), Container.logger)[0]["logger.memory_peak_window"] == "run"
     Container.logger.memory_peak_window = "interval"  # set on the object: used, and recorded
-    assert recorded_params(Container(), Container.logger)["logger.memory_peak_window"] == "interval"
+    assert recorded(Container(), Container.logger)[0]["logger.memory_peak_window"] == "interval"
     cfg = LoggerConfig(memory_peak_window="interval")
-    assert recorded_params(cfg, cfg) == flat_params(cfg)  # already there: nothing added
+    assert recorded(cfg, cfg)[0] == flat_params(cfg)  # already there: nothing added
 
 
 def test_an_unknown_field_names_the_closest_one():
@@ -275,5 +275,5 @@ def test_one_walk_gives_the_recorded_params_and_the_secrets():
 
     cfg = LoggerConfig(comet_api_key="TOP-SECRET", mlflow_tags={"auth_token": "TOKEN-2", "team": "llm"})
     params, secrets = recorded(cfg, cfg)
-    assert params == recorded_params(cfg, cfg) == flat_params(cfg)
+    assert params == flat_params(cfg)
     assert sorted(secrets) == sorted(secrets_of(cfg)) == ["TOKEN-2", "TOP-SECRET"]

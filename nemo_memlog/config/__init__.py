@@ -12,7 +12,7 @@ Every name the package, its scripts and tests import from ``nemo_memlog.config``
 """
 
 from .overrides import EXPECTED_FORM, from_overrides
-from .resolution import checked_settings, from_plain, recorded, recorded_params, resolve, resolve_fields
+from .resolution import checked_settings, from_plain, recorded, resolve, resolve_fields
 from .schema import (
     FIELDS,
     LoggerConfig,
@@ -23,7 +23,7 @@ from .schema import (
     memory_record_dir,
     setting,
 )
-from .secrets import REDACTED, SECRET_NAME, flat_params, redact, redacted, scrubbed, secrets_of
+from .secrets import REDACTED, SECRET_NAME, flat_params, redact, scrubbed, secrets_of
 from .validation import PEAK_WINDOWS, RECORD_OFF, REDUCE_BACKENDS, REDUCE_EXCHANGES, WRITER_MODES, did_you_mean
 
 __all__ = [
@@ -48,9 +48,7 @@ __all__ = [
     "logger_section",
     "memory_record_dir",
     "recorded",
-    "recorded_params",
     "redact",
-    "redacted",
     "resolve",
     "resolve_fields",
     "scrubbed",

@@ -63,7 +63,10 @@ def checked_settings(owner: str, settings: dict, valid: Iterable[str], hint: str
 
 def recorded(run_config: Any, logger: Any) -> tuple[dict[str, Any], list[str]]:
     """What the writers record for a run, and the secrets to scrub from what they echo, from one
-    walk of ``run_config``: (``recorded_params(run_config, logger)``, ``secrets_of(run_config)``)."""
+    walk of ``run_config``: (``flat_params(run_config)`` with the peak window this run uses (``logger``:
+    run_config's logger section or its Settings) always present, also when the logger object lacks
+    the field (Megatron-Bridge's LoggerConfig: the report command labels the ``peak_*`` values with
+    it); ``secrets_of(run_config)``)."""
     copy, secrets = redact(run_config)
     params = flattened(copy)
     # Named where run_config keeps its logger fields: itself (a logger config), else its .logger.
@@ -71,11 +74,3 @@ def recorded(run_config: Any, logger: Any) -> tuple[dict[str, Any], list[str]]:
     name = "memory_peak_window" if hasattr(run_config, "log_memory_to_tensorboard") else "logger.memory_peak_window"
     params[name] = setting(logger, "memory_peak_window")
     return params, secrets
-
-
-def recorded_params(run_config: Any, logger: Any) -> dict[str, Any]:
-    """What the writers record for a run: ``flat_params(run_config)``, with the peak window
-    this run uses (``logger``: run_config's logger section or its Settings) always present, also
-    when the logger object lacks the field (Megatron-Bridge's LoggerConfig): the report command
-    labels the ``peak_*`` values with it."""
-    return recorded(run_config, logger)[0]

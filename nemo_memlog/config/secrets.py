@@ -52,11 +52,6 @@ def redact(config: Any) -> tuple[Any, list[str]]:
     return walk(config), found
 
 
-def redacted(value: Any, name: str = "") -> Any:
-    """A copy of a config value safe to record: secret-looking fields become REDACTED."""
-    return redact({name: value})[0][name] if name else redact(value)[0]
-
-
 def flattened(value: Any) -> dict[str, Any]:
     """A redacted copy (``redact``'s first item) flattened to ``{"a.b": value}``."""
     out: dict[str, Any] = {}

@@ -14,7 +14,7 @@ For each phase, on this rank:
   ``memory/phase/<name>/peak_host_rss_gb``, ``.../peak_allocated_gb``, ``.../peak_reserved_gb``
   (CUDA) and ``.../seconds``: max over stages, ``memory/peak_stage/phase/<name>/...`` naming the
   stage. A phase run several times between two logging steps gives its largest values. A phase
-  some stages ran and others did not lines up (reduce.py's optional ``phase/`` keys).
+  some stages ran and others did not lines up (reduce/protocol.py's optional ``phase/`` keys).
 - Recorded: its start and end go into every open flight record of this process, and the liveness
   beat carries the phase a rank is in, so the post-mortem says a rank died during it.
 
