@@ -25,6 +25,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from torch import nn
 
 from . import advice, attribution, megatron, memory
 from .config import resolve, secrets_of
@@ -303,9 +304,9 @@ class MemoryMonitor:
         """This rank's per-layer record (measure/layer_record.py), beside its flight record. Never raises."""
         try:
             layers = measured.layers
-            owned = [list(layer.module.parameters()) for layer in layers if layer.module is not None]
+            owned = [list(nn.Module.parameters(layer.module)) for layer in layers if layer.module is not None]
             in_layers = {id(p) for params in owned for p in params}
-            rest = [p for chunk in chunks_of(model) for p in chunk.parameters() if id(p) not in in_layers]
+            rest = [p for chunk in chunks_of(model) for p in nn.Module.parameters(chunk) if id(p) not in in_layers]
             states = composition.layer_state([*owned, rest], optimizer, measured.grads, self._state)
             stage = {key: report[key] for key in RECORDED_STAGE_KEYS if key in report and report[key] == report[key]}
             stage.update(microbatches=measured.microbatches, chunks=len(chunks_of(model)))

@@ -102,7 +102,7 @@ def _repeated(module: nn.Module) -> tuple[str, list]:
     """(name, items) of the shallowest Sequential/ModuleList of items of one class (the largest such
     at that depth); failing that, the largest of two or more items of any kind; else ("", [])."""
     same, mixed = [], []
-    for name, child in module.named_modules():
+    for name, child in nn.Module.named_modules(module):
         if isinstance(child, (nn.Sequential, nn.ModuleList)) and len(child):
             items = list(child)
             entry = (name.count(".") + bool(name), -len(items), name, items)
@@ -151,13 +151,14 @@ class ActivationMeter:
             session = _Session(layers, _model_storages(chunks))
             self._session = session
             for chunk in chunks:
-                add(chunk.register_forward_pre_hook(session.begin))
-                add(chunk.register_forward_hook(session.end, always_call=True))
+                add(nn.Module.register_forward_pre_hook(chunk, session.begin))
+                add(nn.Module.register_forward_hook(chunk, session.end, always_call=True))
             for index, layer in enumerate(layers):
                 if layer.module is not None:
-                    add(layer.module.register_forward_pre_hook(session.layer_entered(index)))
-                    add(layer.module.register_forward_hook(session.layer_left, always_call=True))
-            for param in {id(p): p for chunk in chunks for p in chunk.parameters()}.values():
+                    entered = session.layer_entered(index)
+                    add(nn.Module.register_forward_pre_hook(layer.module, entered, with_kwargs=True))
+                    add(nn.Module.register_forward_hook(layer.module, session.layer_left, always_call=True))
+            for param in {id(p): p for chunk in chunks for p in nn.Module.parameters(chunk)}.values():
                 if param.requires_grad:
                     add(param.register_post_accumulate_grad_hook(session.grad_accumulated))
         except Exception as error:  # a module that refuses hooks, a parameter without storage: never a failed step
@@ -195,7 +196,7 @@ def _model_storages(chunks) -> set:
     """The storage addresses of the model's parameters and buffers: model state, never activations."""
     keys = set()
     for chunk in chunks:
-        for tensor in (*chunk.parameters(), *chunk.buffers()):
+        for tensor in (*nn.Module.parameters(chunk), *nn.Module.buffers(chunk)):
             if tensor.device.type != "meta":
                 keys.add(tensor.untyped_storage().data_ptr())
     return keys
@@ -217,7 +218,7 @@ def _storage(tensor) -> tuple[int, int]:
 class _Micro:
     """One microbatch: the storages it holds (key -> [holders, bytes]) and its totals."""
 
-    __slots__ = ("session", "refs", "total", "live", "layer_bytes", "layer_inputs", "layers_run")
+    __slots__ = ("session", "refs", "total", "live", "layer_bytes", "layer_inputs", "layers_run", "inputs_seen")
 
     def __init__(self, session, layers: int):
         self.session = session
@@ -227,6 +228,7 @@ class _Micro:
         self.layer_bytes = [0] * layers
         self.layer_inputs = [0] * layers
         self.layers_run: set = set()
+        self.inputs_seen: set = set()  # storages some layer took as input (each counted once)
 
 
 class _Held:
@@ -287,18 +289,29 @@ class _Session:
 
     # -- layers -------------------------------------------------------------------------------
     def layer_entered(self, index: int):
-        def entered(module, args) -> None:
+        def entered(module, args, kwargs) -> None:
             micro = self.micro
             if micro is None or _in_backward():
                 return
             self.layer_stack.append(index)
             if index not in micro.layers_run:
                 micro.layers_run.add(index)
-                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-                if first is not None:
-                    micro.layer_inputs[index] += _storage(first)[1]
+                micro.layer_inputs[index] += self.new_inputs(micro, (*args, *kwargs.values()))
 
         return entered
+
+    def new_inputs(self, micro: _Micro, values) -> int:
+        """The bytes of the tensor storages among ``values`` that no layer of ``micro`` took as input
+        before (a mask or rotary embedding every layer takes counts once, at its first layer);
+        parameters' storages left out."""
+        added = 0
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                key, nbytes = _storage(value)
+                if key not in micro.inputs_seen and key not in self.excluded:
+                    micro.inputs_seen.add(key)
+                    added += nbytes
+        return added
 
     def layer_left(self, module, args, output) -> None:
         if self.micro is not None and self.layer_stack and not _in_backward():

@@ -110,7 +110,7 @@ class ModelState:
         modules = modules_of(model)
         ids = tuple(map(id, modules))
         if self._first[0] != ids:  # Module.parameters() walks the module tree: once, not every step
-            self._first = (ids, next((p for m in modules for p in m.parameters()), None))
+            self._first = (ids, next((p for m in modules for p in _parameters(m)), None))
         key = (ids, id(optimizer), _fingerprint(self._first[1], optimizer))
         if key != self._key:
             self._values, self._key = _count(modules, optimizer), key
@@ -189,6 +189,14 @@ def layer_state(
         for entry in out:
             entry["optimizer_state_gb"] += unmapped * entry["params_gb"] / total_params
     return out
+
+
+def _parameters(module) -> list:
+    """``module``'s parameters through nn.Module's own method: a wrapper's attribute may shadow it
+    (Megatron's DDP keeps a list named ``buffers``)."""
+    from torch import nn
+
+    return list(nn.Module.parameters(module))
 
 
 def _nbytes(tensor) -> int:
@@ -289,7 +297,7 @@ def _count(modules: list, optimizer) -> dict[str, float]:
         seen.add(key)
         totals[category] += storage.nbytes()
 
-    params = [p for m in modules for p in m.parameters()]
+    params = [p for m in modules for p in _parameters(m)]
     for param in params:
         add("params_gb", param)
     for param in params:
