@@ -56,6 +56,8 @@ class Run:
     micro_batch_size: int | None = None
     optimizer_sharded: bool | None = None
     recompute: str | None = None
+    schedule: str | None = None  # stated; else inferred (predict.schedule_name)
+    microbatch_group: int | None = None  # Megatron's microbatch_group_size_per_vp_stage, where stated
     selective_ratio: float | None = None
     gpu: bool = False
     capacity_gb: float | None = None
@@ -83,6 +85,8 @@ class Run:
             micro_batch_size=facts.get("micro_batch_size"),
             optimizer_sharded=bool(sharded) if sharded is not None else None,
             recompute=facts.get("recompute"),
+            schedule=facts.get("schedule"),
+            microbatch_group=facts.get("microbatch_group_size_per_vp_stage"),
             selective_ratio=facts.get("selective_recompute_ratio"),
             gpu=gpu,
             capacity_gb=capacity_gb,

@@ -70,26 +70,69 @@ class _State:
         return out
 
 
-def _cap(run: Run, stage: Stage) -> int | None:
-    """The most microbatches (chunk-forwards) stage ``stage`` can hold: the measured count where the
-    schedule limited it (fewer held than run), else 1F1B's PP - s per chunk (at least the measured)."""
-    if stage.in_flight is None:
-        return None
-    if run.microbatches is not None and stage.in_flight < run.microbatches * stage.chunks:
-        return stage.in_flight
-    return max(stage.in_flight, (run.pp_size - stage.stage) * stage.chunks)
+#: The pipeline schedules whose microbatches in flight are known (Megatron's warm-up counts).
+SCHEDULES = {
+    "1f1b": "one model chunk per stage: stage s holds min(PP - s, microbatches) microbatches",
+    "interleaved": (
+        "virtual pipeline (V chunks per stage): stage s holds warm-up + 1 chunk-forwards, warm-up = "
+        "(PP - s - 1)·2 + (V - 1)·group (group: microbatch_group_size_per_vp_stage, PP by default), "
+        "at most microbatches·V"
+    ),
+}
+
+
+def schedule_name(run: Run) -> str:
+    """The run's pipeline schedule: its stated fact, else "interleaved" for several chunks per stage,
+    else "1f1b". Raises Refused for a stated schedule whose rule is not known (never guessed)."""
+    stated = run.schedule
+    if stated is None:
+        return "interleaved" if any(stage.chunks > 1 for stage in run.stages) else "1f1b"
+    name = str(stated).lower().replace("-", "").replace("_", "")
+    if name not in SCHEDULES:
+        raise Refused(
+            f"the run's pipeline schedule {stated!r} has no known rule for the microbatches in flight (known: "
+            f"{', '.join(SCHEDULES)}); the change cannot be predicted for it"
+        )
+    return name
+
+
+def in_flight(schedule: str, pp_size: int, stage: int, chunks: int, microbatches: int, group: int | None = None) -> int:
+    """The chunk-forwards stage ``stage`` holds at once under ``schedule`` (SCHEDULES) with
+    ``microbatches`` per iteration: Megatron's warm-up count (get_pp_rank_microbatches), plus the one
+    forward of the steady state, or every chunk-forward where all of them are warm-up."""
+    total = microbatches * chunks
+    if pp_size <= 1:
+        return min(1, total)
+    if schedule == "interleaved":
+        warmup = (pp_size - stage - 1) * 2 + (chunks - 1) * (group or pp_size)
+    else:
+        warmup = pp_size - stage - 1
+    return total if warmup >= total else warmup + 1
 
 
 def _in_flight_for(run: Run, state: _State, microbatches: int) -> None:
+    if run.microbatches is None:  # today's count unknown: the measured count as each stage's limit
+        for stage, plan in zip(run.stages, state.plans):
+            if stage.in_flight is not None:
+                cap = max(stage.in_flight, (run.pp_size - stage.stage) * stage.chunks)
+                plan.in_flight = min(cap, microbatches * stage.chunks)
+        state.microbatches = microbatches
+        return
+    schedule = schedule_name(run)
     for stage, plan in zip(run.stages, state.plans):
-        cap = _cap(run, stage)
-        if cap is not None:
-            plan.in_flight = min(cap, microbatches * stage.chunks)
+        if stage.in_flight is None:
+            continue
+        rule = in_flight(schedule, run.pp_size, stage.stage, stage.chunks, run.microbatches, run.microbatch_group)
+        if rule != stage.in_flight:
+            raise Refused(
+                f"stage {stage.stage} held {stage.in_flight} microbatches at once where the {schedule} schedule holds "
+                f"{rule} with {run.microbatches} microbatches: the run's schedule is not {schedule} as recorded; "
+                f"state it (training_log(..., facts={{'schedule': ...}}), one of {', '.join(SCHEDULES)}), or check "
+                f"the recorded microbatches"
+            )
+        plan.in_flight = in_flight(schedule, run.pp_size, stage.stage, stage.chunks, microbatches, run.microbatch_group)
     state.microbatches = microbatches
-    state.assumptions.append(
-        "in flight: the schedule's rule, 1F1B: stage s holds min(PP - s, microbatches) microbatches at once "
-        "(per model chunk), anchored on the measured count"
-    )
+    state.assumptions.append(f"in flight: the {schedule} schedule's rule, {SCHEDULES[schedule]}; it matched the run")
 
 
 def _micro_batch_size(run: Run, state: _State, change: Change) -> None:

@@ -166,8 +166,7 @@ def layer_state(
         param_bytes = sum(_nbytes(p) for p in params)
         grad_bytes = 0
         for p in params:
-            now = _nbytes(p.grad) + _nbytes(getattr(p, "main_grad", None))
-            grad_bytes += max(now, grads.get(id(p), (0, 0, 0))[2])
+            grad_bytes += max(_grad_bytes(p), grads.get(id(p), (0, 0, 0))[2])
         optimizer_bytes = 0
         for p in params:
             for owner in (p, masters.get(id(p))):
@@ -189,6 +188,13 @@ def layer_state(
         for entry in out:
             entry["optimizer_state_gb"] += unmapped * entry["params_gb"] / total_params
     return out
+
+
+def _grad_bytes(param) -> int:
+    """``param.grad`` and Megatron's ``param.main_grad``, once where they are the same memory (its
+    optimizers set ``grad = main_grad`` for fp32 parameters)."""
+    grads = {t.data_ptr(): _nbytes(t) for t in (param.grad, getattr(param, "main_grad", None)) if t is not None}
+    return sum(grads.values())
 
 
 def _parameters(module) -> list:
