@@ -10,8 +10,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VENV03 := .venv-bridge03
 STAMP03 := $(VENV03)/.installed
-#: The tests whose expectations depend on Megatron-Bridge's version: run in both environments.
-BRIDGE_TESTS := tests/test_bridge.py tests/writers/test_adopt.py
+#: The tests whose expectations depend on Megatron-Bridge's or megatron-core's version: run in both environments.
+BRIDGE_TESTS := tests/test_bridge.py tests/writers/test_adopt.py tests/test_megatron.py
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # pip's expected noise, hidden: this machine's local mirror lacks folders for most names,

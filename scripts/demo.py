@@ -1,4 +1,4 @@
-"""The demo: train a small pipeline-parallel transformer on 4 processes, log where memory peaks.
+"""The demo: train megatron-core's GPTModel pipeline-parallel on 4 processes, log where memory peaks.
 
     python scripts/demo.py [section.key=value ...]      # re-launches itself under torchrun, 4 processes
     torchrun --nproc-per-node 4 scripts/demo.py ...     # the same, launched by you (or SLURM, several nodes)
@@ -13,8 +13,12 @@ TensorBoard events, an MLflow SQLite store, a W&B offline run and a Comet offlin
 No accounts, no servers, no GPU needed to run it (only uploading the W&B and Comet copies
 needs an account).
 
+The job is megatron-core's own: GPTModel (local layer spec) in Megatron's DistributedDataParallel,
+Megatron's Adam and get_forward_backward_func()'s schedule, 1F1B (or interleaved: parallel.vpp=2).
 Devices: with a GPU per process on the node (4 processes: 4 GPUs) every stage runs on its
-own GPU over NCCL; with fewer GPUs the stages run on CPU over gloo, with a one-line note.
+own GPU over NCCL, Megatron as it is; with fewer GPUs the stages run on CPU over gloo, with a
+one-line note, through nemo_memlog.testing.megatron_cpu's stand-ins for Megatron's GPU
+assumptions (one line at start names them).
 
 Every iteration every rank calls ``nemo_memlog.training_log``; at the end the last rank prints
 each stage's peak host RSS next to the logged pipeline-wide peak, the ``nemo-memlog report``
@@ -24,7 +28,7 @@ A failure to read: ``python scripts/demo.py fail.kill_stage=0`` SIGKILLs the fir
 pipeline stage 0 in the middle of the run, as the kernel's OOM killer would, and then prints
 the ``nemo-memlog postmortem`` command that says which rank died first and what every rank held
 (about 30 s on 2 CPU cores; the ranks' own output goes to torchrun.log in the run folder).
-The model and the 1F1B schedule live in demo_model.py.
+Building and stepping the Megatron job lives in demo_model.py.
 """
 
 from __future__ import annotations
@@ -53,9 +57,10 @@ from tqdm import tqdm
 
 import nemo_memlog
 import nemo_memlog.config
-from demo_model import Pipeline, build_stage, learning_rate, one_f_one_b, synthetic_microbatch
+from demo_model import DemoJob, build_job, learning_rate
 from nemo_memlog.commands import console_command, postmortem_command, report_command
 from nemo_memlog.config import did_you_mean
+from nemo_memlog.testing import megatron_cpu
 from nemo_memlog.testing.cluster import free_port
 from nemo_memlog.testing.tmp import private_tmpdir
 
@@ -67,7 +72,8 @@ class TrainConfig:
     iters: int = 8
     """Training iterations. The default job takes about 50 s on 2 idle CPU cores, most of it starting 4 processes."""
     micro_batches: int = 4
-    """Microbatches per iteration; >= parallel.pp keeps the first stage's 1F1B warm-up full."""
+    """Microbatches per iteration; >= parallel.pp keeps the first stage's 1F1B warm-up full.
+    (The interleaved schedule needs a multiple of parallel.pp.)"""
     micro_batch_size: int = 128
     """With seq_len and model.hidden, sets the activation memory a microbatch keeps on a stage:
     about 0.15 GB here. The first stage keeps 3 more of them than the last. (With
@@ -88,7 +94,8 @@ class ModelConfig:
     hidden: int = 64
     """Model width."""
     layers_per_stage: int = 2
-    """Transformer layers on each pipeline stage."""
+    """Transformer layers on each pipeline stage: Megatron's num_layers is this x parallel.pp.
+    With parallel.vpp, a stage's layers are split evenly among its model chunks."""
     vocab: int = 128
     """Vocabulary size (the loss starts near ln(vocab))."""
     heads: int = 4
@@ -99,6 +106,8 @@ class ModelConfig:
 class ParallelConfig:
     pp: int = 4
     """Pipeline stages; the rest of the processes is data parallelism (4 processes, pp=2: DP 2)."""
+    vpp: int | None = None
+    """Virtual pipeline size: model chunks per stage, run on Megatron's interleaved schedule; null or 1: 1F1B."""
 
 
 @dataclass
@@ -224,6 +233,7 @@ def _check(cfg: DemoConfig) -> None:
             raise ConfigError(f"{name} must be >= 1; got {value}")
     if cfg.model.hidden % cfg.model.heads:
         raise ConfigError(f"model.hidden ({cfg.model.hidden}) must be a multiple of model.heads ({cfg.model.heads})")
+    _check_vpp(cfg)
     _check_fail(cfg)
     world = int(os.environ.get("WORLD_SIZE", DEFAULT_PROCESSES))
     if world % cfg.parallel.pp:
@@ -234,6 +244,46 @@ def _check(cfg: DemoConfig) -> None:
             f"of {cfg.parallel.pp}: {console_command('torchrun')} --nproc-per-node N scripts/demo.py "
             f"parallel.pp={cfg.parallel.pp} ..."
         )
+
+
+def _check_vpp(cfg: DemoConfig) -> None:
+    """parallel.vpp: null or 1 is 1F1B; more splits each stage's layers into chunks, as Megatron's
+    interleaved schedule needs them (each chunk a whole number of layers, microbatches in groups of parallel.pp)."""
+    vpp, pp = cfg.parallel.vpp, cfg.parallel.pp
+    if vpp is None or vpp == 1:
+        cfg.parallel.vpp = None
+        return
+    if vpp < 1:
+        raise ConfigError(f"parallel.vpp must be >= 1 (or null); got {vpp}")
+    if pp < 2:
+        raise ConfigError(f"parallel.vpp={vpp} (the interleaved schedule) needs parallel.pp >= 2; got {pp}")
+    if cfg.model.layers_per_stage % vpp:
+        raise ConfigError(
+            f"parallel.vpp ({vpp}) must divide model.layers_per_stage ({cfg.model.layers_per_stage}): "
+            "each model chunk holds a whole number of layers"
+        )
+    if cfg.train.micro_batches % pp:
+        raise ConfigError(
+            f"parallel.vpp={vpp}: Megatron's interleaved schedule needs train.micro_batches "
+            f"({cfg.train.micro_batches}) to be a multiple of parallel.pp ({pp})"
+        )
+
+
+def job_spec(cfg: DemoConfig, tp: int = 1) -> megatron_cpu.JobSpec:
+    """The demo's keys as megatron_cpu's JobSpec (the Megatron job's shape)."""
+    return megatron_cpu.JobSpec(
+        pp=cfg.parallel.pp,
+        tp=tp,
+        vpp=cfg.parallel.vpp,
+        layers=cfg.model.layers_per_stage * cfg.parallel.pp,
+        hidden=cfg.model.hidden,
+        heads=cfg.model.heads,
+        seq=cfg.train.seq_len,
+        vocab=cfg.model.vocab,
+        micro_batch_size=cfg.train.micro_batch_size,
+        microbatches=cfg.train.micro_batches,
+        seed=cfg.train.seed,
+    )
 
 
 def _check_fail(cfg: DemoConfig) -> None:
@@ -337,12 +387,11 @@ def train(cfg: DemoConfig, argv: list[str]) -> int:
     if cfg is None:
         dist.destroy_process_group()
         return 2
-    ps.initialize_model_parallel(pipeline_model_parallel_size=cfg.parallel.pp)
+    if device.type == "cpu" and dist.get_rank() == 0:
+        print(f"demo.py: {megatron_cpu.summary()}", flush=True)
+    job = build_job(job_spec(cfg), device)  # Megatron's groups, model, DDP, optimizer and schedule
     dist.barrier()  # every rank joins the default group before the first pairwise send (NCCL)
-    pipe = _pipeline(ps, device)
-    last_logged = _train_loop(
-        cfg, pipe, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(), ps.get_data_parallel_group()
-    )
+    last_logged = _train_loop(cfg, job, ps)
     # Every rank: the writer rank's backends are flushed before the paths below are printed,
     # and every rank's flight record ends "close" (a clean end) rather than "exit".
     nemo_memlog.close_writers()
@@ -385,41 +434,34 @@ def stage_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_group):
+def _train_loop(cfg: DemoConfig, job: DemoJob, ps):
     """The iterations; training_log on every rank each one. (iteration, dict) it last returned, or None."""
     writer = dist.get_rank() == dist.get_world_size() - 1  # a last stage: it has the loss to show
     if writer:
         (Path(cfg.run.root) / cfg.run.name).mkdir(parents=True, exist_ok=True)
 
     t = cfg.train
-    module = build_stage(cfg.model, t.seq_len, pipe, t.seed)
-    optimizer = torch.optim.Adam(module.parameters(), lr=t.lr)
-    hidden_shape = (t.micro_batch_size, t.seq_len, cfg.model.hidden)
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    dp_group, dp_size = ps.get_data_parallel_group(), ps.get_data_parallel_world_size()
+    schedule = f"interleaved, VPP {cfg.parallel.vpp}" if cfg.parallel.vpp else "1F1B"
     last_logged = None
     # What nemo-memlog advise needs to know of the run (docs/advise.md)
-    facts = {"micro_batch_size": t.micro_batch_size, "microbatches": t.micro_batches, "schedule": "1F1B"}
+    facts = job.spec.facts()
     for iteration in range(1, t.iters + 1):
-        if iteration == cfg.fail.kill_at and pipe.stage == cfg.fail.kill_stage and dp_rank == 0:
+        if iteration == cfg.fail.kill_at and stage == cfg.fail.kill_stage and job.dp_rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer: no end, no goodbye
         lr = learning_rate(iteration, t.iters, t.lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        loss = one_f_one_b(
-            module,
-            pipe,
-            t.micro_batches,
-            lambda index, iteration=iteration: synthetic_microbatch(t, cfg.model.vocab, iteration, dp_rank, index),
-            hidden_shape,
-        )
-        if dp_size > 1:
-            loss = _average_over_data_parallel(module, loss, dp_group, dp_size)
-        optimizer.step()
+        job.set_lr(lr)
+        loss = job.train_iteration()  # Megatron's schedule, DDP grad sync and optimizer step
+        if loss is not None and dp_size > 1:  # the last stages: the loss over the data-parallel replicas
+            total = torch.tensor([loss], device=job.device)
+            dist.all_reduce(total, group=dp_group)
+            loss = float(total) / dp_size
         if t.save_every and iteration % t.save_every == 0:
-            save_checkpoint(cfg, module, optimizer, pipe.stage, dp_rank, iteration)
+            save_checkpoint(cfg, job, stage, iteration)
         metrics = {"lr": lr} if loss is None else {"lr": lr, "loss": loss}  # only last stages have a loss
         logged = nemo_memlog.training_log(
-            iteration, cfg, metrics=metrics, model=module, optimizer=optimizer, facts=facts
+            iteration, cfg, metrics=metrics, model=job.model, optimizer=job.optimizer, facts=facts
         )
         if logged is not None:
             last_logged = (iteration, logged)
@@ -430,7 +472,7 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
             progress = tqdm(
                 total=t.iters,
                 initial=1,
-                desc=f"training ({dist.get_world_size()} processes, PP {pipe.stages})",
+                desc=f"training ({dist.get_world_size()} processes, PP {stages}, {schedule})",
                 unit="it",
                 disable=not writer,
             )
@@ -442,39 +484,13 @@ def _train_loop(cfg: DemoConfig, pipe: Pipeline, dp_rank: int, dp_size: int, dp_
     return last_logged
 
 
-def save_checkpoint(cfg: DemoConfig, module, optimizer, stage: int, dp_rank: int, iteration: int) -> None:
-    """This stage's weights and optimizer state into the run folder, inside a memory phase: its host
-    peak is logged as memory/phase/checkpoint_save/* at this iteration's logging step."""
+def save_checkpoint(cfg: DemoConfig, job: DemoJob, stage: int, iteration: int) -> None:
+    """This rank's model chunks and optimizer state into the run folder, inside a memory phase: its
+    host peak is logged as memory/phase/checkpoint_save/* at this iteration's logging step."""
     folder = Path(cfg.run.root) / cfg.run.name / "checkpoints" / f"iter-{iteration:05d}"
     folder.mkdir(parents=True, exist_ok=True)
     with nemo_memlog.memory_phase("checkpoint_save", iteration=iteration):
-        state = {"model": module.state_dict(), "optimizer": optimizer.state_dict(), "iteration": iteration}
-        torch.save(state, folder / f"stage-{stage}-dp-{dp_rank}.pt")
-
-
-def _pipeline(ps, device: torch.device) -> Pipeline:
-    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    # megatron-core's next/prev ranks wrap around the ring; a pipeline has two ends.
-    return Pipeline(
-        stage=stage,
-        stages=stages,
-        prev_rank=None if stage == 0 else ps.get_pipeline_model_parallel_prev_rank(),
-        next_rank=None if stage == stages - 1 else ps.get_pipeline_model_parallel_next_rank(),
-        device=device,
-    )
-
-
-def _average_over_data_parallel(module, loss, dp_group, dp_size):
-    """Average gradients (every stage) and the loss (last stages) over the data-parallel replicas."""
-    for param in module.parameters():
-        if param.grad is not None:
-            dist.all_reduce(param.grad, group=dp_group)
-            param.grad /= dp_size
-    if loss is None:
-        return None
-    total = torch.tensor([loss], device=next(module.parameters()).device)
-    dist.all_reduce(total, group=dp_group)
-    return float(total) / dp_size
+        torch.save(job.state_dict(), folder / f"stage-{stage}-dp-{job.dp_rank}.pt")
 
 
 def summary(cfg: DemoConfig, last_logged) -> str:

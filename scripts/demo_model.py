@@ -1,49 +1,193 @@
-"""The demo's model, its synthetic data, and its 1F1B pipeline schedule. Plain torch.
+"""The demo's job: megatron-core's own GPTModel in its DistributedDataParallel, its optimizer and
+its ``get_forward_backward_func()`` schedule (1F1B, or interleaved with a virtual pipeline), on
+synthetic data that can be learnt.
 
-One pipeline stage is ``layers_per_stage`` pre-LayerNorm transformer blocks. The first
-stage also owns the token and position embeddings; the last owns the final LayerNorm,
-the LM head and the loss. Stages exchange real activations (forward) and gradients
-(backward) with torch.distributed point-to-point ops, so this runs on gloo (CPU) and
-NCCL (GPU) alike. megatron-core's own schedules and p2p module are not used: they call
-torch.cuda and do not run on CPU.
+On a GPU per process everything is Megatron's as it is: the model on this process's GPU, NCCL,
+no stand-ins. On CPU the job is built and stepped by ``nemo_memlog.testing.megatron_cpu`` (its
+``build``), inside its stand-ins for Megatron's GPU assumptions (``megatron_cpu.summary()`` names
+them), over gloo. ``DemoJob`` adds what the demo needs and ``JobSpec`` lacks: the device, the
+data-parallel rank the data is drawn for, and learnable data.
 
-Why the first stage holds the most memory: under 1F1B, stage ``s`` of ``p`` runs
-``p - s - 1`` warm-up forwards before its first backward, so it keeps the activations
-of up to ``p - s`` microbatches alive at once: ``p`` on the first stage, 1 on the last.
+Why the first stage holds the most memory: under 1F1B, stage ``s`` of ``p`` runs ``p - s - 1``
+warm-up forwards before its first backward, so it keeps the activations of up to ``p - s``
+microbatches alive at once: ``p`` on the first stage, 1 on the last.
+
+``Block`` and ``Stage`` (plain torch, at the end) are not the demo's: they are the model of
+``scripts/bench_overhead.py``'s activation-meter benchmark (docs/performance.md), kept as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
-from collections import deque
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from nemo_memlog.testing import megatron_cpu
+from nemo_memlog.testing.megatron_cpu import Job, JobSpec, cpu_stand_ins
 
 #: Share of tokens drawn at random instead of following the pattern: the loss floor.
 NOISE = 0.1
 
 
-@dataclass(frozen=True)
-class Pipeline:
-    """Where this process sits: its stage, and its neighbours' global ranks (None at the ends)."""
+@dataclasses.dataclass
+class DemoJob(Job):
+    """megatron_cpu's Job, on ``device`` (a GPU: no stand-ins), fed ``synthetic_microbatch`` for ``dp_rank``."""
 
-    stage: int
-    stages: int
-    prev_rank: int | None
-    next_rank: int | None
-    device: torch.device
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    dp_rank: int = 0
 
     @property
-    def first(self) -> bool:
-        return self.stage == 0
+    def on_cpu(self) -> bool:
+        return self.device.type == "cpu"
 
-    @property
-    def last(self) -> bool:
-        return self.stage == self.stages - 1
+    def data(self, chunk: int):
+        """This iteration's microbatches, the same for every chunk (the first uses the tokens, the last the labels)."""
+        spec = self.spec
+        causal = torch.triu(torch.ones(spec.seq, spec.seq, dtype=torch.bool), diagonal=1)[None, None]
+        for index in range(spec.microbatches):
+            tokens, labels = synthetic_microbatch(spec, self.iteration + 1, self.dp_rank, index)
+            yield {
+                "tokens": tokens.to(self.device),
+                "labels": labels.to(self.device),
+                "position_ids": torch.arange(spec.seq, device=self.device).expand(spec.micro_batch_size, -1),
+                "loss_mask": torch.ones(spec.micro_batch_size, spec.seq, device=self.device),
+                "attention_mask": causal.to(self.device),  # Megatron's convention: True where masked out
+            }
+
+    def train_iteration(self, around=contextlib.nullcontext) -> float | None:
+        """One iteration of Megatron's schedule and optimizer step (the stand-ins on CPU only);
+        the mean loss over the microbatches on a last stage, else None."""
+        spec = self.spec
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        iterators = [self.data(i) for i in range(spec.chunks)]
+        with cpu_stand_ins(on_cpu=self.on_cpu), around():
+            losses = self.forward_backward(
+                forward_step_func=megatron_cpu._forward_step,
+                data_iterator=iterators if spec.vpp else iterators[0],
+                model=self.model if spec.vpp else self.model[0],
+                num_microbatches=spec.microbatches,
+                seq_length=spec.seq,
+                micro_batch_size=spec.micro_batch_size,
+                forward_only=False,
+            )
+        with cpu_stand_ins(on_cpu=self.on_cpu):
+            self.optimizer.step()
+        self.iteration += 1
+        if not losses:
+            return None
+        loss = sum(float(entry["lm loss"]) for entry in losses) / len(losses)
+        self.losses.append(loss)
+        return loss
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:  # what Megatron's OptimizerParamScheduler sets
+            group["lr"] = lr
+
+    def state_dict(self) -> dict:
+        """This rank's model chunks and optimizer state, for a checkpoint."""
+        return {
+            "model": [chunk.state_dict() for chunk in self.model],
+            "optimizer": self.optimizer.state_dict(),
+            "iteration": self.iteration,
+        }
+
+
+def build_job(spec: JobSpec, device: torch.device) -> DemoJob:
+    """Megatron's groups, GPTModel chunks in its DDP, optimizer and schedule for ``spec`` on this rank:
+    on CPU ``megatron_cpu.build``; on a GPU the same, on the GPU, with nothing stood in."""
+    from megatron.core import parallel_state
+
+    job = megatron_cpu.build(spec) if device.type == "cpu" else _build_on_gpu(spec, device)
+    fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(Job)}
+    return DemoJob(**fields, device=device, dp_rank=parallel_state.get_data_parallel_rank())
+
+
+def _build_on_gpu(spec: JobSpec, device: torch.device) -> Job:
+    """``megatron_cpu.build`` without its stand-ins: each chunk moved to ``device`` before Megatron's DDP
+    wraps it (as Megatron-LM does), and Megatron's CUDA RNG tracker seeded."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    megatron_cpu.layout(spec)
+    torch.manual_seed(spec.seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
+    config = megatron_cpu.transformer_config(spec)
+    chunks = []
+    for vp_stage in range(spec.chunks):
+        kwargs = {"vp_stage": vp_stage} if spec.vpp else {}
+        chunks.append(
+            GPTModel(
+                config=config,
+                transformer_layer_spec=get_gpt_layer_local_spec(),
+                vocab_size=spec.vocab,
+                max_sequence_length=spec.seq,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **kwargs),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **kwargs),
+                share_embeddings_and_output_weights=False,
+                **kwargs,
+            ).to(device)
+        )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=spec.distributed_optimizer, overlap_grad_reduce=False
+    )
+    model = [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-4,
+            clip_grad=0.0,  # as on CPU, where Megatron's clipping cannot run: the two runs stay alike
+            params_dtype=torch.float32,
+            use_distributed_optimizer=spec.distributed_optimizer,
+        ),
+        model,
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [chunk.no_sync for chunk in model] if spec.vpp else model[0].no_sync
+    return Job(spec, model, optimizer, config, get_forward_backward_func())
+
+
+def synthetic_microbatch(spec: JobSpec, iteration: int, dp_rank: int, index: int):
+    """(tokens, labels), each (micro_batch_size, seq) token ids, made on the fly.
+
+    Each sequence walks a fixed random permutation of the vocabulary (the pattern to learn: next
+    token = successor[token]), with NOISE of the tokens random instead. Every stage builds the
+    same batch from the same seeds, so tokens never travel down the pipeline.
+    """
+    successor = torch.randperm(spec.vocab, generator=torch.Generator().manual_seed(spec.seed))
+    rng = torch.Generator().manual_seed(((spec.seed * 100_003 + iteration) * 1009 + dp_rank) * 1009 + index)
+    size = (spec.micro_batch_size, spec.seq + 1)
+    noise = torch.randint(spec.vocab, size, generator=rng)
+    is_noise = torch.rand(size, generator=rng) < NOISE
+    tokens = torch.empty(size, dtype=torch.long)
+    tokens[:, 0] = noise[:, 0]
+    for t in range(1, size[1]):
+        tokens[:, t] = torch.where(is_noise[:, t], noise[:, t], successor[tokens[:, t - 1]])
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def learning_rate(iteration: int, iters: int, peak: float) -> float:
+    """Linear warm-up over the first 10% of iterations, then cosine decay to 10% of peak."""
+    warmup = max(1, iters // 10)
+    if iteration <= warmup:
+        return peak * iteration / warmup
+    progress = (iteration - warmup) / max(1, iters - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+# ---- the benchmark's model (scripts/bench_overhead.py), not the demo's ----------------------------
 
 
 class Block(nn.Module):
@@ -89,122 +233,3 @@ class Stage(nn.Module):
             x = self.embed(x) + self.position
         x = self.blocks(x)
         return self.head(self.norm(x)) if self.last else x
-
-
-def build_stage(model_cfg, seq_len: int, pipe: Pipeline, seed: int) -> Stage:
-    """This stage's module, initialised from (seed, stage): data-parallel replicas start equal."""
-    torch.manual_seed(seed * 1000 + pipe.stage)
-    return Stage(model_cfg, seq_len, pipe.first, pipe.last).to(pipe.device)
-
-
-def synthetic_microbatch(train_cfg, vocab: int, iteration: int, dp_rank: int, index: int):
-    """(inputs, labels), each (micro_batch_size, seq_len) token ids, made on the fly.
-
-    Each sequence walks a fixed random permutation of the vocabulary (the pattern to
-    learn: next token = successor[token]), with NOISE of the tokens random instead. The
-    first stage uses the inputs and the last the labels; both build the same batch from
-    the same seeds, so tokens never travel down the pipeline.
-    """
-    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(train_cfg.seed))
-    rng = torch.Generator().manual_seed(((train_cfg.seed * 100_003 + iteration) * 1009 + dp_rank) * 1009 + index)
-    size = (train_cfg.micro_batch_size, train_cfg.seq_len + 1)
-    noise = torch.randint(vocab, size, generator=rng)
-    is_noise = torch.rand(size, generator=rng) < NOISE
-    tokens = torch.empty(size, dtype=torch.long)
-    tokens[:, 0] = noise[:, 0]
-    for t in range(1, size[1]):
-        tokens[:, t] = torch.where(is_noise[:, t], noise[:, t], successor[tokens[:, t - 1]])
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def one_f_one_b(module: Stage, pipe: Pipeline, count: int, data, hidden_shape: tuple) -> float | None:
-    """Run one iteration's forward and backward passes over ``count`` microbatches on the 1F1B schedule.
-
-    ``data(i)`` gives microbatch i's (inputs, labels); only the first and last stages call
-    it. Gradients accumulate in ``module``'s parameters (each loss is divided by
-    ``count``). Returns the mean loss on the last stage, None elsewhere. Every stage of
-    the pipeline must call it with the same ``count``.
-    """
-    warmup = min(pipe.stages - pipe.stage - 1, count)
-    in_flight: deque = deque()  # (input, output) of each microbatch whose backward is pending
-    losses = []
-
-    def forward(index, received):
-        inputs, labels = data(index) if pipe.first or pipe.last else (None, None)
-        x = inputs.to(pipe.device) if pipe.first else received
-        out = module(x)
-        if pipe.last:
-            out = F.cross_entropy(out.flatten(0, 1), labels.to(pipe.device).flatten()) / count
-            losses.append(out.detach())
-        in_flight.append((x, out))
-        return None if pipe.last else out
-
-    def backward(grad_output):
-        x, out = in_flight.popleft()
-        torch.autograd.backward(out, grad_tensors=grad_output)
-        return None if pipe.first else x.grad
-
-    p2p = _PointToPoint(pipe, hidden_shape)
-    for index in range(warmup):
-        p2p.send_forward(forward(index, p2p.recv_forward()))
-    received = p2p.recv_forward() if warmup < count else None
-    for index in range(warmup, count):
-        grad_output = p2p.send_forward_recv_backward(forward(index, received))
-        grad_input = backward(grad_output)
-        if index == count - 1:
-            p2p.send_backward(grad_input)
-        else:
-            received = p2p.send_backward_recv_forward(grad_input)
-    for _ in range(warmup):  # cool-down: the backwards of the warm-up forwards
-        p2p.send_backward(backward(p2p.recv_backward()))
-    return float(torch.stack(losses).sum()) if pipe.last else None
-
-
-class _PointToPoint:
-    """The point-to-point moves of a 1F1B stage; a no-op toward a pipeline end. Sends and receives of
-    one move are posted together (batch_isend_irecv) so facing neighbours never deadlock."""
-
-    def __init__(self, pipe: Pipeline, hidden_shape: tuple):
-        self.pipe = pipe
-        self.shape = hidden_shape
-
-    def recv_forward(self):
-        return self._exchange(recv_from=self.pipe.prev_rank, wants_grad=True)
-
-    def send_forward(self, output):
-        self._exchange(send=output, send_to=self.pipe.next_rank)
-
-    def recv_backward(self):
-        return self._exchange(recv_from=self.pipe.next_rank)
-
-    def send_backward(self, grad_input):
-        self._exchange(send=grad_input, send_to=self.pipe.prev_rank)
-
-    def send_forward_recv_backward(self, output):
-        return self._exchange(send=output, send_to=self.pipe.next_rank, recv_from=self.pipe.next_rank)
-
-    def send_backward_recv_forward(self, grad_input):
-        return self._exchange(
-            send=grad_input, send_to=self.pipe.prev_rank, recv_from=self.pipe.prev_rank, wants_grad=True
-        )
-
-    def _exchange(self, send=None, send_to=None, recv_from=None, wants_grad=False):
-        ops = []
-        if send_to is not None:
-            ops.append(dist.P2POp(dist.isend, send.detach().contiguous(), send_to))
-        received = None
-        if recv_from is not None:
-            received = torch.empty(self.shape, device=self.pipe.device)
-            ops.append(dist.P2POp(dist.irecv, received, recv_from))
-        for work in dist.batch_isend_irecv(ops) if ops else ():
-            work.wait()
-        return received.requires_grad_() if wants_grad and received is not None else received
-
-
-def learning_rate(iteration: int, iters: int, peak: float) -> float:
-    """Linear warm-up over the first 10% of iterations, then cosine decay to 10% of peak."""
-    warmup = max(1, iters // 10)
-    if iteration <= warmup:
-        return peak * iteration / warmup
-    progress = (iteration - warmup) / max(1, iters - warmup)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))

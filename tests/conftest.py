@@ -89,6 +89,7 @@ LAUNCHING_MODULES = {
     "test_peak_window",
     "test_host_limit",
     "test_composition",
+    "test_megatron",
 }
 
 

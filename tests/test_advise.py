@@ -197,14 +197,14 @@ def test_the_oom_post_mortem_names_the_changes_that_would_have_fit(runs, tmp_pat
     }
     parts = {"params_gb": 6.0, "grads_gb": 6.0, "optimizer_state_gb": 24.0, "activations_gb": 40.0}
     ranks[0].composition = {**parts, "model_state_gb": 36.0, "temporaries_gb": 1.0, "allocator_slack_gb": 1.5}
-    ranks[0].composition["microbatches_in_flight"] = 4
+    ranks[0].composition["microbatches_in_flight"] = 2  # 1F1B, PP 2: stage 0 holds min(2, microbatches)
     write_run(tmp_path, ranks)
     shutil.copy(runs["base"] / "rank-00000.layers.json", tmp_path / "rank-00000.layers.json")
     code, result = run_json(tmp_path)
     assert code == 1 and result["first_failure"]["rank"] == 0
     # today: 36 + 40 + 1 + 2.0 asked + 1.5 slack + 1.1 outside = 81.6 GB > 80
-    # distributed optimizer over DP 2: 24 -> 12, peak 69.6; half the micro-batch: 4 in flight still
-    # (PP 2, 8 microbatches: stage 0 holds min(2, 8), but measured 4 > 2: the measured count stays), 40 -> 20, 61.6
+    # distributed optimizer over DP 2: 24 -> 12, peak 69.6; half the micro-batch: 2 in flight still
+    # (PP 2, 8 microbatches: stage 0 holds min(2, 8)), 40 -> 20, 61.6
     assert "predicted to fit (nemo-memlog advise): " in result["sentence"], result["sentence"]
     assert "distributed_optimizer=true (peak 70 GB)" in result["sentence"], result["sentence"]
     assert "micro_batch_size=x0.5 (peak 62 GB)" in result["sentence"], result["sentence"]

@@ -9,15 +9,21 @@ the last rank. Then the last rank's stores are read back raw (tests/bridge_readb
 TensorBoard events, the W&B offline run, the MLflow SQLite store. 6 iterations,
 tensorboard_log_interval=2, log_interval=1: Bridge logs its metrics (and the callback
 memory) at steps 2, 4, 6, and its iteration-time (log_timers_to_tensorboard) at every step.
+
+Last, the callback on megatron-core's own GPTModel in Megatron's DDP, each iteration Bridge's own
+train_step (the harness's ``megatron`` mode, PP 2 x DP 2): its per-layer records on every rank, and
+``advise`` from them held against a rerun with the change.
 """
 
 import contextlib
+import dataclasses
 import os
 import statistics
 
 import numpy as np
 import pytest
 
+from nemo_memlog.testing import megatron_cpu
 from nemo_memlog.testing.bridge_env import bridge_version
 from nemo_memlog.testing.bridge_harness import RunSpec, end_runs, exit_early_then_train_again, train
 from nemo_memlog.testing.bridge_probes import (
@@ -500,3 +506,76 @@ def test_bridge_saves_and_evaluations_are_memory_phases_logged_at_the_next_loggi
         ("checkpoint_save", "start", 4),
         ("checkpoint_save", "end", 4),
     ]
+
+
+# --- the callback on megatron-core's GPTModel, in Bridge's own train_step ---------------------------
+
+#: megatron_cpu's job (PP 2 x DP 2, GPTModel local spec, 4 layers, hidden 64, seq 64, Megatron's DDP and
+#: Adam): at micro-batch size 2 with 4 microbatches, and the rerun at size 4 with 2 (the same samples).
+MEGATRON_JOBS = {"micro_batch_size=2": megatron_cpu.JobSpec()}
+MEGATRON_JOBS["micro_batch_size=4"] = dataclasses.replace(
+    MEGATRON_JOBS["micro_batch_size=2"], micro_batch_size=4, microbatches=2
+)
+MODEL_STATE = ("params_gb", "grads_gb", "optimizer_state_gb")
+
+
+@pytest.fixture(scope="module")
+def bridge_megatron(pp2dp2_bridge, tmp_path_factory):
+    """Each job trained 2 iterations on the PP 2 x DP 2 cluster, each iteration Bridge's own
+    train_step, the callback logging (and recording per-layer figures) at step 2."""
+    runs = {}
+    for name, job in MEGATRON_JOBS.items():
+        root = tmp_path_factory.mktemp(name.replace("=", "_"))
+        spec = RunSpec(
+            root=str(root),
+            callback_kwargs=CALLBACK,
+            megatron=job,
+            train_iters=2,
+            ballast_mb=0,
+            backends=("tensorboard",),
+        )
+        runs[name] = Run(spec, pp2dp2_bridge.run_ok(train, spec, timeout=RUN_TIMEOUT_S))
+    return runs
+
+
+def test_callback_records_a_megatron_gptmodel_in_bridges_train_step_and_advise_predicts_the_rerun(bridge_megatron):
+    from nemo_memlog import advice
+    from nemo_memlog.offline import advise
+
+    for name, run in bridge_megatron.items():
+        for record in run.records:
+            view = record.megatron
+            assert view["layers"] is not None, f"{name}: rank {record.rank} wrote no per-layer record"
+            assert view["layers"]["layers"], f"{name}: rank {record.rank}: no layer rows"
+            assert view["layers"]["run"]["micro_batch_size"] == MEGATRON_JOBS[name].micro_batch_size
+            assert view["layers"]["run"]["microbatches"] == MEGATRON_JOBS[name].microbatches
+            stage = view["layers"]["stage"]
+            assert stage["activations_gb"] > 0, (name, record.rank)
+            for part in ("params", "grads", "optimizer_state"):  # Megatron's buffers and Adam's rule, to the byte
+                assert round(stage[f"{part}_gb"] * 1e9) == view["apart"][part], (name, record.rank, part)
+            losses = view["losses"]
+            if record.pp_stage == 1:  # Bridge's train_step reduced the loss over the microbatches
+                assert len(losses) == 2 and all(np.isfinite(loss) for loss in losses), losses
+            else:
+                assert losses == [None, None]
+    run = advise.load(os.path.join(bridge_megatron["micro_batch_size=2"].spec.root, "memory_records"))
+    rerun = {
+        r.pp_stage: r.megatron["layers"]["stage"]
+        for r in bridge_megatron["micro_batch_size=4"].records
+        if r.dp_rank == 0
+    }
+    outcomes = advice.predict(run, advice.parse(["micro_batch_size=x2"]))
+    assert sorted(o.stage for o in outcomes) == [0, 1]
+    lines = []
+    for outcome in outcomes:
+        measured = rerun[outcome.stage]
+        for part in ("activations_gb", *MODEL_STATE):
+            predicted, rerun_mb = outcome.predicted[part], measured[part]
+            lines.append(
+                f"stage {outcome.stage} {part}: predicted {predicted * 1e3:.4f} MB, rerun {rerun_mb * 1e3:.4f} MB,"
+                f" error {100 * (predicted - rerun_mb) / rerun_mb:+.2f}%"
+            )
+        assert outcome.predicted["activations_gb"] == pytest.approx(measured["activations_gb"], rel=0.10), outcome.stage
+        for part in MODEL_STATE:
+            assert outcome.predicted[part] == pytest.approx(measured[part], rel=0.01), (outcome.stage, part)
+    print(f"\nBridge {BRIDGE}: advise micro_batch_size=x2 vs the rerun at 4:\n" + "\n".join(lines))

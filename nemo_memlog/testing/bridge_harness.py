@@ -16,6 +16,14 @@ The train step is a real SGD step on a tiny model. Stage 0 also holds a ballast 
 memory, as a real first stage holds the most in-flight activations, so the pipeline's
 peak (``peak_host_rss_gb``) lives on stage 0 and not on the last stage, where Bridge logs.
 
+With ``RunSpec(megatron=JobSpec(...))`` the model is megatron-core's own: ``megatron_cpu.build``'s
+GPTModel chunks in Megatron's DDP and its optimizer are the loop's ``model`` and ``optimizer`` (in
+every CallbackContext, as Bridge's ``train()`` passes them), the recipe states the job's shape and
+batch, and each iteration is Bridge's own ``train_step`` (``_BridgeTrainStep``: Megatron's 1F1B
+schedule over the microbatch calculator's count, the optimizer and scheduler steps, Bridge's
+reductions). The rank's record then carries its per-layer record and the model state counted
+apart (``RankRecord.megatron``). No ballast is needed there: stage 0 holds the most activations.
+
 Each rank returns a ``RankRecord``: its coordinates, its own host peak around each
 ``on_train_step_end``, the collectives each callback event issued, and what the loop
 handed Bridge's ``training_log`` at each step (so the test can check it is logged
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from . import bridge_env
 
@@ -48,6 +57,9 @@ class RunSpec:
     save_interval: int | None = None  # cfg.checkpoint.save_interval: a save staged at these steps (see _run)
     eval_at: tuple = ()  # steps after which Bridge's eval events fire, around an evaluation
     phase_ballast_mb: int = 150  # what stage 0 holds during a save or an evaluation
+    #: A real megatron-core job (megatron_cpu.build): its GPTModel chunks in Megatron's DDP and its
+    #: optimizer are the loop's model and optimizer, and each iteration is Bridge's own train_step.
+    megatron: Any = None  # megatron_cpu.JobSpec | None
 
     @property
     def tensorboard_dir(self):
@@ -72,7 +84,7 @@ class StepRecord:
     step: int
     learning_rate: float
     loss: float | None  # None off the last stage: Megatron reduces the loss there only
-    grad_norm: float
+    grad_norm: float | None  # None: Megatron's optimizer without clipping (a megatron job)
     batch_size: int
     consumed_train_samples: int
     peak_before: float  # this rank's peak_host_rss_gb just before on_train_step_end
@@ -88,6 +100,7 @@ class RankRecord:
     steps: list = field(default_factory=list)
     collectives: dict = field(default_factory=dict)  # event (or "on_train_step_end@<step>") -> names
     flag_after_run: bool | None = None
+    megatron: dict | None = None  # a megatron job's view (RunSpec.megatron): see _megatron_view
 
 
 _ballast: list = []
@@ -118,22 +131,37 @@ def recipe_config(spec: RunSpec, pp: int):
     if "mlflow" in spec.backends:
         logger.mlflow_experiment, logger.mlflow_run_name = "memlog-bridge", "pp-run"
         logger.mlflow_tracking_uri = spec.mlflow_uri
+    job = spec.megatron
+    if job is None:
+        train = bc.TrainingConfig(micro_batch_size=1, global_batch_size=4, train_iters=spec.train_iters)
+        shape = dict(
+            num_layers=2, hidden_size=8, num_attention_heads=2, kv_channels=4, num_query_groups=2, ffn_hidden_size=32
+        )
+        seq, vocab = 16, 64
+    else:  # the recipe states the megatron job's own shape and batch (Bridge's estimate reads it)
+        import torch.distributed as dist
+
+        data_parallel = dist.get_world_size() // (job.pp * job.tp)
+        train = bc.TrainingConfig(
+            micro_batch_size=job.micro_batch_size,
+            global_batch_size=job.micro_batch_size * job.microbatches * data_parallel,
+            train_iters=spec.train_iters,
+        )
+        shape = dict(  # what TransformerConfig derives for the job's model (Bridge's FLOPs read them unfinalised)
+            num_layers=job.layers,
+            hidden_size=job.hidden,
+            num_attention_heads=job.heads,
+            kv_channels=job.hidden // job.heads,
+            num_query_groups=job.heads,
+            ffn_hidden_size=4 * job.hidden,
+        )
+        seq, vocab = job.seq, job.vocab
     cfg = bc.ConfigContainer(
-        train=bc.TrainingConfig(micro_batch_size=1, global_batch_size=4, train_iters=spec.train_iters),
-        model=GPTModelProvider(
-            num_layers=2,
-            hidden_size=8,
-            num_attention_heads=2,
-            kv_channels=4,
-            num_query_groups=2,
-            ffn_hidden_size=32,
-            seq_length=16,
-            vocab_size=64,
-            pipeline_model_parallel_size=pp,
-        ),
+        train=train,
+        model=GPTModelProvider(**shape, seq_length=seq, vocab_size=vocab, pipeline_model_parallel_size=pp),
         optimizer=bc.OptimizerConfig(lr=1e-3),
         scheduler=bc.SchedulerConfig(),
-        dataset=bc.MockGPTDatasetConfig(random_seed=1, seq_length=16),
+        dataset=bc.MockGPTDatasetConfig(random_seed=1, seq_length=seq),
         logger=logger,
         tokenizer=TokenizerConfig(),
         checkpoint=bc.CheckpointConfig(save=os.path.join(spec.root, "checkpoints"), save_interval=spec.save_interval),
@@ -187,12 +215,115 @@ def train(spec: RunSpec) -> RankRecord:
     from megatron.core import parallel_state as ps
 
     _environment(spec)
+    job = None
+    if spec.megatron is not None:
+        from . import megatron_cpu
+
+        job = megatron_cpu.build(spec.megatron)  # Megatron's groups for the job, then its model and optimizer
     record = RankRecord(
         rank=dist.get_rank(), pp_stage=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank()
     )
     cfg = recipe_config(spec, ps.get_pipeline_model_parallel_world_size())
-    _run(spec, cfg, _callbacks(spec), record)
+    _run(spec, cfg, _callbacks(spec), record, job)
+    if job is not None:
+        record.megatron = _megatron_view(spec, job, record)
     return record
+
+
+def _megatron_view(spec: RunSpec, job, record: RankRecord) -> dict:
+    """What a megatron run left on this rank: its per-layer record (the callback wrote it in the
+    default folder, ``memory_records`` beside the recipe's tensorboard_dir), the model state counted
+    apart from Megatron's buffers and Adam's rule, and the losses Bridge's train_step reduced."""
+    from megatron.core import parallel_state as ps
+
+    from nemo_memlog.measure import layer_record
+
+    from . import megatron_cpu
+
+    return {
+        "pp_rank": record.pp_stage,
+        "dp_rank": record.dp_rank,
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "layers": layer_record.read_rank(os.path.join(spec.root, "memory_records"), record.rank),
+        "apart": megatron_cpu.counted_apart(job),
+        "losses": [s.loss for s in record.steps],
+    }
+
+
+class _BridgeTrainStep:
+    """Bridge's own ``train_step`` (megatron.bridge.training.train) over a megatron_cpu job: Megatron's
+    schedule (``get_forward_backward_func()``, 1F1B) over ``get_num_microbatches()`` microbatches of
+    the job's synthetic batch, the forward step wrapped by Bridge's ``prepare_forward_step_func``, the
+    optimizer step, Bridge's reductions of the step's success and grad norm over the model-parallel
+    group, the scheduler step, and its loss reduction on the last stage. It runs inside megatron_cpu's
+    stand-ins (Megatron's schedule and optimizer) and bridge_env's redirects (Bridge's train_utils and
+    megatron-core's timers). Arguments as Bridge's ``train()`` passes them, for the installed version:
+    0.6 takes the ``P2PCommunicator`` that ``train()`` builds once; 0.3 builds its own in the step.
+
+    The forward step is the harness's (megatron_cpu._forward_step), not Bridge's ``gpt_step.forward_step``:
+    its ``get_batch_from_iterator`` moves every tensor with ``.cuda(non_blocking=True)``, which a
+    CPU-only torch cannot do."""
+
+    def __init__(self, job, state):
+        import inspect
+
+        from megatron.bridge.training import train as bridge_train
+        from megatron.bridge.training.utils.pg_utils import get_pg_collection
+        from megatron.bridge.training.utils.train_utils import prepare_forward_step_func
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.utils import get_model_config
+
+        from . import megatron_cpu
+
+        self.job, self.state, self.train_step = job, state, bridge_train.train_step
+        self.forward_step = prepare_forward_step_func(megatron_cpu._forward_step, state)
+        self.pg_collection = get_pg_collection(job.model)  # as Bridge's setup reads it from the model
+        lr = job.optimizer.param_groups[0]["lr"]
+        with megatron_cpu.cpu_stand_ins():
+            self.scheduler = OptimizerParamScheduler(
+                job.optimizer,
+                init_lr=0.0,
+                max_lr=lr,
+                min_lr=0.0,
+                lr_warmup_steps=0,
+                lr_decay_steps=1000,
+                lr_decay_style="constant",
+                start_wd=0.0,
+                end_wd=0.0,
+                wd_incr_steps=1000,
+                wd_incr_style="constant",
+            )
+        model_config = get_model_config(job.model[0])
+        if not hasattr(model_config, "seq_length"):
+            # Bridge's models carry their provider (a TransformerConfig with seq_length) as their config;
+            # 0.3's train_step reads model_config.seq_length, 0.6's falls back to cfg.model.seq_length.
+            model_config.seq_length = state.cfg.model.seq_length
+        self.extra = []
+        if "p2p_communicator" in inspect.signature(bridge_train.train_step).parameters:  # 0.4+
+            from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+            self.extra.append(P2PCommunicator(pp_group=self.pg_collection.pp, config=model_config))
+
+    def __call__(self):
+        """One iteration: (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad), as _train_step."""
+        from . import megatron_cpu
+
+        job = self.job
+        with megatron_cpu.cpu_stand_ins():
+            loss_dict, skipped_iter, _, should_exit, _, grad_norm, num_zeros, *_ = self.train_step(
+                self.forward_step,
+                job.data(0),
+                job.model,
+                job.optimizer,
+                self.scheduler,
+                self.state,
+                self.pg_collection,
+                job.forward_backward,
+                *self.extra,
+            )
+        assert not should_exit, "Bridge's rerun state machine asked to exit"
+        job.iteration += 1
+        return loss_dict, skipped_iter, grad_norm, num_zeros
 
 
 def exit_early_then_train_again(spec: RunSpec, exit_interval: int) -> tuple[RankRecord, RankRecord]:
@@ -263,8 +394,9 @@ def _phases(spec: RunSpec, manager, record, events, stage: int, step: int) -> No
             _fire(manager, "on_checkpoint_save", record, f"on_checkpoint_save@{step}", **events)
 
 
-def _run(spec: RunSpec, cfg, manager, record: RankRecord) -> None:
-    """One run of Bridge's training loop over ``cfg`` (a fresh GlobalState), into ``record``."""
+def _run(spec: RunSpec, cfg, manager, record: RankRecord, job=None) -> None:
+    """One run of Bridge's training loop over ``cfg`` (a fresh GlobalState), into ``record``;
+    with ``job`` (megatron_cpu.build), on its model and optimizer, each step Bridge's train_step."""
     import sys
 
     import torch
@@ -284,11 +416,18 @@ def _run(spec: RunSpec, cfg, manager, record: RankRecord) -> None:
     init_num_microbatches_calculator(
         record.rank, None, cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.data_parallel_size
     )
-    model = [torch.nn.Linear(8, 8)]
-    optimizer = torch.optim.SGD(model[0].parameters(), lr=1e-3)
-    for group in optimizer.param_groups:
-        group["is_decoupled_lr"] = False
-    events = dict(state=state, model=model, optimizer=optimizer, scheduler=None)
+    if job is None:
+        model = [torch.nn.Linear(8, 8)]
+        optimizer = torch.optim.SGD(model[0].parameters(), lr=1e-3)
+        for group in optimizer.param_groups:
+            group["is_decoupled_lr"] = False
+        scheduler, bridge_step = None, None
+    else:
+        assert get_num_microbatches() == job.spec.microbatches, "the recipe's batch is the job's"
+        model, optimizer = job.model, job.optimizer
+        bridge_step = _BridgeTrainStep(job, state)
+        scheduler = bridge_step.scheduler
+    events = dict(state=state, model=model, optimizer=optimizer, scheduler=scheduler)
     try:
         with bridge_env.cpu_redirects():
             state.tensorboard_logger, state.wandb_logger  # noqa: B018 -- opened where Bridge's setup() opens them
@@ -300,9 +439,12 @@ def _run(spec: RunSpec, cfg, manager, record: RankRecord) -> None:
             while state.train_state.step < cfg.train.train_iters and not should_exit:
                 iteration = state.train_state.step
                 _fire(manager, "on_train_step_start", record, f"on_train_step_start@{iteration + 1}", **events)
-                loss_dict, skipped_iter, grad_norm, num_zeros = _train_step(
-                    model, optimizer, stage, ps.is_pipeline_last_stage(), iteration, spec
-                )
+                if bridge_step is None:
+                    loss_dict, skipped_iter, grad_norm, num_zeros = _train_step(
+                        model, optimizer, stage, ps.is_pipeline_last_stage(), iteration, spec
+                    )
+                else:
+                    loss_dict, skipped_iter, grad_norm, num_zeros = bridge_step()
                 peak_before = _host_peak_gb()
                 _fire(
                     manager,

@@ -387,8 +387,11 @@ def build(spec: JobSpec) -> Job:
 class SavedTensorCount:
     """Every tensor autograd saves while installed (outermost saved-tensor hooks, around the whole
     schedule), each storage counted once while any holder of it lives, parameters' and buffers'
-    storages left out: ``peak_bytes`` is the most held at once. Independent of nemo_memlog's meter,
-    which nests inside and chains to it."""
+    storages left out: ``peak_bytes`` is the most held at once. What a recompute saves during the
+    backward (full recompute's layer forward, run again) is that backward's working set, held for
+    one layer at a time: not counted, as nemo_memlog does not count it among activations either (on a
+    GPU it is among the temporaries). Independent of nemo_memlog's meter, which nests inside each
+    chunk's forward and chains to it."""
 
     def __init__(self, model) -> None:
         from torch import nn
@@ -407,9 +410,12 @@ class SavedTensorCount:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor):
+        import torch
+
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key in self.excluded or storage.nbytes() == 0:
+        in_backward = torch._C._current_graph_task_id() != -1  # a recompute: its working set, not retained
+        if key in self.excluded or storage.nbytes() == 0 or in_backward:
             return (tensor.detach(), None)
         entry = self.refs.setdefault(key, [0, storage.nbytes()])
         if entry[0] == 0:
