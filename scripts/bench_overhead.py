@@ -89,6 +89,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.activations import activations_markdown, activations_part  # noqa: E402
+from bench.megatron import megatron_markdown, megatron_part  # noqa: E402
 from bench.composition import composition_markdown, composition_part  # noqa: E402
 from bench.cuda import cuda_markdown, cuda_part  # noqa: E402
 from bench.flight_recorder import recorder_markdown, recorder_part  # noqa: E402
@@ -126,6 +127,9 @@ def arguments(argv) -> argparse.Namespace:
         "--activation-reps", type=int, default=None, help="the demo model's repetitions (default: 20); 0 skips part 9"
     )
     parser.add_argument("--activations-only", action="store_true", help="run part 9 (the activation meter) alone")
+    parser.add_argument(
+        "--megatron-only", action="store_true", help="run part 10 (the meter on megatron-core's GPTModel) alone"
+    )
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
     args.backends = tuple((args.backends or ("tensorboard" if args.smoke else ",".join(BACKENDS))).split(","))
@@ -176,6 +180,10 @@ def main(argv=None) -> int:
     args = arguments(argv)
     smoke = args.smoke
     command = "python scripts/bench_overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.megatron_only:
+        part = megatron_part(2 if args.smoke else 10, quick=args.smoke)
+        print("\n".join(megatron_markdown(part)))
+        return 0
     if args.activations_only:
         meter = activations(args)
         print(f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}. Command: `{command.strip()}`.")
@@ -209,9 +217,10 @@ def main(argv=None) -> int:
     limit = host_limit_part(200 if smoke else 3000)
     parts = composition_part(20 if smoke else 1000)
     meter = activations(args)
+    on_megatron = megatron_part(2 if smoke else 10, quick=smoke)
     lines = header(wake, command.strip()) + pp_markdown(rows) + non_logging_markdown(non_log)
     lines += writer_markdown(writer) + memory_markdown(memory) + recorder_markdown(rec) + host_limit_markdown(limit)
-    lines += composition_markdown(parts) + activations_markdown(meter)
+    lines += composition_markdown(parts) + activations_markdown(meter) + megatron_markdown(on_megatron)
     print("\n".join(lines))
     print("\n" + "\n".join(cuda_markdown(cuda)))
     if args.json:
@@ -228,6 +237,7 @@ def main(argv=None) -> int:
                     "host_limit": limit,
                     "composition": parts,
                     "activations": meter,
+                    "megatron": on_megatron,
                 },
                 out,
                 indent=1,

@@ -37,6 +37,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -375,7 +376,7 @@ def train(cfg: DemoConfig, argv: list[str]) -> int:
     """One torchrun process: join the pipeline, train, log every iteration, report at the end.
     Its exit code: 2 when rank 0 could not claim the run folder."""
     # Imported here, not at the top: the launching process has no use for its ~7 s import.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex")
+    quiet_megatron()
     from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
@@ -416,6 +417,23 @@ def _with_claimed_run_dir(cfg: DemoConfig, argv: list[str]) -> DemoConfig | None
     if kind == "refused":
         return None
     return load_config([*argv, f"run.name={value}"])
+
+
+#: megatron-core's notes that say nothing about this run, repeated by every rank: what it falls back
+#: to without Transformer Engine and Apex, GPTModel's pointer to its successor, experimental classes
+#: it imports, and a deprecated default of its TransformerConfig.
+MEGATRON_NOISE = (
+    "Transformer Engine and Apex",
+    "Apex is not installed",
+    "full scope is deprecated",
+    "MimoModelConfig is experimental",
+)
+
+
+def quiet_megatron() -> None:
+    for message in MEGATRON_NOISE:
+        warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)  # "GPTModel IS DEPRECATED"
 
 
 def stage_device() -> torch.device:

@@ -68,7 +68,7 @@ class DemoJob(Job):
         iterators = [self.data(i) for i in range(spec.chunks)]
         with cpu_stand_ins(on_cpu=self.on_cpu), around():
             losses = self.forward_backward(
-                forward_step_func=megatron_cpu._forward_step,
+                forward_step_func=forward_step,
                 data_iterator=iterators if spec.vpp else iterators[0],
                 model=self.model if spec.vpp else self.model[0],
                 num_microbatches=spec.microbatches,
@@ -96,6 +96,20 @@ class DemoJob(Job):
             "optimizer": self.optimizer.state_dict(),
             "iteration": self.iteration,
         }
+
+
+def forward_step(data_iterator, model):
+    """Megatron's forward step: the chunk's output, and a loss function for the last stage."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    mask = batch["loss_mask"]
+
+    def loss_func(output_tensor):
+        loss = (output_tensor.float() * mask).sum() / mask.sum()
+        # A copy: the schedule divides the loss it is handed by the microbatch count in place.
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
 
 
 def build_job(spec: JobSpec, device: torch.device) -> DemoJob:

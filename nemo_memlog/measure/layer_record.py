@@ -20,8 +20,9 @@ then a rename) at each logging step whose activations were measured (measure/act
 GB are 1e9 bytes. ``layers`` lists the stage's layers in forward order, chunk by chunk, then one
 "other" entry: what no layer owns (a final norm, the loss, a flat buffer's padding is in neither:
 the stage's figures count storages whole). A layer's activations are the bytes first saved while
-it was the innermost layer running, per microbatch it ran in; its input is its first tensor
-argument's storage, what full recompute keeps of it.
+it was the innermost layer running, per microbatch it ran in; its input is the storages of its tensor
+arguments, positional or keyword (hidden states, masks, rotary embeddings), what full recompute keeps
+of it, a storage several layers take (a mask) counted once, at the first.
 """
 
 from __future__ import annotations

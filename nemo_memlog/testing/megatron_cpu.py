@@ -323,7 +323,7 @@ def _forward_step(data_iterator, model):
 
     def loss_func(output_tensor):
         loss = (output_tensor.float() * mask).sum() / mask.sum()
-        return loss, {"lm loss": loss.detach()}
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides the loss in place
 
     return output, loss_func
 
