@@ -1,5 +1,6 @@
 """End to end: ``python scripts/demo.py ...`` run exactly as a user would (it re-launches
-itself under torchrun, 4 gloo processes, PP 4), then its TensorBoard events read back; then
+itself under torchrun, 4 gloo processes, PP 4: megatron-core's GPTModel, DDP, optimizer and
+1F1B schedule through megatron_cpu's stand-ins), then its TensorBoard events read back; then
 a second run in a row, its closing lines' commands run as printed and ``nemo-memlog report``.
 
 Smaller than the default job so it takes seconds, not a minute, with interval peaks
@@ -135,6 +136,37 @@ def test_the_demo_passes_its_model_and_the_report_draws_each_stages_composition(
     assert main(["report", str(run), "--png", str(tmp_path / "r.png")]) == 0
     assert f"what each stage's memory is made of: {tmp_path / 'r_composition.png'}" in capsys.readouterr().out
     assert (tmp_path / "r_composition.png").stat().st_size > 10_000
+
+
+def test_megatrons_stack_trains_through_the_named_stand_ins(demo):
+    """The stand-ins are named once, at start; the job's facts (for advise) are Megatron's 1F1B job's."""
+    from nemo_memlog.measure import layer_record
+    from nemo_memlog.testing import megatron_cpu
+
+    result, run, _ = demo
+    assert result.stdout.count(f"demo.py: {megatron_cpu.summary()}") == 1
+    assert "PP 4, 1F1B" in result.stderr  # the progress bar
+    for rank in range(STAGES):  # the per-layer record advise reads, with the facts the demo states
+        record = layer_record.read_rank(str(run / "memory_records"), rank)
+        assert record["run"]["schedule"] == "1f1b" and record["run"]["micro_batch_size"] == 32, rank
+        assert record["run"]["distributed_optimizer"] is False and record["layers"], rank
+
+
+def test_the_interleaved_schedule_runs_with_parallel_vpp(tmp_path):
+    result = run_demo(
+        f"run.root={tmp_path}",
+        "parallel.vpp=2",
+        "train.iters=2",
+        "train.micro_batch_size=8",
+        "train.seq_len=32",
+        "train.save_every=0",
+        "logger.wandb_project=null",
+        "logger.mlflow_experiment=null",
+        "logger.comet_project=null",
+    )
+    assert result.returncode == 0, f"demo failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert "PP 4, interleaved, VPP 2" in result.stderr
+    assert "Peak host RSS per pipeline stage at iteration 2" in result.stdout
 
 
 def test_loss_falls_below_chance(demo):
@@ -369,6 +401,9 @@ def test_run_folders_are_claimed_once_and_overwrite_starts_again(demo_script, tm
         (["trian.iters=1"], "no section 'trian' (did you mean 'train'?)"),
         (["logger.tensorboard_log_intervall=2"], "(did you mean 'tensorboard_log_interval'?)"),
         (["parallel.pp=3"], "choose parallel.pp among 1, 2, 4, or start the demo on N processes yourself"),
+        (["parallel.vpp=4"], "parallel.vpp (4) must divide model.layers_per_stage (2)"),
+        (["parallel.vpp=2", "train.micro_batches=6"], "train.micro_batches (6) to be a multiple of parallel.pp (4)"),
+        (["parallel.vpp=2", "parallel.pp=1"], "needs parallel.pp >= 2"),
     ],
 )
 def test_bad_overrides_name_the_valid_keys(demo_script, argv, message):

@@ -74,7 +74,9 @@ def test_activations_and_in_flight_on_megatrons_schedule_match_the_counts_made_a
         assert stages[0]["activations_gb"] > stages[max(stages)]["activations_gb"]  # the peak lives on stage 0
 
 
-@pytest.mark.parametrize("scenario", ["base", "distributed_optimizer=true", "PP 2 x TP 2", "interleaved, 2 microbatches"])
+@pytest.mark.parametrize(
+    "scenario", ["base", "distributed_optimizer=true", "PP 2 x TP 2", "interleaved, 2 microbatches"]
+)
 def test_the_model_state_is_megatrons_buffers_and_adams_state_to_the_byte(megatron, scenario):
     _, ranks = megatron[scenario]
     for rank in ranks:

@@ -20,157 +20,12 @@ that the tests hold the product's activation figures against.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import sys
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
-#: Each stand-in and why it exists (the demo names them in one line at start).
-STAND_INS = {
-    "current_device": "torch.cuda.current_device() is 'cpu' (Megatron uses it as a tensor's device)",
-    "cuda_tensors": (
-        "tensors made with device='cuda' (torch.zeros/empty/tensor/ones/full/arange) go to the CPU, as seen from "
-        "Megatron's schedules, p2p, utils, optimizer and distributed modules"
-    ),
-    "autocast": "the schedule's torch.autocast('cuda', ...) is a null context",
-    "synchronize": "torch.cuda.synchronize() does nothing (nothing to wait for)",
-    "current_stream": (
-        "torch.cuda.current_stream() is a stream whose waits do nothing (the DDP grad sync waits on it; "
-        "CPU work is in order)"
-    ),
-    "rng_tracker": (
-        "tensor_parallel.random: the CUDA RNG tracker's fork is a null context, the CUDA RNG state is the "
-        "CPU's and setting it does nothing (full recompute saves and restores it)"
-    ),
-    "tensor_type": "Tensor.type() with no argument names a CPU tensor by its torch.cuda.* twin (the optimizers check it)",
-    "clip_grad": "OptimizerConfig(clip_grad=0.0): Megatron's clipping asserts CUDA gradients",
-}
+from .megatron_stand_ins import STAND_INS, StandInError, cpu_stand_ins, summary
 
-#: The modules whose name ``torch`` is replaced (see STAND_INS["cuda_tensors"]); packages include their modules.
-REDIRECTED = (
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.pipeline_parallel.p2p_communication",
-    "megatron.core.utils",
-    "megatron.core.optimizer",
-    "megatron.core.distributed",
-    "megatron.core.tensor_parallel.random",
-)
-_MAKERS = ("zeros", "empty", "tensor", "ones", "full", "arange")
-
-
-class StandInError(RuntimeError):
-    """This megatron-core lacks a place a stand-in needs: the message names it."""
-
-
-def summary() -> str:
-    """The stand-ins in one line."""
-    return "megatron-core on CPU, with stand-ins for its GPU assumptions: " + "; ".join(STAND_INS.values())
-
-
-def _cpu_device(device):
-    return "cpu" if device is not None and str(device).startswith("cuda") else device
-
-
-def _cpu_torch():
-    import torch
-
-    def maker(name):
-        real = getattr(torch, name)
-
-        def made(*args, device=None, **kwargs):
-            return real(*args, device=_cpu_device(device), **kwargs)
-
-        return made
-
-    stream = types.SimpleNamespace(
-        wait_event=lambda event: None, wait_stream=lambda other: None, synchronize=lambda: None
-    )
-    cuda = types.SimpleNamespace(
-        current_device=lambda: "cpu", synchronize=lambda device=None: None, current_stream=lambda device=None: stream
-    )
-
-    class CpuCuda(types.ModuleType):
-        def __getattr__(self, name):
-            return getattr(cuda, name) if hasattr(cuda, name) else getattr(torch.cuda, name)
-
-    def autocast(device_type, *args, **kwargs):
-        if str(device_type).startswith("cuda"):
-            return contextlib.nullcontext()
-        return torch.autocast(device_type, *args, **kwargs)
-
-    class CpuTorch(types.ModuleType):
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-    replacement = CpuTorch("torch")
-    replacement.cuda = CpuCuda("torch.cuda")
-    replacement.autocast = autocast
-    for name in _MAKERS:
-        setattr(replacement, name, maker(name))
-    return replacement
-
-
-def _modules(prefixes) -> list:
-    """Every loaded module at or under each prefix that has the name ``torch``; each prefix must exist."""
-    found = []
-    for prefix in prefixes:
-        try:
-            importlib.import_module(prefix)
-        except ImportError as error:
-            raise StandInError(f"megatron-core has no module {prefix} ({error}): the CPU stand-ins need it") from None
-        for name, module in list(sys.modules.items()):
-            if (name == prefix or name.startswith(prefix + ".")) and getattr(module, "torch", None) is not None:
-                found.append(module)
-    return found
-
-
-def _need(module, name: str):
-    if not hasattr(module, name):
-        raise StandInError(f"{module.__name__} has no {name}: the CPU stand-ins need it (megatron-core moved it?)")
-    return getattr(module, name)
-
-
-@contextlib.contextmanager
-def cpu_stand_ins(on_cpu: bool = True):
-    """Within the block, Megatron's GPU assumptions point at the CPU (STAND_INS). Restores all on exit."""
-    if not on_cpu:
-        yield
-        return
-    import torch
-
-    import megatron.core.tensor_parallel.random as rng
-
-    _need(rng, "get_cuda_rng_tracker")
-    for name in ("_set_cuda_rng_state",):
-        _need(rng, name)
-    undo: list = []
-
-    def swap(owner, name, value):
-        undo.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, value)
-
-    replacement = _cpu_torch()
-    for module in _modules(REDIRECTED):
-        swap(module, "torch", replacement)
-    tracker_class = type(rng.get_cuda_rng_tracker())
-    swap(tracker_class, "fork", lambda self, name=None: contextlib.nullcontext())
-    swap(rng, "_set_cuda_rng_state", lambda *args, **kwargs: None)
-    if hasattr(rng, "_get_cuda_rng_state"):
-        swap(rng, "_get_cuda_rng_state", lambda *args, **kwargs: torch.get_rng_state())
-    real_type = torch.Tensor.type
-
-    def tensor_type(self, dtype=None, non_blocking=False, **kwargs):
-        if dtype is None and not kwargs and self.device.type == "cpu":
-            return real_type(self).replace("torch.", "torch.cuda.", 1)
-        return real_type(self, dtype, non_blocking, **kwargs)
-
-    swap(torch.Tensor, "type", tensor_type)
-    try:
-        yield
-    finally:
-        for owner, name, value in reversed(undo):
-            setattr(owner, name, value)
+__all__ = ["STAND_INS", "StandInError", "cpu_stand_ins", "summary"]
 
 
 # ---- one job --------------------------------------------------------------------------------
@@ -195,6 +50,11 @@ class JobSpec:
     distributed_optimizer: bool = False
     recompute: str | None = None  # "full" (uniform, 1 layer) or "selective"
     seed: int = 1234
+    device: str = "cpu"  # "cuda": on this rank's current GPU, as Megatron runs there, no stand-in
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
 
     @property
     def chunks(self) -> int:
@@ -242,7 +102,7 @@ def transformer_config(spec: JobSpec):
         num_layers=spec.layers,
         hidden_size=spec.hidden,
         num_attention_heads=spec.heads,
-        use_cpu_initialization=True,
+        use_cpu_initialization=spec.on_cpu,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
         hidden_dropout=0.0,
@@ -279,7 +139,7 @@ class Job:
         generator = torch.Generator().manual_seed(spec.seed + self.iteration)
         for _ in range(spec.microbatches):
             tokens = torch.randint(0, spec.vocab, (spec.micro_batch_size, spec.seq), generator=generator)
-            yield {
+            batch = {
                 "tokens": tokens,
                 "labels": torch.roll(tokens, -1, dims=1),
                 "position_ids": torch.arange(spec.seq).unsqueeze(0).expand(spec.micro_batch_size, -1),
@@ -287,6 +147,7 @@ class Job:
                 # Megatron's convention: True where attention is masked out (causal)
                 "attention_mask": torch.triu(torch.ones(spec.seq, spec.seq, dtype=torch.bool), diagonal=1)[None, None],
             }
+            yield {name: tensor.to(spec.device) for name, tensor in batch.items()}
 
     def train_iteration(self, around=contextlib.nullcontext) -> float | None:
         """One iteration of Megatron's schedule and optimizer step; ``around()``: a context the schedule
@@ -296,9 +157,9 @@ class Job:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         iterators = [self.data(i) for i in range(spec.chunks)]
-        with cpu_stand_ins(), around():
+        with cpu_stand_ins(spec.on_cpu), around():
             losses = self.forward_backward(
-                forward_step_func=_forward_step,
+                forward_step_func=forward_step,
                 data_iterator=iterators if spec.vpp else iterators[0],
                 model=self.model if spec.vpp else self.model[0],
                 num_microbatches=spec.microbatches,
@@ -306,7 +167,7 @@ class Job:
                 micro_batch_size=spec.micro_batch_size,
                 forward_only=False,
             )
-        with cpu_stand_ins():
+        with cpu_stand_ins(spec.on_cpu):
             self.optimizer.step()
         self.iteration += 1
         if not losses:
@@ -316,7 +177,8 @@ class Job:
         return loss
 
 
-def _forward_step(data_iterator, model):
+def forward_step(data_iterator, model):
+    """Megatron's forward step contract: the model's output and the loss function over it."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     mask = batch["loss_mask"]
@@ -342,7 +204,7 @@ def build(spec: JobSpec) -> Job:
     torch.manual_seed(spec.seed)
     config = transformer_config(spec)
     chunks = []
-    with cpu_stand_ins():
+    with cpu_stand_ins(spec.on_cpu):
         for vp_stage in range(spec.chunks):
             vp = vp_stage if spec.vpp else None
             kwargs = {"vp_stage": vp} if spec.vpp else {}
@@ -371,7 +233,7 @@ def build(spec: JobSpec) -> Job:
         optimizer_config = OptimizerConfig(
             optimizer="adam",
             lr=1e-4,
-            clip_grad=0.0,
+            clip_grad=0.0 if spec.on_cpu else 1.0,  # Megatron's clipping asserts CUDA gradients
             params_dtype=torch.float32,
             use_distributed_optimizer=spec.distributed_optimizer,
         )
@@ -512,12 +374,10 @@ def logged_run(spec: JobSpec, root: str, iterations: int = 2, interval: int = 2,
         job.train_iteration(count if iteration % interval == 0 else contextlib.nullcontext)
         if iteration % interval == 0:
             counts.append(count.peak_bytes)
-        out = nemo_memlog.training_log(
-            iteration, logger, model=job.model, optimizer=job.optimizer, facts=spec.facts()
-        )
+        out = nemo_memlog.training_log(iteration, logger, model=job.model, optimizer=job.optimizer, facts=spec.facts())
         logged = out if out is not None else logged
     record_dir = os.path.join(root, "memory_records")
-    with cpu_stand_ins():
+    with cpu_stand_ins(spec.on_cpu):
         expected = expected_in_flight(spec)
     result = {
         "rank": dist.get_rank(),
