@@ -222,6 +222,11 @@ class PeakCounters:
         self.device: dict[tuple[str, ...], int] = {}
         self.host = 0
         self.warnings = WarnOnce()
+        # Whether a memory phase may reset the CUDA peak counters: only once a run of this process
+        # logs interval peaks (memory_peak_window="interval"), which resets them at every logging
+        # step anyway. Under the default "run" window the counters stay as every other reader of
+        # them (torch.cuda.max_memory_allocated, Lightning's DeviceStatsMonitor) expects.
+        self.device_resets = False
 
     def clear(self) -> None:
         self.pid = os.getpid()
@@ -237,13 +242,15 @@ peak_counters = PeakCounters()
 def fold_peaks() -> tuple[dict, int]:
     """Read every peak counter now, keep each in ``peak_counters`` (max), and reset the counters, so that
     from now on they measure a new span (a memory phase) while report_memory still reports the
-    window's peak. Returns (the device peaks read, by path; {} without CUDA in use, the host peak
-    read in bytes). Never creates a CUDA context; no collective."""
+    window's peak. Returns (the device peaks read, by path; {} without CUDA in use, or while no run
+    of this process logs interval peaks: the CUDA counters are then left alone, see
+    PeakCounters.device_resets; the host peak read in bytes). Never creates a CUDA context; no
+    collective."""
     kept = peak_counters
     if kept.pid != os.getpid():
         kept.clear()
     device_peaks = {}
-    device, stats = allocator_stats()
+    device, stats = allocator_stats() if kept.device_resets else (None, {})
     if device is not None:
         for kind, pools in stats.items():
             if isinstance(pools, dict) and isinstance(pools.get("all"), dict) and "peak" in pools["all"]:

@@ -77,6 +77,8 @@ class MemoryMonitor:
         run_config: Any = None,
     ) -> None:
         self.settings = resolve(config)  # raises, naming the field and what to change
+        if self.settings.interval_peaks:  # the process's CUDA peak counters are ours to reset
+            memory.peak_counters.device_resets = True
         self.config = config if run_config is None else run_config  # recorded by the writers as the run config
         # The gate, read on every rank at every iteration: two attribute reads.
         self.enabled = bool(self.settings.log_memory_to_tensorboard)

@@ -6,15 +6,18 @@
 - resolution.py: ``resolve`` (any config -> one Settings, checked once) and what the writers
   record of a run's config;
 - overrides.py: ``from_overrides``, a LoggerConfig from dotted command-line overrides;
+- facts.py: the rules of the run's facts (``training_log(..., facts=...)``), checked once;
 - secrets.py: the secrets in a config: one walk that redacts them and collects them, and scrubbing.
 
 Every name the package, its scripts and tests import from ``nemo_memlog.config`` is here.
 """
 
+from .facts import checked_facts
 from .overrides import EXPECTED_FORM, from_overrides
 from .resolution import checked_settings, from_plain, recorded, resolve, resolve_fields
 from .schema import (
     FIELDS,
+    FrozenMap,
     LoggerConfig,
     Settings,
     check_logger_fields,
@@ -23,7 +26,7 @@ from .schema import (
     memory_record_dir,
     setting,
 )
-from .secrets import REDACTED, SECRET_NAME, flat_params, redact, scrubbed, secrets_of
+from .secrets import REDACTED, SECRET_NAME, flat_params, redact, redact_uri, scrubbed, secrets_of
 from .validation import PEAK_WINDOWS, RECORD_OFF, REDUCE_BACKENDS, REDUCE_EXCHANGES, WRITER_MODES, did_you_mean
 
 __all__ = [
@@ -37,8 +40,10 @@ __all__ = [
     "SECRET_NAME",
     "WRITER_MODES",
     "LoggerConfig",
+    "FrozenMap",
     "Settings",
     "check_logger_fields",
+    "checked_facts",
     "checked_settings",
     "default_of",
     "did_you_mean",
@@ -49,6 +54,7 @@ __all__ = [
     "memory_record_dir",
     "recorded",
     "redact",
+    "redact_uri",
     "resolve",
     "resolve_fields",
     "scrubbed",

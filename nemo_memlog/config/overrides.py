@@ -2,6 +2,7 @@
 line (read with OmegaConf, imported only when called)."""
 
 from .schema import FIELDS, LoggerConfig
+from .secrets import REDACTED, SECRET_NAME, redact_uri, scrubbed, uri_credentials
 from .validation import did_you_mean
 
 EXPECTED_FORM = "expected logger.key=value, e.g. logger.log_memory_to_tensorboard=true"
@@ -43,4 +44,23 @@ def from_overrides(overrides: list[str], base: LoggerConfig | None = None) -> Lo
         return OmegaConf.to_object(merged)  # type: ignore[return-value]  # a LoggerConfig: the schema's class
     except OmegaConfBaseException as error:
         known = ", ".join(FIELDS)
-        raise ValueError(f"bad logger override in {overrides!r}: {error.msg}\nKnown logger fields: {known}") from None
+        secrets = _secrets(overrides)  # no message carries a secret's value
+        shown = [_shown(item) for item in overrides]
+        raise ValueError(
+            scrubbed(f"bad logger override in {shown!r}: {error.msg}\nKnown logger fields: {known}", secrets)
+        ) from None
+
+
+def _secrets(overrides: list[str]) -> list[str]:
+    """The secret values among ``overrides``: a secret-named key's value, a URI's credentials."""
+    found = []
+    for item in overrides:
+        key, _, value = item.partition("=")
+        found += [value] if SECRET_NAME.search(key) and value else uri_credentials(value)
+    return found
+
+
+def _shown(item: str) -> str:
+    """``item`` as an error message may show it: a secret-named key's value, a URI's password hidden."""
+    key, _, value = item.partition("=")
+    return f"{key}={REDACTED}" if SECRET_NAME.search(key) and value else f"{key}={redact_uri(value)}"

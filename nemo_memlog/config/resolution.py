@@ -7,7 +7,7 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
-from .schema import FIELDS, RULES, LoggerConfig, Settings, check_logger_fields, default_of, logger_section, setting
+from .schema import FIELDS, RULES, FrozenMap, LoggerConfig, Settings, check_logger_fields, default_of, logger_section, setting
 from .secrets import flattened, redact
 
 
@@ -43,9 +43,9 @@ def from_plain(fields: dict[str, Any]) -> Settings:
 def _copied(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if hasattr(value, "items"):
-        return {str(k): _copied(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
+    if hasattr(value, "items"):  # read-only and hashable: Settings are frozen all the way down
+        return FrozenMap({str(k): _copied(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and not isinstance(value, (bytes, str))):
         return tuple(_copied(v) for v in value)
     return value
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..measure.composition import DERIVED, NAMES
+from .secrets import redact_uri
 from .validation import RECORD_OFF, FieldRules
 
 
@@ -209,7 +210,8 @@ class Settings(LoggerConfig):
         return hash(tuple(getattr(self, name) for name in FIELDS))
 
     def __repr__(self) -> str:
-        shown = ", ".join(f"{name}={getattr(self, name)!r}" for name, spec in FIELDS.items() if spec.repr)
+        # A URI's user:password is not shown (secrets.redact_uri).
+        shown = ", ".join(f"{name}={redact_uri(getattr(self, name))!r}" for name, spec in FIELDS.items() if spec.repr)
         return f"Settings({shown})"
 
     @property
@@ -230,6 +232,35 @@ class Settings(LoggerConfig):
         """Every field as plain dicts, lists and scalars (for the writer process's wire
         format). Secrets are kept: this never goes into a record."""
         return {name: plain(getattr(self, name)) for name in FIELDS}
+
+
+class FrozenMap(dict):
+    """A read-only, hashable dict: a Settings' mappings (``memory_keys``, ``mlflow_tags``). Reads as
+    a dict (``json.dumps``, ``isinstance(x, dict)``, ``**x``); every mutator raises TypeError;
+    hashes over its sorted items; pickles and copies as itself."""
+
+    __slots__ = ()
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("a Settings mapping is read-only: build a new config to change it")
+
+    __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
+    clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(tuple(sorted(self.items())))
+
+    def __reduce__(self):
+        return (type(self), (dict(self),))
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({dict.__repr__(self)})"
 
 
 def plain(value: Any) -> Any:

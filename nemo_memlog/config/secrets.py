@@ -8,6 +8,29 @@ from typing import Any
 
 SECRET_NAME = re.compile(r"api[_-]?key|token|password|passwd|secret|credential|auth", re.IGNORECASE)
 REDACTED = "***redacted***"
+#: A URI's credentials: ``scheme://user:password@`` (the password: group 2; user and password: group 1).
+_URI_CREDENTIALS = re.compile(r"(?<=://)(([^/?#@:\s]*):([^/?#@\s]*))@")
+#: What replaces a URI's password: ``http://alice:***@host``.
+URI_PASSWORD = "***"
+
+
+def uri_credentials(value: Any) -> list[str]:
+    """The credentials in a URI-valued string (``"user:password"`` and ``"password"``), or []."""
+    if not isinstance(value, str) or "://" not in value:
+        return []
+    found = []
+    for match in _URI_CREDENTIALS.finditer(value):
+        password = match.group(3)
+        if password and password != URI_PASSWORD:
+            found += [match.group(1), password]
+    return found
+
+
+def redact_uri(value: Any) -> Any:
+    """``value`` with any URI's password replaced by ``***`` (``http://alice:***@host``); else as is."""
+    if not isinstance(value, str) or "://" not in value:
+        return value
+    return _URI_CREDENTIALS.sub(lambda m: f"{m.group(2)}:{URI_PASSWORD}@" if m.group(3) else m.group(0), value)
 
 
 def redact(config: Any) -> tuple[Any, list[str]]:
@@ -16,7 +39,9 @@ def redact(config: Any) -> tuple[Any, list[str]]:
 
     The copy is plain dicts, lists and scalars: a dataclass or an object with attributes becomes
     the dict of its fields, anything else unknown its ``str``. A secret is a non-empty value
-    under a secret-looking name (``SECRET_NAME``); strings within such a value are secrets too."""
+    under a secret-looking name (``SECRET_NAME``); strings within such a value are secrets too. A
+    URI's ``user:password`` (``http://alice:pw@host``, any field) is recorded as ``alice:***`` and
+    its password is a secret."""
     found: list[str] = []
 
     def secrets_in(value) -> None:  # a secret-named value: every string in it
@@ -43,7 +68,11 @@ def redact(config: Any) -> tuple[Any, list[str]]:
             return {str(k): walk(v, str(k)) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
             return [walk(v) for v in value]
-        if value is None or isinstance(value, (bool, int, float, str)):
+        if isinstance(value, str):
+            credentials = uri_credentials(value)
+            found.extend(credentials)
+            return redact_uri(value) if credentials else value
+        if value is None or isinstance(value, (bool, int, float)):
             return value
         if hasattr(value, "__dict__"):
             return {k: walk(v, k) for k, v in vars(value).items() if not k.startswith("_")}
@@ -80,6 +109,6 @@ def secrets_of(config: Any) -> list[str]:
 def scrubbed(value: Any, secrets: list[str]) -> Any:
     """``value`` with every secret string in it replaced by REDACTED (non-strings unchanged)."""
     if isinstance(value, str):
-        for secret in filter(None, secrets):
+        for secret in sorted(filter(None, secrets), key=len, reverse=True):  # "user:pw" before "pw"
             value = value.replace(secret, REDACTED)
     return value

@@ -10,6 +10,7 @@ names: LoggerConfig, which checks itself when it is built, imports it, not the o
 import collections.abc
 import dataclasses
 import difflib
+import math
 import os
 import typing
 from collections.abc import Callable, Iterable
@@ -70,6 +71,20 @@ def _is_list_of_str(value) -> bool:
     return sequence and all(isinstance(item, str) for item in value)
 
 
+#: The longest wait a ``*_s`` setting may ask for: a year. Past about 9.2e9 s Python's own waits
+#: (threading, sockets) raise OverflowError; infinity, NaN and negative waits are refused too.
+MAX_SECONDS = 365 * 24 * 3600
+
+
+def _seconds(value, *, zero: bool = False) -> bool:
+    """A finite number of seconds, > 0 (``zero``: >= 0), at most MAX_SECONDS."""
+    try:
+        finite = math.isfinite(value)
+    except (OverflowError, TypeError):  # an int too large for a float
+        return False
+    return finite and (value >= 0 if zero else value > 0) and value <= MAX_SECONDS
+
+
 #: Fields whose values are further limited (given a value of the right type).
 VALUE_RULES: dict[str, Callable[[Any], bool]] = {
     "tensorboard_log_interval": lambda v: v >= 1,
@@ -80,13 +95,15 @@ VALUE_RULES: dict[str, Callable[[Any], bool]] = {
     "memory_peak_window": lambda v: v in PEAK_WINDOWS,
     "writer_mode": lambda v: v in WRITER_MODES,
     "memory_headroom_warn_fraction": lambda v: 0 <= v < 1,
-    "memory_reduce_timeout_s": lambda v: v > 0,
-    "writer_close_timeout_s": lambda v: v > 0,
+    "memory_reduce_timeout_s": _seconds,
+    "writer_close_timeout_s": _seconds,
     "memory_record_dir": lambda v: v is None or bool(os.fspath(v)),
 }
 
 _PATH = "a path string or None"
-_SECONDS = "a positive number of seconds"
+_SECONDS = f"a positive, finite number of seconds, at most {MAX_SECONDS} (a year)"
+#: Any other ``*_s`` field (one without a rule of its own): a finite number of seconds, 0 allowed.
+_SECONDS_OR_ZERO = f"a finite number of seconds >= 0, at most {MAX_SECONDS} (a year)"
 #: What to write, where the field's type alone does not say it.
 _TAKES = {
     "tensorboard_log_interval": "an int >= 1 (memory is logged when iteration % interval == 0)",
@@ -121,6 +138,10 @@ class FieldRules:
         self.fields = {f.name: f for f in fields}
         #: Per field: (accepts its type, what to write): one place, one rule per type.
         self.types = {name: type_rule(spec.type) for name, spec in self.fields.items()}
+        #: The ``*_s`` number fields without a value rule of their own (their rule: _SECONDS_OR_ZERO).
+        self.seconds = [
+            name for name, (_, text) in self.types.items() if name.endswith("_s") and "number" in text and name not in VALUE_RULES
+        ]
 
     def default(self, name: str) -> Any:
         spec = self.fields[name]
@@ -148,13 +169,19 @@ class FieldRules:
             value = self.read(logger, name)
             if not valid(value):
                 raise self._refused(name, value)
+        for name in self.seconds:  # every other number of seconds: finite, never negative
+            value = self.read(logger, name)
+            if value is not None and not _seconds(value, zero=True):
+                raise self._refused(name, value, _SECONDS_OR_ZERO)
         if self.read(logger, "mlflow_experiment") and not self.read(logger, "mlflow_run_name"):
             raise ValueError("logger.mlflow_experiment is set but logger.mlflow_run_name is not: set both")
 
-    def _refused(self, name: str, value) -> ValueError:
+    def _refused(self, name: str, value, takes: str = "") -> ValueError:
         """The one message for a setting that cannot work: the field, what to write, and what was
         given (a secret's value is not shown)."""
-        takes = _TAKES.get(name) or self.types[name][1]
+        takes = takes or _TAKES.get(name) or self.types[name][1]
         kind = type(value).__name__
-        given = f"a value of type {kind}" if SECRET_NAME.search(name) else f"{value!r} ({kind})"
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
+        given = f"a value of type {kind}" if SECRET_NAME.search(name) else f"{shown} ({kind})"
         return ValueError(f"logger.{name} must be {takes}; got {given}")

@@ -137,6 +137,8 @@ def parse(body: bytes) -> dict:
         obj = json.loads(body)
     except ValueError as error:
         raise RecordError(f"slot holds invalid JSON ({error})") from None
+    except RecursionError:  # a nesting depth bomb
+        raise RecordError("slot holds JSON nested too deep") from None
     if not isinstance(obj, dict):
         raise RecordError("slot does not hold a JSON object")
     return obj

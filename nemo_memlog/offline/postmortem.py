@@ -37,6 +37,7 @@ died left no record) do they stay candidates.
 
 from __future__ import annotations
 
+import bisect
 import re
 import time
 from pathlib import Path
@@ -72,12 +73,20 @@ def analyse(run_dir: str | Path, run_id: str | None = None, clock_skew_s: float 
     readable, unreadable = _read_all(run_dir)
     chosen, ignored = _choose_run(readable, run_id, run_dir)
     files, duplicates = _one_per_rank(chosen)
-    states = [_state(file) for file in files]
+    states = []
+    for file in files:
+        try:
+            states.append(_state(file))
+        except Exception as error:  # a record of a shape nothing expected: this rank, not the report
+            unreadable.append((file.path, file.header["rank"], f"{type(error).__name__}: {error}"))
+    if not states:
+        reasons = "; ".join(f"{path}: {why}" for path, _, why in unreadable[:5])
+        raise PostmortemError(f"{run_dir}: no record file readable ({reasons})")
     _host_evidence(states)
     failures = sorted((s for s in states if s.failed), key=_failure_order)
     failures, victims = _consequences(states, failures, clock_skew_s)
     first = failures[0] if failures else None
-    world = max(int(s.header.get("world_size") or 0) for s in states)
+    world = max(s.header.get("world_size") or 0 for s in states)  # each checked by rank_files
     seen = {s.rank for s in states}
     missing = [rank for rank in range(world) if rank not in seen]
     postmortem = Postmortem(
@@ -138,7 +147,7 @@ def _read_all(run_dir: Path) -> tuple[list[RankFile], list[tuple[Path, int | Non
     for path in paths:
         try:
             readable.append(read_rank_file(path))
-        except (records.RecordError, OSError, ValueError, TypeError) as error:
+        except (OSError, ValueError, TypeError) as error:  # RecordError and bounded.Refused are ValueErrors
             match = _RANK_IN_NAME.search(path.name)
             unreadable.append((path, int(match.group(1)) if match else None, str(error)))
     if not readable:
@@ -218,27 +227,22 @@ def _host_evidence(states: list[RankState]) -> None:
     (vmstat: the host's; cgroup: the job's) that a rank on the same host saw higher after this
     rank's last beat (in a later beat, or in its end record), MemAvailable under
     LOW_AVAILABLE_FRACTION of the RAM at its last beat, and its memory cgroup at
-    NEAR_LIMIT_FRACTION of its limit or more then."""
-    by_host: dict[str, list[RankState]] = {}
-    for state in states:
-        by_host.setdefault(state.host, []).append(state)
+    NEAR_LIMIT_FRACTION of its limit or more then. Linear in ranks (with a sort per host): an
+    unfinished rank's own sightings are never after its last beat, so every sighting on its host
+    after that beat is a mate's."""
+    later_max = _later_maxima(states)
     for state in states:
         if state.status != "unfinished":
             continue
         own = state.file.liveness or {}
         for key, label in (("vmstat_oom_kill", "vmstat oom_kill"), ("cgroup_oom_kill", "cgroup oom_kill")):
             before = own.get(key)
-            later = [
-                seen.get(key)
-                for mate in by_host[state.host]
-                if mate is not state
-                for seen, when in _sightings(mate)
-                if isinstance(when, (int, float)) and when > (state.last_alive or 0)
-            ]
-            later = [v for v in later if isinstance(v, int)]
-            if isinstance(before, int) and later and max(later) > before:
+            if not isinstance(before, int) or isinstance(before, bool):
+                continue
+            later = later_max(state.host, key, state.last_alive or 0)
+            if later is not None and later > before:
                 state.host_oom_kill_evidence.append(
-                    f"{state.host}'s {label} counter went up after its last beat ({before} -> {max(later)})"
+                    f"{state.host}'s {label} counter went up after its last beat ({before} -> {later})"
                 )
         available, total = state.live("host_available_gb"), state.value("host_total_gb")
         if available is not None and total and available < LOW_AVAILABLE_FRACTION * total:
@@ -250,6 +254,36 @@ def _host_evidence(states: list[RankState]) -> None:
             state.host_oom_kill_evidence.append(
                 f"its memory cgroup was at {used:.2f} of its {limit:.2f} GB limit at its last beat"
             )
+
+
+def _later_maxima(states: list[RankState]):
+    """``later_max(host, key, after)``: the highest whole ``key`` a rank on ``host`` saw at a time after
+    ``after`` (its beats and end records), None if none: per host and key, sightings by time and the
+    maximum of each suffix, searched by bisection."""
+    seen: dict[tuple[str, str], list[tuple[float, int]]] = {}
+    for state in states:
+        for fields, when in _sightings(state):
+            if finite_number(when) is None:
+                continue
+            for key in ("vmstat_oom_kill", "cgroup_oom_kill"):
+                value = fields.get(key)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    seen.setdefault((state.host, key), []).append((when, value))
+    tables = {}
+    for where, sightings in seen.items():
+        sightings.sort()
+        suffix, best = [], None
+        for _, value in reversed(sightings):
+            best = value if best is None else max(best, value)
+            suffix.append(best)
+        tables[where] = ([when for when, _ in sightings], suffix[::-1])
+
+    def later_max(host: str, key: str, after: float) -> int | None:
+        times, suffix = tables.get((host, key), ((), ()))
+        at = bisect.bisect_right(times, after)
+        return suffix[at] if at < len(times) else None
+
+    return later_max
 
 
 def _sightings(state: RankState) -> tuple:

@@ -14,9 +14,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..failure import records
+from .bounded import read_regular
+from .tables import finite_number
 
 #: recorder.py writes ``seq`` and ``kind`` first; where they are not, the slot is parsed instead.
-_PEEK = re.compile(rb'\{"seq":(\d+),"kind":"(\w+)"')
+_PEEK = re.compile(rb'\{"seq":(\d{1,18}),"kind":"(\w{1,32})"')
+#: Bounds on what a header may say; a file outside them is unreadable, the field named. The default
+#: ring is 16 slots of 2 KB (37 KB a rank); a file is read whole, so it is capped.
+MAX_FILE_BYTES = 64 << 20
+MAX_SLOTS = 1 << 16
+MIN_SLOT_BYTES = 64
+MAX_SLOT_BYTES = 1 << 20
+MAX_RANKS = 1 << 22
+MAX_LIVENESS_PERIOD_S = 86400.0
 
 
 @dataclass(eq=False)  # identity: one object per file
@@ -65,22 +75,28 @@ def find_record_files(run_dir: str | os.PathLike[str]) -> list[Path]:
 
 def read_rank_file(path: str | Path) -> RankFile:
     """Read one rank's file with a single read and check every slot (length, checksum). Raises
-    RecordError when the header cannot be used (empty, truncated, garbage, another format or
-    version); a torn or corrupted liveness or record slot, or a truncated ring, is listed in
-    ``problems`` and the rest is kept."""
+    RecordError when the file cannot be used: not a regular file (a FIFO, a device), larger than
+    MAX_FILE_BYTES, empty, truncated (a partial copy: its newest records may be the lost part, so
+    nothing in it is trusted), or a header that is garbage, another format or version, or has a
+    field of the wrong type or out of range (the field named). A torn or corrupted liveness or
+    record slot is listed in ``problems`` and the rest is kept."""
     path = Path(path)
-    data = _read_once(path)
+    data = read_regular(path, MAX_FILE_BYTES)
     if not data:
         raise records.RecordError("empty file (0 bytes)")
     try:
         header = records.check_header(records.decode(data[: records.HEADER_BYTES]))
     except records.RecordError as error:
         raise records.RecordError(f"header: {error}") from None
-    slots, slot_bytes = int(header["slots"]), int(header["slot_bytes"])
-    problems = []
+    check_header_fields(header)
+    slots, slot_bytes = header["slots"], header["slot_bytes"]
     expected = records.file_bytes(slots, slot_bytes)
     if len(data) < expected:
-        problems.append(f"file truncated: {len(data)} of {expected} bytes")
+        raise records.RecordError(
+            f"file truncated: {len(data)} of {expected} bytes (a partial copy? its newest records may be "
+            "the part lost, so none of it is used)"
+        )
+    problems = []
     try:
         liveness = records.decode(data[records.HEADER_BYTES : records.RECORDS_AT])
     except records.RecordError as error:
@@ -90,13 +106,39 @@ def read_rank_file(path: str | Path) -> RankFile:
     return RankFile(path, header, liveness, found, problems)
 
 
-def _read_once(path: Path) -> bytes:
-    """The whole file in one read system call (a buffered read() makes two, and more for a large file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        return os.read(fd, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
+def _whole(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def check_header_fields(header: dict) -> None:
+    """Range-check the header's fields before anything uses them; RecordError naming the field."""
+
+    def bad(key: str, expected: str) -> records.RecordError:
+        shown = repr(header[key])
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        return records.RecordError(f"header field {key!r}: {shown} is not {expected}")
+
+    required = {"rank": (0, MAX_RANKS - 1), "slots": (1, MAX_SLOTS), "slot_bytes": (MIN_SLOT_BYTES, MAX_SLOT_BYTES)}
+    for key, (low, high) in required.items():
+        if not _whole(header[key], low, high):
+            raise bad(key, f"a whole number from {low} to {high}")
+    if not isinstance(header["run_id"], str) or not 0 < len(header["run_id"]) <= 256:
+        raise bad("run_id", "a text of 1 to 256 characters")
+    if header.get("world_size") is not None:
+        if not _whole(header["world_size"], 1, MAX_RANKS):
+            raise bad("world_size", f"a whole number from 1 to {MAX_RANKS}")
+        if header["rank"] >= header["world_size"]:
+            raise bad("rank", f"below the header's world_size ({header['world_size']})")
+    for key in ("pp_rank", "tp_rank", "dp_rank", "pid"):
+        if header.get(key) is not None and not _whole(header[key], 0, 1 << 31):
+            raise bad(key, "a whole number >= 0")
+    if header.get("host") is not None and not isinstance(header["host"], str):
+        raise bad("host", "a text")
+    if header.get("started") is not None and finite_number(header["started"]) is None:
+        raise bad("started", "a finite number (unix time)")
+    period = header.get("liveness_period_s")
+    if period is not None and not (finite_number(period) is not None and 0 < period <= MAX_LIVENESS_PERIOD_S):
+        raise bad("liveness_period_s", f"a number of seconds above 0, at most {MAX_LIVENESS_PERIOD_S:g}")
 
 
 def _record_slots(data: bytes, slots: int, slot_bytes: int, problems: list[str]) -> list[list]:

@@ -53,16 +53,17 @@ def _block_width(columns: list[Column]) -> int:
 def render_block(columns: list[Column]) -> list[str]:
     """Group line, header line, rule, rows. Two spaces between columns, three between groups."""
 
-    def row(texts):
-        parts = []
-        for i, (column, text) in enumerate(zip(columns, texts)):
-            if i:
-                parts.append("   " if columns[i - 1].group != column.group else "  ")
-            parts.append(text.ljust(column.width) if column.left else text.rjust(column.width))
-        return "".join(parts).rstrip()
+    widths = [column.width for column in columns]  # once: a property over every cell (linear in rows)
+    gaps = [""] + ["   " if a.group != b.group else "  " for a, b in zip(columns, columns[1:])]
+    pads = [(str.ljust if column.left else str.rjust) for column in columns]
 
-    spans = [list(span) for _, span in groupby(columns, key=lambda column: column.group)]
-    groups = "   ".join(span[0].group.center(sum(c.width for c in span) + 2 * (len(span) - 1)) for span in spans)
+    def row(texts):
+        return "".join(gap + pad(text, width) for gap, pad, width, text in zip(gaps, pads, widths, texts)).rstrip()
+
+    spans = [list(span) for _, span in groupby(range(len(columns)), key=lambda i: columns[i].group)]
+    groups = "   ".join(
+        columns[span[0]].group.center(sum(widths[i] for i in span) + 2 * (len(span) - 1)) for span in spans
+    )
     header = row([column.header for column in columns])
     return [groups.rstrip(), header, "-" * len(header), *(row(cells) for cells in zip(*(c.cells for c in columns)))]
 
