@@ -30,6 +30,7 @@ runs training_log made, and its one warning.
 
 from __future__ import annotations
 
+import numbers
 from typing import TYPE_CHECKING, Any
 
 from .config import resolve
@@ -101,15 +102,25 @@ def training_log(
     key = id(config) if writers is None else (id(config), id(writers))
     entry = _open_runs.by_object.get(key)
     if entry is None or entry.config is not config:  # the entry holds its config: an id match is that object
-        entry = _entry_for(config, writers, key, pg_collection, pp_group)
+        entry = _entry_for(config, writers, key, pg_collection, pp_group, iteration)
     # The run's gate decides (facts are read on logging iterations only); when the next iteration
     # logs, its activations are measured.
     return entry.run.on_iteration(iteration, metrics, model, optimizer, facts)
 
 
-def _entry_for(config, writers, key, pg_collection, pp_group) -> _Entry:
+def check_iteration(iteration: Any) -> None:
+    """Raise TypeError (ValueError) for an ``iteration`` that is no int (is negative): the gate takes
+    its modulo at every call, and a string or a float would gate wrongly or fail oddly there."""
+    if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral):
+        raise TypeError(f"training_log: iteration must be an int (the training iteration); got {type(iteration).__name__}")
+    if iteration < 0:
+        raise ValueError(f"training_log: iteration must be an int >= 0; got {iteration}")
+
+
+def _entry_for(config, writers, key, pg_collection, pp_group, iteration) -> _Entry:
     """The open run for ``config``'s settings and ``writers``, or a new one; seen with ``config`` from now on."""
     settings = resolve(config)  # raises, naming the field, for a config that cannot work
+    check_iteration(iteration)
     entry = _find(settings, writers)
     if entry is None:
         started = len(_open_runs.entries) + 1

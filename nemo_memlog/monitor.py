@@ -19,16 +19,17 @@ integration (integrations/bridge.py, integrations/lightning.py) holds one.
 
 from __future__ import annotations
 
+import numbers
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
 
 from . import advice, attribution, megatron, memory
-from .config import resolve, secrets_of
+from .config import checked_facts, resolve, secrets_of
 from .measure import composition, estimate, layer_record, phase
 from .measure.activations import ActivationMeter, chunks_of
 from .payload import scalar
@@ -53,6 +54,8 @@ RECORDED_STAGE_KEYS = (
     "host_total_gb",
     "host_limit_gb",
 )
+#: The settings that open a backend: with memory logging off, each is named in the one warning that says so.
+BACKEND_SETTINGS = ("tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project")
 #: The dashboard's one advice scalar: the largest micro-batch size predicted to fit on every stage.
 ADVICE_MAX_MICRO_BATCH = "memory/advice/max_micro_batch_size"
 
@@ -84,7 +87,9 @@ class MemoryMonitor:
         self.enabled = bool(self.settings.log_memory_to_tensorboard)
         self.interval = self.settings.tensorboard_log_interval
         self.record_dir = self.settings.record_dir  # absolute now, as the working directory is now; None: off
-        self.warnings = WarnOnce(secrets=secrets_of(self.settings))
+        # The run's secrets: scrubbed from its warnings, redacted from its facts.
+        self.secrets = [*secrets_of(self.settings), *filter(None, [os.environ.get("COMET_API_KEY")])]
+        self.warnings = WarnOnce(secrets=self.secrets)
         self.reduction = Reduction(self.warnings, exchange=self.settings.memory_reduce_exchange)
         self.group: Any = None  # resolved at placement
         self.recorder: Any = None  # opened at placement, when the coordinates are known
@@ -102,6 +107,10 @@ class MemoryMonitor:
         self._state: dict | None = None  # the last model state counted (for the OOM record)
         self._measured: Any = None  # the last activations measured (for the OOM record)
         self._optimizer_facts: dict = {}  # the optimizer's class and whether it is sharded
+        self._facts_given: Any = None  # a copy of the facts= last taken: checked again only when they change
+        # Memory logging off: said once (rank 0) when a call brings what it ignores.
+        self._off_unsaid = not self.enabled
+        self._off_settings = [name for name in BACKEND_SETTINGS if getattr(self.settings, name)]
 
     def logs_at(self, iteration: int) -> bool:
         """The gate: whether ``iteration`` is a logging iteration. Read on every rank at every
@@ -122,10 +131,12 @@ class MemoryMonitor:
         and ``optimizer`` (read on logging iterations only): add what the memory is made of
         (measure/composition.py); every rank of the group passes them, or none. ``facts``:
         ``state_facts`` on logging iterations."""
+        if facts is not None and facts != self._facts_given:  # checked where they are given, once
+            self._take_facts(facts)
         if not self.logs_at(iteration):
             return None
-        if facts:
-            self.state_facts(**facts)
+        if metrics is not None and not isinstance(metrics, Mapping):  # before any collective: every rank alike
+            raise TypeError(f"metrics= must be a dict of names to numbers, or None; got {type(metrics).__name__}")
         return self.log_step(iteration, metrics, model=model, optimizer=optimizer)
 
     def on_iteration(
@@ -140,7 +151,11 @@ class MemoryMonitor:
         training_log's, on every rank at every iteration. It is ``logs_at`` written out, because
         off the logging iterations this call is all the run costs: two modulos, no other call."""
         if not self.enabled:
+            if self._off_unsaid:
+                self._say_off(metrics, model, optimizer, facts)
             return None
+        if facts is not None and facts != self._facts_given:  # the first call that carries them, any iteration
+            self._take_facts(facts)
         logged = None
         if not iteration % self.interval:
             logged = self.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
@@ -164,8 +179,32 @@ class MemoryMonitor:
     def state_facts(self, **facts: Any) -> None:
         """What the run knows of itself, for the per-layer record and ``nemo-memlog advise``:
         ``micro_batch_size``, ``microbatches`` (per iteration), ``global_batch_size``,
-        ``distributed_optimizer``, ``recompute``... (None values are ignored)."""
-        self.facts.update({name: value for name, value in facts.items() if value is not None})
+        ``distributed_optimizer``, ``recompute``... (None values are ignored). Checked here
+        (config/facts.py): raises ValueError naming a fact that breaks its rule, and records a
+        secret-named fact, or one holding a configured secret, redacted."""
+        self.facts.update(checked_facts(facts, self.secrets))
+
+    def _take_facts(self, facts: Any) -> None:
+        """training_log's ``facts=``: checked and recorded when they differ from those last taken."""
+        self.facts.update(checked_facts(facts, self.secrets))
+        self._facts_given = dict(facts)  # a mapping: checked_facts raised otherwise
+
+    def _say_off(self, metrics, model, optimizer, facts) -> None:
+        """Memory logging is off, and this call brings what it ignores: say so, once, on rank 0."""
+        given = [f"{name}=" for name, value in (("model", model), ("optimizer", optimizer)) if value is not None]
+        given += [f"{name}=" for name, value in (("facts", facts), ("metrics", metrics)) if value]
+        ignored = [f"logger.{name}" for name in self._off_settings] + given
+        if not ignored:
+            return  # nothing ignored yet: a later call that brings something is told
+        self._off_unsaid = False
+        distributed = dist.is_available() and dist.is_initialized()
+        if (dist.get_rank() if distributed else int(os.environ.get("RANK", "0") or 0)) != 0:
+            return
+        self.warn_once(
+            ("off",),
+            f"log_memory_to_tensorboard is off, so training_log logs and writes nothing: {', '.join(ignored)} "
+            f"ignored. Set log_memory_to_tensorboard=True (logger.log_memory_to_tensorboard=true) to log memory.",
+        )
 
     @property
     def run_facts(self) -> dict:
@@ -328,8 +367,12 @@ class MemoryMonitor:
                     }
                 )
             record = {**self._layout, "iteration": iteration, "time": time.time(), "run": self.run_facts}
+            record.update(stage=stage, layers=rows)
             assert self.record_dir is not None  # _write_layers runs only with a folder
-            layer_record.write(self.record_dir, {**record, "stage": stage, "layers": rows})
+            try:
+                layer_record.write(self.record_dir, record)
+            except (TypeError, ValueError):  # a value JSON cannot encode: written as its text, never dropped
+                layer_record.write(self.record_dir, json_safe(record))
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")
 
@@ -434,3 +477,19 @@ class MemoryMonitor:
         self.reduction = Reduction(self.warnings, exchange=self.settings.memory_reduce_exchange)
         self.group = None
         self._placed = False
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as JSON encodes it: dicts (string keys), lists, bools, ints, floats (NaN and the
+    infinities as JSON's extension writes them), strings, None; anything else its ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return str(value)

@@ -101,7 +101,7 @@ VALUE_RULES: dict[str, Callable[[Any], bool]] = {
 }
 
 _PATH = "a path string or None"
-_SECONDS = f"a positive, finite number of seconds, at most {MAX_SECONDS} (a year)"
+_SECONDS = f"a positive number of seconds, finite and at most {MAX_SECONDS} (a year)"
 #: Any other ``*_s`` field (one without a rule of its own): a finite number of seconds, 0 allowed.
 _SECONDS_OR_ZERO = f"a finite number of seconds >= 0, at most {MAX_SECONDS} (a year)"
 #: What to write, where the field's type alone does not say it.

@@ -138,14 +138,18 @@ class ActivationMeter:
         self.error: str | None = None  # why the last arm() could not measure (the run warns once)
 
     def arm(self, model: nn.Module | Sequence[nn.Module] | None) -> None:
-        """Begin measuring: hooks on ``model``'s chunks, layers and parameters. Idempotent while armed."""
+        """Begin measuring: hooks on ``model``'s chunks, layers and parameters. Idempotent while armed.
+        Where the installed torch lacks what the meter needs (``unsupported()``), nothing is installed
+        and ``error`` says why."""
         if self.armed:
             return
         chunks = chunks_of(model)
         if not chunks:
             return
         add = self._handles.append
-        self.error = None
+        self.error = unsupported()
+        if self.error is not None:
+            return
         try:
             layers = find_layers(chunks)
             session = _Session(layers, _model_storages(chunks))
@@ -190,6 +194,29 @@ class ActivationMeter:
         handles, self._handles = self._handles, []
         for handle in handles:
             handle.remove()
+
+
+def _outer_hooks_binding():
+    """torch's reader of the saved-tensor hooks installed now (private: present since about torch
+    2.8, its signature has changed before), or None where this torch has none."""
+    autograd = getattr(torch._C, "_autograd", None)
+    return getattr(autograd, "_top_saved_tensors_default_hooks", None)
+
+
+def unsupported() -> str | None:
+    """Why this torch cannot be measured, or None. The meter chains the user's own saved-tensor hooks
+    (``save_on_cpu``...) and must read them; without the reader it would silently override them, so
+    it measures nothing instead. Checked at every arm (cheap: one call)."""
+    binding = _outer_hooks_binding()
+    if binding is None:
+        return f"torch {torch.__version__} has no torch._C._autograd._top_saved_tensors_default_hooks"
+    try:
+        found = binding(False)
+    except Exception as error:  # a changed signature: TypeError, or anything else
+        return f"torch {torch.__version__}'s _top_saved_tensors_default_hooks(False) failed ({error!r})"
+    if found is not None and not (isinstance(found, tuple) and len(found) == 2 and all(map(callable, found))):
+        return f"torch {torch.__version__}'s _top_saved_tensors_default_hooks returned {type(found).__name__}"
+    return None
 
 
 def _model_storages(chunks) -> set:
@@ -269,10 +296,10 @@ class _Session:
             self.opened.append(None)  # nested, no grad, or a recompute: not a microbatch
             return
         try:  # hooks may be disabled here (torch.autograd.graph.disable_saved_tensors_hooks): not measured
-            outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+            outer = _outer_hooks_binding()(False)
             hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
             hooks.__enter__()
-        except RuntimeError:
+        except Exception:  # noqa: BLE001 -- never into the forward: this microbatch is not measured
             self.opened.append(None)
             return
         micro = _Micro(self, len(self.layers))

@@ -35,6 +35,8 @@ from pathlib import Path
 FORMAT = "nemo_memlog.layers"
 VERSION = 1
 _NAME = re.compile(r"^rank-(\d+)\.layers\.json$")
+#: The largest file read as a record (a stage of thousands of layers is a few MB).
+MAX_BYTES = 64 << 20
 
 
 def file_name(rank: int) -> str:
@@ -61,20 +63,49 @@ def read_rank(folder: str | os.PathLike[str], rank: int) -> dict | None:
 
 
 def read_folder(folder: str | os.PathLike[str]) -> list[dict]:
-    """Every rank's record in ``folder``, by rank; files of another format or a newer version raise
-    ValueError naming the file and what to do."""
+    """Every rank's record in ``folder``, by rank; a file that cannot be read (not a regular file,
+    over MAX_BYTES, not JSON, not a record, a newer version) raises ValueError naming the file and
+    what is wrong."""
+    return [record for _, record in read_folder_files(folder)]
+
+
+def read_folder_files(folder: str | os.PathLike[str]) -> list[tuple[Path, dict]]:
+    """``read_folder``, each record with its file, by rank."""
     records = []
     for path in sorted(Path(folder).glob("rank-*.layers.json")):
         if _NAME.match(path.name):
-            records.append(_checked(path))
-    return sorted(records, key=lambda record: record["rank"])
+            try:
+                records.append((path, _checked(path)))
+            except OSError as error:
+                raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
+    return sorted(records, key=lambda item: _rank_key(item[1]))
+
+
+def _rank_key(record: dict) -> tuple:
+    rank = record.get("rank")
+    return (0, rank) if isinstance(rank, int) and not isinstance(rank, bool) else (1, 0)
 
 
 def _checked(path: Path) -> dict:
-    record = json.loads(path.read_text())
+    """The record in ``path``; ValueError naming the file when it is not one this reader can use.
+    Reads regular files only (a FIFO named like a record would wait forever, /dev/zero never ends),
+    at most MAX_BYTES."""
+    from ..offline.bounded import Refused, load_json, read_regular
+
+    try:
+        record = load_json(read_regular(path, MAX_BYTES))
+    except Refused as error:
+        raise ValueError(f"{path}: {error}") from None
+    except ValueError as error:  # JSON or UTF-8
+        raise ValueError(f"{path}: not a per-layer record: not JSON ({error})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: not a per-layer record: JSON {type(record).__name__}, not an object")
     if record.get("format") != FORMAT:
         raise ValueError(f"{path}: not a nemo_memlog per-layer record (format {record.get('format')!r})")
-    if record.get("version", 0) > VERSION:
+    version = record.get("version", 0)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ValueError(f"{path}: field 'version': {version!r} is not a whole number")
+    if version > VERSION:
         raise ValueError(
             f"{path}: per-layer record version {record['version']}, newer than this nemo_memlog reads "
             f"({VERSION}): upgrade nemo_memlog"

@@ -13,6 +13,8 @@ no torch import of its own, no training code, no process group.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -73,7 +75,7 @@ def _advise_parser(commands) -> None:
     )
     advise.add_argument(
         "--capacity-gb",
-        type=float,
+        type=_gigabytes,
         default=None,
         help="memory per rank to fit in (default: the device's total; on CPU the job's memory cgroup limit, "
         "else the node's RAM divided by the ranks on it)",
@@ -138,12 +140,50 @@ def _seconds(text: str) -> float:
     return value
 
 
+#: The exit status of a command whose reader went away (``nemo-memlog postmortem RUN | head``): the
+#: shell's for a process ended by SIGPIPE, 128 + 13, without its traceback.
+CLOSED_PIPE = 141
+
+
+def _gigabytes(text: str) -> float:
+    """An argparse type: a finite number of GB above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of GB above 0 is expected")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit code: 0 on success, 2 on a usage error or a run directory that cannot be read."""
+    """Exit code: 0 on success, 2 on a usage error or a run directory that cannot be read; 141 when
+    the output's reader closed the pipe (quietly: the rest of the output goes nowhere)."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage message
         return int(exit_.code or 0)
+    try:
+        code = _command(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_stdout()
+        return CLOSED_PIPE
+    return code
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's own flush at exit finds no closed pipe
+    (Python's documented way: https://docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout is no file (a test's StringIO)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
+def _command(args) -> int:
     if args.command == "postmortem":
         return _postmortem(args)
     if args.command == "advise":
@@ -189,8 +229,12 @@ def _advise_png(run, changes, outcomes, path) -> Path | None:
         from .advise_plot import write_png
 
         return write_png(run, changes, outcomes, path)
-    except (ImportError, OSError) as error:
-        print(f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error})", file=sys.stderr)
+    except Exception as error:  # a read-only folder, no matplotlib, figures it cannot draw: never the advice
+        print(
+            f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error}); --png PATH to write it "
+            "elsewhere, --no-png for none",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -224,7 +268,7 @@ def _postmortem_png(postmortem, path) -> Path | None:
         from .postmortem_plot import write_png
 
         return write_png(postmortem, path)
-    except (ImportError, OSError) as error:
+    except Exception as error:  # a read-only folder, no matplotlib, figures it cannot draw
         print(
             f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error}); "
             "--png PATH to write it elsewhere",
@@ -246,12 +290,27 @@ def _report(args) -> int:
         print(hint)
     metric = choose_metric(run, args.metric)
     folder = args.run_dir.parent if args.run_dir.is_file() else args.run_dir
-    png = write_png(run, metric, args.png or folder / PNG_NAME)
-    print(f"\nplot of {metric} per stage: {png}")
-    if composition_plot.has_composition(run):
-        parts = composition_plot.write_png(run, png.with_name(png.stem + "_composition.png"))
-        print(f"what each stage's memory is made of: {parts}")
+    png = _report_png(write_png, (run, metric, args.png or folder / PNG_NAME))
+    if png is not None:
+        print(f"\nplot of {metric} per stage: {png}")
+        if composition_plot.has_composition(run):
+            parts = _report_png(composition_plot.write_png, (run, png.with_name(png.stem + "_composition.png")))
+            if parts is not None:
+                print(f"what each stage's memory is made of: {parts}")
     return 0
+
+
+def _report_png(write, arguments: tuple) -> Path | None:
+    """``write(*arguments)``, or None with a warning: a read-only copy of the run must not hide the table."""
+    try:
+        return write(*arguments)
+    except Exception as error:  # a read-only folder, no matplotlib, figures it cannot draw
+        print(
+            f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error}); "
+            "--png PATH to write it elsewhere",
+            file=sys.stderr,
+        )
+        return None
 
 
 def _record_hint(run_dir) -> str | None:

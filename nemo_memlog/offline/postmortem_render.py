@@ -100,11 +100,11 @@ def _selected(postmortem: Postmortem) -> list[RankState]:
     return [chosen[rank] for rank in sorted(chosen)]
 
 
-def _finding(postmortem: Postmortem, state: RankState) -> str:
+def _finding(postmortem: Postmortem, state: RankState, ambiguous: set[int]) -> str:
     parts = []
     if state is postmortem.first_failure:
         parts.append("FIRST")
-    elif postmortem.ambiguity and state in postmortem.ambiguity.others:
+    elif id(state) in ambiguous:
         parts.append("first?")
     elif state.died_of is not None:
         parts.append(f"died of r{state.died_of.rank}'s loss")
@@ -123,6 +123,8 @@ def _rank_columns(postmortem: Postmortem, shown: list[RankState]) -> list[Column
     def header(key):
         return [str(s.header.get(key, "?")) for s in shown]
 
+    ambiguous = {id(s) for s in postmortem.ambiguity.others} if postmortem.ambiguity else set()
+
     return [
         Column("rank", "rank", [str(s.rank) for s in shown]),
         Column("rank", "pp", header("pp_rank")),
@@ -130,7 +132,7 @@ def _rank_columns(postmortem: Postmortem, shown: list[RankState]) -> list[Column
         Column("rank", "dp", header("dp_rank")),
         Column("rank", "host", [s.host for s in shown], left=True),
         Column("outcome", "status", [s.status for s in shown], left=True),
-        Column("outcome", "finding", [_finding(postmortem, s) for s in shown], left=True),
+        Column("outcome", "finding", [_finding(postmortem, s, ambiguous) for s in shown], left=True),
         Column("outcome", "last iter", [cell(s.last_iteration) for s in shown]),
         Column("device GB", "peak reserved", [gb_cell(s.peak_reserved_gb) for s in shown]),
         Column("device GB", "headroom", [gb_cell(s.headroom_gb) for s in shown]),

@@ -73,10 +73,13 @@ def advice_clause(state: RankState) -> str:
     the run's facts from its per-layer record beside the flight record. "" without a breakdown."""
     oom = state.oom or {}
     report = oom.get("report") or state.last_report
-    run = advice.oom_run(report, oom, layer_record.read_rank(state.file.path.parent, state.rank))
-    if run is None or run.capacity_gb is None:
+    try:
+        run = advice.oom_run(report, oom, layer_record.read_rank(state.file.path.parent, state.rank))
+        if run is None or run.capacity_gb is None:
+            return ""
+        fits = advice.would_have_fit(run)
+    except (ArithmeticError, LookupError, TypeError, ValueError):  # a record of a shape nothing expected
         return ""
-    fits = advice.would_have_fit(run)
     if not fits:
         return "; no single change nemo-memlog advise knows would have fit it"
     listed = ", ".join(f"{text} (peak {gb_text(peak, scale=1)})" for text, peak in fits)
