@@ -112,7 +112,9 @@ def check_iteration(iteration: Any) -> None:
     """Raise TypeError (ValueError) for an ``iteration`` that is no int (is negative): the gate takes
     its modulo at every call, and a string or a float would gate wrongly or fail oddly there."""
     if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral):
-        raise TypeError(f"training_log: iteration must be an int (the training iteration); got {type(iteration).__name__}")
+        raise TypeError(
+            f"training_log: iteration must be an int (the training iteration); got {type(iteration).__name__}"
+        )
     if iteration < 0:
         raise ValueError(f"training_log: iteration must be an int >= 0; got {iteration}")
 

@@ -1,5 +1,7 @@
 """LoggerConfig: Megatron-Bridge field names, dotted overrides, clear errors, redaction."""
 
+import math
+
 import pytest
 
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, from_overrides, recorded, secrets_of
@@ -277,3 +279,77 @@ def test_one_walk_gives_the_recorded_params_and_the_secrets():
     params, secrets = recorded(cfg, cfg)
     assert params == flat_params(cfg)
     assert sorted(secrets) == sorted(secrets_of(cfg)) == ["TOKEN-2", "TOP-SECRET"]
+
+
+@pytest.mark.parametrize("field", ["memory_reduce_timeout_s", "writer_close_timeout_s"])
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan, -1, 0, 10**400, 1e12])
+def test_a_timeout_must_be_finite_and_positive(field, value):
+    """memory_reduce_timeout_s=inf passed, then raised OverflowError in training (a wait's timeout)."""
+    with pytest.raises(ValueError, match=rf"^logger\.{field} must be a positive number of seconds, finite"):
+        LoggerConfig(**{field: value})
+    LoggerConfig(**{field: 0.5})
+
+
+def test_settings_are_hashable_and_read_only_all_the_way_down():
+    """hash(resolve(LoggerConfig(memory_keys={...}))) raised TypeError, and settings.memory_keys["x"] = "y"
+    changed a frozen Settings."""
+    import copy
+    import json
+    import pickle
+
+    from nemo_memlog.config import from_plain, resolve
+
+    keys = {"allocated_bytes.all.peak": "peak_allocated_bytes"}
+    cfg = LoggerConfig(memory_keys=keys, mlflow_tags={"team": "infra"}, comet_tags=["a"])
+    settings = resolve(cfg)
+    assert hash(settings) == hash(
+        resolve(LoggerConfig(memory_keys=dict(keys), mlflow_tags={"team": "infra"}, comet_tags=["a"]))
+    )
+    for mutate in (
+        lambda: settings.memory_keys.__setitem__("x", "y"),
+        lambda: settings.memory_keys.update(x="y"),
+        lambda: settings.memory_keys.pop("allocated_bytes.all.peak"),
+        lambda: settings.memory_keys.clear(),
+        lambda: settings.mlflow_tags.setdefault("x", "y"),
+        lambda: settings.mlflow_tags.__delitem__("team"),
+    ):
+        with pytest.raises(TypeError, match="read-only"):
+            mutate()
+    keys["x"] = "y"  # the config's own mapping: the settings copied it
+    assert dict(settings.memory_keys) == {"allocated_bytes.all.peak": "peak_allocated_bytes"}
+    assert settings.comet_tags == ("a",)
+    # Every reader still reads it: a dict, JSON, pickle (the writer process), copies, the plain form.
+    assert (
+        isinstance(settings.memory_keys, dict) and json.loads(json.dumps(settings.memory_keys)) == settings.memory_keys
+    )
+    assert pickle.loads(pickle.dumps(settings)) == settings and copy.deepcopy(settings) == settings
+    assert from_plain(settings.to_plain()) == settings and type(settings.to_plain()["memory_keys"]) is dict
+    assert {**settings.memory_keys} == dict(settings.memory_keys)
+
+
+def test_an_override_error_never_shows_a_secret():
+    """from_overrides(["logger.comet_api_key=S", "logger.tensorboard_log_interval=abc"]) raised a ValueError
+    whose text held S."""
+    secret, password = "S3CRET-override-key", "pw-override-9"
+    with pytest.raises(ValueError) as caught:
+        from_overrides(
+            [
+                f"logger.comet_api_key={secret}",
+                f"logger.mlflow_tracking_uri=http://alice:{password}@host:5000",
+                "logger.tensorboard_log_interval=abc",
+            ]
+        )
+    text = str(caught.value)
+    assert "tensorboard_log_interval" in text and "abc" in text
+    assert secret not in text and password not in text and "http://alice:***@host:5000" in text
+
+
+def test_a_uri_password_is_recorded_redacted_and_is_a_secret():
+    from nemo_memlog.config import resolve
+
+    cfg = LoggerConfig(
+        mlflow_experiment="e", mlflow_run_name="r", mlflow_tracking_uri="http://alice:PW-uri-1@host:5000"
+    )
+    params, secrets = recorded(cfg, cfg)
+    assert params["mlflow_tracking_uri"] == "http://alice:***@host:5000" and "PW-uri-1" in secrets
+    assert "PW-uri-1" not in repr(resolve(cfg)) and "alice:***@host" in repr(resolve(cfg))

@@ -292,29 +292,94 @@ _APPLY = {
 # ---- what fits -------------------------------------------------------------------------------
 
 
+#: Up to this many candidate sizes each one is predicted; above it (a stated micro-batch size or
+#: microbatch count in the millions), a bisection finds the same size: a stage's predicted peak never
+#: falls as the micro-batch grows (its activations are the size times the microbatches in flight, and
+#: with the global batch fixed those never grow with it), so the sizes that fit are the smallest ones.
+_PREDICT_EACH = 4096
+#: Trial division up to this factor, so that any stated count factors in bounded time; a cofactor left
+#: above it is taken whole (some of its divisors may go untried: the answer still fits).
+_TRIAL_DIVISOR = 1 << 20
+#: More sizes than this dividing the samples per iteration are not searched.
+_MAX_DIVISORS = 1 << 20
+
+
 def max_micro_batch_size(run: Run) -> tuple[int | None, str]:
     """(the largest micro-batch size whose prediction fits on every stage, how it was searched), or
-    (None, why not). With microbatches known, only sizes that keep the global batch whole."""
+    (None, why not). With microbatches known, only sizes that keep the global batch whole. Bounded:
+    about 40 predictions whatever the run's stated sizes (see _PREDICT_EACH)."""
     if run.capacity_gb is None:
         return None, "no capacity known"
     if run.micro_batch_size is None:
         return None, "the micro-batch size is not in the run's record"
     if any(stage.in_flight is None for stage in run.stages):
         return None, "activations were not measured"
+    if not _whole(run.micro_batch_size) or (run.microbatches is not None and not _whole(run.microbatches)):
+        return None, "the micro-batch size or microbatches in the run's record is not a whole number above 0"
     samples = run.micro_batch_size * run.microbatches if run.microbatches else None
-    candidates = (
-        [n for n in range(1, samples + 1) if samples % n == 0] if samples else range(1, 64 * run.micro_batch_size + 1)
-    )
-    best = None
-    for size in candidates:
+    how = "sizes dividing the samples per iteration" if samples else "microbatches in flight as measured"
+    if samples:
+        candidates = _divisors(samples)
+        if candidates is None:
+            return None, f"more than {_MAX_DIVISORS} sizes divide the samples per iteration ({samples}): not searched"
+        count = len(candidates)
+    else:
+        count = 64 * run.micro_batch_size
+        candidates = None
+
+    def size_at(index: int) -> int:
+        return candidates[index] if candidates is not None else index + 1
+
+    def fits(size: int) -> bool:
         try:
             outcomes = predict(run, [Change("micro_batch_size", ("n", size), f"micro_batch_size={size}")])
         except Refused:
-            continue
-        if all(outcome.fits for outcome in outcomes):
-            best = size
-    how = "sizes dividing the samples per iteration" if samples else "microbatches in flight as measured"
-    return best, how
+            return False
+        return all(outcome.fits for outcome in outcomes)
+
+    if count <= _PREDICT_EACH:  # every candidate, as the rule reads
+        best = None
+        for index in range(count):
+            if fits(size_at(index)):
+                best = size_at(index)
+        return best, how
+    if not fits(size_at(0)):
+        return None, how
+    low, high = 0, count - 1  # size_at(low) fits; find the last index that does
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(size_at(middle)):
+            low = middle
+        else:
+            high = middle - 1
+    return size_at(low), how
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _divisors(number: int) -> list[int] | None:
+    """Every divisor of ``number``, ascending, from its factors (trial division up to _TRIAL_DIVISOR, a
+    larger cofactor taken whole); None where there are more than _MAX_DIVISORS."""
+    factors: dict[int, int] = {}
+    rest, divisor = number, 2
+    while divisor * divisor <= rest and divisor <= _TRIAL_DIVISOR:
+        while rest % divisor == 0:
+            factors[divisor] = factors.get(divisor, 0) + 1
+            rest //= divisor
+        divisor += 1 if divisor == 2 else 2
+    if rest > 1:
+        factors[rest] = factors.get(rest, 0) + 1
+    count = 1
+    for power in factors.values():
+        count *= power + 1
+    if count > _MAX_DIVISORS:
+        return None
+    divisors = [1]
+    for prime, power in factors.items():
+        divisors = [d * prime**k for d in divisors for k in range(power + 1)]
+    return sorted(divisors)
 
 
 def smallest_fix(run: Run, fraction: float) -> tuple[Change, list[Outcome]] | None:

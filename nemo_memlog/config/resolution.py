@@ -7,7 +7,17 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
-from .schema import FIELDS, RULES, FrozenMap, LoggerConfig, Settings, check_logger_fields, default_of, logger_section, setting
+from .schema import (
+    FIELDS,
+    RULES,
+    FrozenMap,
+    LoggerConfig,
+    Settings,
+    check_logger_fields,
+    default_of,
+    logger_section,
+    setting,
+)
 from .secrets import flattened, redact
 
 

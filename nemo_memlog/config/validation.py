@@ -140,7 +140,9 @@ class FieldRules:
         self.types = {name: type_rule(spec.type) for name, spec in self.fields.items()}
         #: The ``*_s`` number fields without a value rule of their own (their rule: _SECONDS_OR_ZERO).
         self.seconds = [
-            name for name, (_, text) in self.types.items() if name.endswith("_s") and "number" in text and name not in VALUE_RULES
+            name
+            for name, (_, text) in self.types.items()
+            if name.endswith("_s") and "number" in text and name not in VALUE_RULES
         ]
 
     def default(self, name: str) -> Any:

@@ -16,10 +16,12 @@ loggers into a MemoryMonitor, and nothing in the core imports this module.
   MLflow run and Comet experiment Bridge opened (``state.*_logger``), on the training
   thread, before Bridge logs the same step; it opens none of its own.
 - Once per series: Bridge's own ``training_log`` also writes ``memory/*`` when the flag is
-  set (before 0.5, the last stage's values only). The callback takes that over: from
-  ``on_train_start`` to the end of training it holds ``cfg.logger.log_memory_to_tensorboard``
-  False on every rank (Bridge reads the flag for nothing else) and writes every series
-  itself, pipeline-wide.
+  set (before 0.5, the last stage's values only). The callback takes that over and leaves the
+  recipe's config as the user wrote it: while a callback's run is open in the process, the
+  report Bridge's ``training_log`` writes to its dashboards (its ``report_memory(memory_keys=...)``
+  call, in 0.3 and 0.6 alike) is empty, so Bridge writes no memory series, and the callback
+  writes every series itself, pipeline-wide. Bridge's console line (its ``report_memory(keys)``
+  call after the first iterations) is untouched.
 - Flight records: every rank records its memory for ``nemo-memlog postmortem``, by default in
   ``memory_records`` beside the recipe's ``logger.tensorboard_dir`` (else its
   ``wandb_save_dir``, else the working directory); ``memory_record_dir=`` picks another
@@ -64,11 +66,12 @@ BRIDGE_FIELDS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memor
 OWN_SETTINGS = tuple(
     f.name for f in dataclasses.fields(LoggerConfig) if f.name.startswith("memory_") and f.name not in BRIDGE_FIELDS
 )
-#: Per process, by nature: the callbacks holding a recipe's flag whose run has not ended.
-#: On Bridge's should_exit path ``sys.exit`` comes between a callback's on_train_start and its
-#: on_train_end, so the one left to hand the flag back is the next on_train_start over the same
-#: ``cfg.logger`` in this process, from this callback or another (see _end_training). Strong
-#: references: after a caught SystemExit nothing else may keep the callback alive.
+#: Per process, by nature: the callbacks whose run has not ended; while any is, Bridge's own
+#: dashboard memory report is empty (_silence_bridge_memory_report). On Bridge's should_exit path
+#: ``sys.exit`` comes between a callback's on_train_start and its on_train_end, so the one left to
+#: end that run is the next on_train_start over the same ``cfg.logger`` in this process, from this
+#: callback or another (see _end_training). Strong references: after a caught SystemExit nothing
+#: else may keep the callback alive.
 _holding: set[MemoryLogCallback] = set()
 
 
@@ -107,10 +110,8 @@ class MemoryLogCallback(Callback):
         monitor = MemoryMonitor(run_settings, pg_collection=_pg_collection(context.model))
         monitor.place()
         if monitor.is_writer_rank:
-            # Open (or find) Bridge's loggers while the flag still reads true, so the
-            # config they record shows the user's setting.
             monitor.use_writers(_adopt_open_loggers(context.state))
-        bridge_logger.log_memory_to_tensorboard = False
+        _silence_bridge_memory_report()
         microbatches = _microbatches()
         monitor.facts.update(_facts(context.state.cfg, microbatches))
         checkpoint = getattr(context.state.cfg, "checkpoint", None)  # read once: Bridge saves where it says
@@ -148,7 +149,7 @@ class MemoryLogCallback(Callback):
         self._end_training(flush=True)
 
     def _end_training(self, flush: bool) -> None:
-        """Once per run: hand the flag back (the recipe's config reads true again), end the
+        """Once per run: hand Bridge its memory report back (when no other run is open), end the
         flight record, release the run's gloo group and, at ``on_train_end``, flush. Off that
         event (Bridge's should_exit path) there is nothing to flush: every step was written
         into Bridge's loggers when it was logged, and Bridge flushes and ends them itself
@@ -157,10 +158,30 @@ class MemoryLogCallback(Callback):
             return
         _holding.discard(self)
         monitor, self.monitor = self.monitor, None
-        self._bridge_logger.log_memory_to_tensorboard = True
         self._bridge_logger = None
         # Bridge's own loggers are flushed, never closed; after sys.exit Bridge has ended them: not even flushed.
         monitor.close(writers=flush)
+
+
+def _silence_bridge_memory_report() -> None:
+    """Wrap Bridge's ``train_utils.report_memory`` (once per process): the call its ``training_log``
+    makes for the dashboards (by keyword, ``memory_keys=``) returns {} while a callback's run is
+    open, so Bridge writes no ``memory/*`` series beside ours; every other call (its console line,
+    positional) and every call with no run open gets Bridge's own report. The user's
+    ``cfg.logger`` is never written."""
+    from megatron.bridge.training.utils import train_utils
+
+    original = train_utils.report_memory
+    if getattr(original, "__wrapped__", None) is not None:
+        return
+
+    def report_memory(*args: Any, **kwargs: Any) -> dict:
+        if _holding and not args and "memory_keys" in kwargs:
+            return {}
+        return original(*args, **kwargs)
+
+    report_memory.__wrapped__ = original  # type: ignore[attr-defined]
+    train_utils.report_memory = report_memory
 
 
 def bridge_memory_keys(memory_keys: dict | None) -> dict | None:

@@ -9,6 +9,7 @@ highest peak. ``as_json`` and ``as_text`` render the outcomes.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from .. import advice
@@ -42,20 +43,155 @@ def record_folder(path: str | Path) -> Path:
 
 
 def load(path: str | Path, capacity_gb: float | None = None) -> advice.Run:
-    """The run as its records describe it, with ``capacity_gb`` (None: from the records)."""
+    """The run as its records describe it, with ``capacity_gb`` (None: from the records). Raises
+    AdviseError naming the file and field of a record that cannot be used, and for a folder whose
+    records are not one run's: several layouts (stale records of another run), or a stage missing."""
     try:
-        records = layer_record.read_folder(record_folder(path))
+        found = layer_record.read_folder_files(record_folder(path))
     except ValueError as error:
         raise AdviseError(str(error)) from error
+    for file, record in found:
+        _check_record(file, record)
+    records = [record for _, record in found]
+    _check_one_run(found)
     by_stage: dict[int, list[dict]] = {}
     for record in records:
         by_stage.setdefault(int(record["pp_rank"]), []).append(record)
     stages = tuple(_stage(stage, max(ranks, key=_peak_of)) for stage, ranks in sorted(by_stage.items()))
     first = records[0]
-    facts = first.get("run", {})
+    facts = first.get("run") or {}
     gpu = any("peak_reserved_gb" in record["stage"] for record in records)
     capacity, source = (capacity_gb, "--capacity-gb") if capacity_gb is not None else _capacity(records, gpu)
     return advice.Run.of(stages, first, facts, gpu=gpu, capacity_gb=capacity, capacity_source=source)
+
+
+# ---- checking what a record says before any of it is used ------------------------------------
+
+#: Whole-number fields of a record: (lowest, highest); the sizes and ranks of a layout.
+_LAYOUT = {
+    "rank": (0, 1 << 22),
+    "world_size": (1, 1 << 22),
+    "pp_rank": (0, 1 << 16),
+    "pp_size": (1, 1 << 16),
+    "tp_rank": (0, 1 << 16),
+    "tp_size": (1, 1 << 16),
+    "dp_rank": (0, 1 << 22),
+    "dp_size": (1, 1 << 22),
+    "local_world_size": (1, 1 << 16),
+}
+#: Facts (the record's "run") advice/ computes with, and what each must be.
+_WHOLE_FACTS = {"microbatches": (1, 1 << 53), "micro_batch_size": (1, 1 << 53)}
+_WHOLE_FACTS["microbatch_group_size_per_vp_stage"] = (1, 1 << 16)
+_TEXT_FACTS = ("recompute", "schedule", "optimizer")
+#: The largest GB figure taken as measured (a petabyte): beyond it a figure is garbage.
+MAX_GB = 1e6
+_LAYER_FIGURES = ("params_gb", "grads_gb", "optimizer_state_gb", "activations_per_microbatch_gb")
+_LAYER_FIGURES += ("input_per_microbatch_gb",)
+
+
+def _field_error(path: Path, key: str, value: object, expected: str) -> AdviseError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return AdviseError(f"{path}: field {key!r}: {shown} is not {expected}")
+
+
+def _whole(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _gb_figure(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) <= MAX_GB
+
+
+def _nan(value: object) -> bool:
+    return isinstance(value, float) and value != value
+
+
+def _check_record(path: Path, record: dict) -> None:
+    """AdviseError naming ``path`` and the field, for the first field of ``record`` that cannot be used."""
+    for key, (low, high) in _LAYOUT.items():
+        required = key in ("rank", "pp_rank")
+        if (required or record.get(key) is not None) and not _whole(record.get(key), low, high):
+            raise _field_error(path, key, record.get(key), f"a whole number from {low} to {high}")
+    for rank, size in (("pp_rank", "pp_size"), ("tp_rank", "tp_size"), ("dp_rank", "dp_size"), ("rank", "world_size")):
+        if record.get(size) is not None and record.get(rank) is not None and record[rank] >= record[size]:
+            raise _field_error(path, rank, record[rank], f"below its {size} ({record[size]})")
+    facts = record.get("run", {})
+    if not isinstance(facts, dict):
+        raise _field_error(path, "run", facts, "an object (the run's facts)")
+    for key, (low, high) in _WHOLE_FACTS.items():
+        if facts.get(key) is not None and not _whole(facts[key], low, high):
+            raise _field_error(path, f"run.{key}", facts[key], f"a whole number from {low} to {high}")
+    for key in _TEXT_FACTS:
+        if facts.get(key) is not None and not isinstance(facts[key], str):
+            raise _field_error(path, f"run.{key}", facts[key], "a text")
+    ratio = facts.get("selective_recompute_ratio")
+    if ratio is not None and not (_gb_figure(ratio) and 0 <= ratio <= 1):
+        raise _field_error(path, "run.selective_recompute_ratio", ratio, "a number from 0 to 1")
+    stage = record.get("stage")
+    if not isinstance(stage, dict):
+        raise _field_error(path, "stage", stage, "an object (the stage's figures)")
+    for key, value in stage.items():
+        if key == "microbatches_in_flight":  # NaN: not measured
+            if value is not None and value == value and not _whole(value, 0, 1 << 53):
+                raise _field_error(path, f"stage.{key}", value, "a whole number >= 0")
+        elif key == "chunks":
+            if not _whole(value, 1, 1 << 16):
+                raise _field_error(path, f"stage.{key}", value, "a whole number from 1")
+        elif value is not None and not _gb_figure(value) and not _nan(value):  # NaN: a figure not measured
+            raise _field_error(path, f"stage.{key}", value, f"a finite number of GB (at most {MAX_GB:g}) or NaN")
+    layers = record.get("layers", [])
+    if not isinstance(layers, list):
+        raise _field_error(path, "layers", layers, "a list")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, dict):
+            raise _field_error(path, f"layers[{i}]", layer, "an object")
+        if not isinstance(layer.get("kind"), str):
+            raise _field_error(path, f"layers[{i}].kind", layer.get("kind"), "a text")
+        for key in _LAYER_FIGURES:
+            value = layer.get(key)
+            if not (_gb_figure(value) and value == value):
+                raise _field_error(path, f"layers[{i}].{key}", value, f"a finite number of GB (at most {MAX_GB:g})")
+
+
+def _layout(record: dict) -> tuple:
+    return tuple(record.get(key) for key in ("pp_size", "tp_size", "dp_size", "world_size"))
+
+
+def _layout_text(layout: tuple) -> str:
+    pp, tp, dp, world = ("?" if value is None else value for value in layout)
+    return f"PP {pp} x TP {tp} x DP {dp} (world size {world})"
+
+
+def _check_one_run(found: list[tuple[Path, dict]]) -> None:
+    """AdviseError for records of several layouts (a stale run's records beside this one's) or a stage
+    with no record: advice from part of a run, or two runs mixed, would be wrong without saying so."""
+    layouts: dict[tuple, list[Path]] = {}
+    for path, record in found:
+        layouts.setdefault(_layout(record), []).append(path)
+    folder = found[0][0].parent
+    if len(layouts) > 1:
+        listed = "; ".join(
+            f"{_layout_text(layout)}: {len(paths)} file(s), {_names(paths)}" for layout, paths in layouts.items()
+        )
+        raise AdviseError(
+            f"{folder}: the per-layer records are of more than one run layout ({listed}); one run's records "
+            "per folder: move the other run's (stale) files away, or point at the folder of the run to advise on"
+        )
+    pp_size = found[0][1].get("pp_size") or 1
+    stages = {record["pp_rank"] for _, record in found}
+    missing = sorted(set(range(pp_size)) - stages)
+    if missing:
+        raise AdviseError(
+            f"{folder}: no per-layer record of pipeline stage(s) {', '.join(map(str, missing))} of PP {pp_size} "
+            f"(records found for stage(s) {', '.join(map(str, sorted(stages)))}, {_names([p for p, _ in found])}); "
+            "whether the run fits depends on every stage: copy the missing ranks' rank-*.layers.json too"
+        )
+
+
+def _names(paths: list[Path]) -> str:
+    names = [path.name for path in paths]
+    return ", ".join(names[:4]) + (f" ... ({len(names)} in all)" if len(names) > 4 else "")
 
 
 def _parts(stage: dict) -> dict:
@@ -67,7 +203,7 @@ def _stage(stage: int, record: dict) -> advice.Stage:
     return advice.Stage(
         stage=stage,
         parts=_parts(figures),
-        in_flight=figures.get("microbatches_in_flight"),
+        in_flight=figures.get("microbatches_in_flight") if not _nan(figures.get("microbatches_in_flight")) else None,
         chunks=int(figures.get("chunks", 1)),
         layers=tuple(record.get("layers", ())),
         rank=record["rank"],
@@ -81,19 +217,45 @@ def _peak_of(record: dict) -> float:
 def _capacity(records: list[dict], gpu: bool) -> tuple[float | None, str]:
     """GPU: the device's memory. CPU: the job's memory cgroup limit, else the node's RAM shared by its ranks."""
     stage = records[0]["stage"]
-    if gpu and stage.get("device_total_gb"):
-        return float(stage["device_total_gb"]), "the device's total memory"
-    ranks = max(int(records[0].get("local_world_size", 1)), 1)
-    if stage.get("host_limit_gb"):
-        return float(stage["host_limit_gb"]) / ranks, f"the job's memory cgroup limit / {ranks} ranks under it"
-    if stage.get("host_total_gb"):
-        return float(stage["host_total_gb"]) / ranks, f"the node's RAM / {ranks} ranks on it"
+
+    def positive(key: str) -> float | None:  # NaN, 0 or below: not known
+        value = stage.get(key)
+        return float(value) if value is not None and value == value and value > 0 else None
+
+    if gpu and positive("device_total_gb"):
+        return positive("device_total_gb"), "the device's total memory"
+    ranks = max(int(records[0].get("local_world_size") or 1), 1)
+    if positive("host_limit_gb"):
+        return positive("host_limit_gb") / ranks, f"the job's memory cgroup limit / {ranks} ranks under it"
+    if positive("host_total_gb"):
+        return positive("host_total_gb") / ranks, f"the node's RAM / {ranks} ranks on it"
     return None, "unknown"
 
 
 def as_json(run: advice.Run, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> str:
-    """The contract: {"stages": [{"stage", "now", "predicted", "peak_gb", "capacity_gb", "fits", ...}], ...}."""
-    return json.dumps(
+    """The contract: {"stages": [{"stage", "now", "predicted", "peak_gb", "capacity_gb", "fits", ...}], ...}.
+    Strict JSON: a number that is not finite (NaN, Infinity) is null, and ``null_reasons`` maps where
+    it was ("stages[0].peak_gb") to why ("not a finite number: inf")."""
+    reasons: dict[str, str] = {}
+    document = _finite(_as_dict(run, changes, outcomes, best), "", reasons)
+    document["null_reasons"] = reasons
+    return json.dumps(document, indent=1, allow_nan=False)
+
+
+def _finite(value, where: str, reasons: dict[str, str]):
+    """``value`` with every NaN or infinite float made None, and where in ``reasons``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        reasons[where] = f"not a finite number: {value}"
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item, f"{where}.{key}" if where else str(key), reasons) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item, f"{where}[{i}]", reasons) for i, item in enumerate(value)]
+    return value
+
+
+def _as_dict(run: advice.Run, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> dict:
+    return dict(
         {
             "changes": [change.text for change in changes],
             "assumptions": outcomes[0].assumptions if outcomes else [],
@@ -121,8 +283,7 @@ def as_json(run: advice.Run, changes: list[advice.Change], outcomes: list[advice
             "fits": all(outcome.fits for outcome in outcomes) if run.capacity_gb is not None else None,
             "max_micro_batch_size": best[0],
             "max_micro_batch_size_how": best[1],
-        },
-        indent=1,
+        }
     )
 
 

@@ -61,6 +61,7 @@ class BufferedBackend:
         self._cond = threading.Condition()
         self._busy = False  # an item is being written right now
         self._closing = False
+        self._reported = False  # close() reported what was not stored
         self._warn_once = WarnOnce(f"{name} backend: ", secrets)
         self.written = 0
         self.dropped = 0
@@ -110,11 +111,16 @@ class BufferedBackend:
             self._cond.notify_all()
 
     def close(self, deadline: float, drained: bool | None = None) -> None:
-        """Drain (unless ``drained`` says how that went), close, and wait for it until ``deadline``."""
+        """Drain (unless ``drained`` says how that went), close, and wait for it until ``deadline``.
+        What was not stored is reported by the first call that returns (a close re-entered from a
+        signal handler reports, the interrupted one then does not)."""
         if drained is None:
             drained = self.drain(deadline)
         self.request_close()
         self._thread.join(max(0.0, deadline - time.monotonic()))
+        if self._reported:
+            return
+        self._reported = True
         if self._thread.is_alive():
             self._warn_once("close", "did not finish closing in time (logger.writer_close_timeout_s)")
         if not drained or self._buffer:
@@ -260,6 +266,8 @@ class ThreadFanOut:
         self._cond = threading.Condition()
         self._moving = False
         self._stopping = False
+        self._deadline: float | None = None  # the first close's (a second one works to it)
+        self._ended = False  # the first close returned
         if buffered:
             threading.Thread(target=self._dispatch, name="nemo_memlog-fanout", daemon=True).start()
         if buffered and closes_with_process:
@@ -309,12 +317,26 @@ class ThreadFanOut:
         return drained
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Drain and close every backend within ``timeout_s`` in total. Idempotent."""
+        """Drain and close every backend within ``timeout_s`` in total. Idempotent: a second call
+        while the first is under way (a launcher's SIGTERM landing during the close the exit path
+        began, in this very thread or another) does the same draining within the first call's
+        deadline, so the signal is handed on only once the backends have stored what they hold.
+        The hooks stay registered until the close has ended, for that reason."""
         if self.closed:
+            if self._deadline is not None and not self._ended:
+                self._close_by(self._deadline)
             return
         self.closed = True
-        process_wide.forget(self.close)
-        deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
+        self._deadline = time.monotonic() + (self.close_timeout_s if timeout_s is None else timeout_s)
+        try:
+            self._close_by(self._deadline)
+        finally:
+            self._ended = True
+            process_wide.forget(self.close)
+
+    def _close_by(self, deadline: float) -> None:
+        """Hand every step to the backends, drain them and close them by ``deadline``; every part may
+        run twice (a re-entered close), the backends' close reports once."""
         self._handed_off(deadline)
         with self._cond:
             self._stopping = True
