@@ -296,7 +296,7 @@ _APPLY = {
 #: microbatch count in the millions), a bisection finds the same size: a stage's predicted peak never
 #: falls as the micro-batch grows (its activations are the size times the microbatches in flight, and
 #: with the global batch fixed those never grow with it), so the sizes that fit are the smallest ones.
-_PREDICT_EACH = 4096
+_PREDICT_EACH = 64  # the live advice runs at every logging step: a few predictions, not thousands
 #: Trial division up to this factor, so that any stated count factors in bounded time; a cofactor left
 #: above it is taken whole (some of its divisors may go untried: the answer still fits).
 _TRIAL_DIVISOR = 1 << 20
@@ -319,7 +319,7 @@ def max_micro_batch_size(run: Run) -> tuple[int | None, str]:
     samples = run.micro_batch_size * run.microbatches if run.microbatches else None
     how = "sizes dividing the samples per iteration" if samples else "microbatches in flight as measured"
     if samples:
-        candidates = _divisors(samples)
+        candidates = _divisors(run.micro_batch_size, run.microbatches)
         if candidates is None:
             return None, f"more than {_MAX_DIVISORS} sizes divide the samples per iteration ({samples}): not searched"
         count = len(candidates)
@@ -359,18 +359,21 @@ def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _divisors(number: int) -> list[int] | None:
-    """Every divisor of ``number``, ascending, from its factors (trial division up to _TRIAL_DIVISOR, a
-    larger cofactor taken whole); None where there are more than _MAX_DIVISORS."""
+def _divisors(*numbers: int) -> list[int] | None:
+    """Every divisor of the product of ``numbers``, ascending, from each one's factors (trial division
+    up to _TRIAL_DIVISOR, a larger cofactor taken whole: the micro-batch size and the microbatches are
+    factored apart, each at most 2**20 when stated through training_log, so a few hundred divisions);
+    None where there are more than _MAX_DIVISORS."""
     factors: dict[int, int] = {}
-    rest, divisor = number, 2
-    while divisor * divisor <= rest and divisor <= _TRIAL_DIVISOR:
-        while rest % divisor == 0:
-            factors[divisor] = factors.get(divisor, 0) + 1
-            rest //= divisor
-        divisor += 1 if divisor == 2 else 2
-    if rest > 1:
-        factors[rest] = factors.get(rest, 0) + 1
+    for number in numbers:
+        rest, divisor = number, 2
+        while divisor * divisor <= rest and divisor <= _TRIAL_DIVISOR:
+            while rest % divisor == 0:
+                factors[divisor] = factors.get(divisor, 0) + 1
+                rest //= divisor
+            divisor += 1 if divisor == 2 else 2
+        if rest > 1:
+            factors[rest] = factors.get(rest, 0) + 1
     count = 1
     for power in factors.values():
         count *= power + 1

@@ -82,6 +82,10 @@ def layout(spec: JobSpec) -> None:
         pipeline_model_parallel_size=spec.pp,
         virtual_pipeline_model_parallel_size=spec.vpp,
     )
+    if not spec.on_cpu:  # Megatron initialises its weights on the GPU through its CUDA RNG tracker
+        from megatron.core.tensor_parallel import random as rng
+
+        rng.model_parallel_cuda_manual_seed(spec.seed)
 
 
 def transformer_config(spec: JobSpec):
