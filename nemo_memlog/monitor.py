@@ -19,22 +19,21 @@ integration (integrations/bridge.py, integrations/lightning.py) holds one.
 
 from __future__ import annotations
 
-import numbers
 import os
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
-from torch import nn
 
 from . import advice, attribution, megatron, memory
 from .config import checked_facts, resolve, secrets_of
-from .measure import composition, estimate, layer_record, phase
-from .measure.activations import ActivationMeter, chunks_of
+from .failure import peers
+from .measure import composition, estimate, layer_record, layer_rows, phase
+from .measure.activations import ActivationMeter
 from .payload import scalar
 from .reduce import Reduction, agree_on_restart, takes_part
-from .warn import WarnOnce
+from .warn import BACKEND_SETTINGS, WarnOnce, logging_off_message
 
 if TYPE_CHECKING:
     import torch
@@ -42,20 +41,6 @@ if TYPE_CHECKING:
 
     from .writers.base import Writers
 
-#: A stage's figures the per-layer record carries (measure/layer_record.py), where this rank has them.
-RECORDED_STAGE_KEYS = (
-    *composition.NAMES,
-    *composition.DERIVED,
-    "peak_allocated_gb",
-    "peak_reserved_gb",
-    "device_other_gb",
-    "device_total_gb",
-    "peak_host_rss_gb",
-    "host_total_gb",
-    "host_limit_gb",
-)
-#: The settings that open a backend: with memory logging off, each is named in the one warning that says so.
-BACKEND_SETTINGS = ("tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project")
 #: The dashboard's one advice scalar: the largest micro-batch size predicted to fit on every stage.
 ADVICE_MAX_MICRO_BATCH = "memory/advice/max_micro_batch_size"
 
@@ -90,7 +75,7 @@ class MemoryMonitor:
         # The run's secrets: scrubbed from its warnings, redacted from its facts.
         self.secrets = [*secrets_of(self.settings), *filter(None, [os.environ.get("COMET_API_KEY")])]
         self.warnings = WarnOnce(secrets=self.secrets)
-        self.reduction = Reduction(self.warnings, exchange=self.settings.memory_reduce_exchange)
+        self.reduction = self._new_reduction()
         self.group: Any = None  # resolved at placement
         self.recorder: Any = None  # opened at placement, when the coordinates are known
         self.writers = writers
@@ -191,20 +176,13 @@ class MemoryMonitor:
 
     def _say_off(self, metrics, model, optimizer, facts) -> None:
         """Memory logging is off, and this call brings what it ignores: say so, once, on rank 0."""
-        given = [f"{name}=" for name, value in (("model", model), ("optimizer", optimizer)) if value is not None]
-        given += [f"{name}=" for name, value in (("facts", facts), ("metrics", metrics)) if value]
-        ignored = [f"logger.{name}" for name in self._off_settings] + given
-        if not ignored:
+        text = logging_off_message(self._off_settings, model=model, optimizer=optimizer, facts=facts, metrics=metrics)
+        if text is None:
             return  # nothing ignored yet: a later call that brings something is told
         self._off_unsaid = False
         distributed = dist.is_available() and dist.is_initialized()
-        if (dist.get_rank() if distributed else int(os.environ.get("RANK", "0") or 0)) != 0:
-            return
-        self.warn_once(
-            ("off",),
-            f"log_memory_to_tensorboard is off, so training_log logs and writes nothing: {', '.join(ignored)} "
-            f"ignored. Set log_memory_to_tensorboard=True (logger.log_memory_to_tensorboard=true) to log memory.",
-        )
+        if (dist.get_rank() if distributed else int(os.environ.get("RANK", "0") or 0)) == 0:
+            self.warn_once(("off",), text)
 
     @property
     def run_facts(self) -> dict:
@@ -344,35 +322,10 @@ class MemoryMonitor:
     def _write_layers(self, iteration: int, report: dict, measured, model, optimizer) -> None:
         """This rank's per-layer record (measure/layer_record.py), beside its flight record. Never raises."""
         try:
-            layers = measured.layers
-            owned = [list(nn.Module.parameters(layer.module)) for layer in layers if layer.module is not None]
-            in_layers = {id(p) for params in owned for p in params}
-            rest = [p for chunk in chunks_of(model) for p in nn.Module.parameters(chunk) if id(p) not in in_layers]
-            states = composition.layer_state([*owned, rest], optimizer, measured.grads, self._state)
-            stage = {key: report[key] for key in RECORDED_STAGE_KEYS if key in report and report[key] == report[key]}
-            stage.update(microbatches=measured.microbatches, chunks=len(chunks_of(model)))
-            rows = []
-            for layer, state, activations, inputs in zip(
-                layers, states, measured.layer_activations_gb, measured.layer_inputs_gb
-            ):
-                rows.append(
-                    {
-                        "name": layer.name,
-                        "kind": layer.kind,
-                        "chunk": layer.chunk,
-                        "number": layer.number,
-                        **state,
-                        "activations_per_microbatch_gb": activations,
-                        "input_per_microbatch_gb": inputs,
-                    }
-                )
             record = {**self._layout, "iteration": iteration, "time": time.time(), "run": self.run_facts}
-            record.update(stage=stage, layers=rows)
+            record.update(layer_rows.stage_and_rows(report, measured, model, optimizer, self._state))
             assert self.record_dir is not None  # _write_layers runs only with a folder
-            try:
-                layer_record.write(self.record_dir, record)
-            except (TypeError, ValueError):  # a value JSON cannot encode: written as its text, never dropped
-                layer_record.write(self.record_dir, json_safe(record))
+            layer_record.write(self.record_dir, record)
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")
 
@@ -437,6 +390,22 @@ class MemoryMonitor:
         except (TypeError, ValueError):  # a value that is not a number where a part should be
             return None
 
+    def _new_reduction(self) -> Reduction:
+        reduction = Reduction(self.warnings, exchange=self.settings.memory_reduce_exchange)
+        reduction.stall = (self.settings.memory_reduce_stall_warn_s, self._stalled)
+        return reduction
+
+    def _stalled(self, group: Any, iteration: int | None, waited_s: float) -> None:
+        """A memory reduction has waited ``waited_s`` (the stall watch's thread): say so, once per logging
+        step, naming the ranks whose flight records show they have not reached it. Never raises."""
+        try:
+            ranks = dist.get_process_group_ranks(group) if group is not None else []
+        except Exception:  # a group object torch cannot list
+            ranks = []
+        behind = peers.not_arrived(self.record_dir, [r for r in ranks if r != dist.get_rank()], iteration)
+        timeout_s = self.settings.memory_reduce_timeout_s
+        self.warnings(("stall", iteration), peers.stall_message(iteration, waited_s, len(ranks), behind, timeout_s))
+
     def warn_once(self, key: Hashable, text: str) -> None:
         """Warn ``nemo_memlog: <text>`` (a RuntimeWarning) the first time this run sees ``key``."""
         self.warnings(key, text, stacklevel=4)
@@ -474,22 +443,6 @@ class MemoryMonitor:
         logging step places the run anew. For a framework whose run ends without ``close``.
         Never raises."""
         self.reduction.close()
-        self.reduction = Reduction(self.warnings, exchange=self.settings.memory_reduce_exchange)
+        self.reduction = self._new_reduction()
         self.group = None
         self._placed = False
-
-
-def json_safe(value: Any) -> Any:
-    """``value`` as JSON encodes it: dicts (string keys), lists, bools, ints, floats (NaN and the
-    infinities as JSON's extension writes them), strings, None; anything else its ``str``."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(key): json_safe(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(item) for item in value]
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
-        return float(value)
-    return str(value)

@@ -43,3 +43,22 @@ class WarnOnce:
 
     def seen(self, key: Hashable) -> bool:
         return key in self._seen
+
+
+#: The settings that open a backend: with memory logging off, each is named in the one warning that says so.
+BACKEND_SETTINGS = ("tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project")
+
+
+def logging_off_message(off_settings: list[str], **given: object) -> str | None:
+    """What a call ignores while log_memory_to_tensorboard is off (the backend settings set, the
+    arguments it brought), as the one warning says it; None when it ignores nothing."""
+    ignored = [f"logger.{name}" for name in off_settings]
+    ignored += [
+        f"{name}=" for name, value in given.items() if value is not None and (value or name in ("model", "optimizer"))
+    ]
+    if not ignored:
+        return None
+    return (
+        f"log_memory_to_tensorboard is off, so training_log logs and writes nothing: {', '.join(ignored)} "
+        f"ignored. Set log_memory_to_tensorboard=True (logger.log_memory_to_tensorboard=true) to log memory."
+    )

@@ -391,3 +391,39 @@ def test_the_exchange_is_a_setting_and_ranks_that_differ_raise_before_either_col
         assert isinstance(result, RankFailure) and result.type_name == "MemoryReduceError", (rank, result)
         assert "memory_reduce_exchange differ" in result.message and "'all_to_all' at position(s) [1]" in result.message
     assert all(r["result"] for r in pp4.run_ok(reduce_basic))  # the group is still usable afterwards
+
+
+def _late_rank(root: str, late_rank: int, late_s: float) -> dict:
+    import time
+
+    import torch.distributed as dist
+
+    import nemo_memlog
+
+    cfg = nemo_memlog.LoggerConfig(
+        log_memory_to_tensorboard=True,
+        memory_record_dir=root,
+        memory_reduce_stall_warn_s=1.0,
+        memory_reduce_timeout_s=120.0,
+        writer_mode="thread",
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        nemo_memlog.training_log(1, cfg)
+        if dist.get_rank() == late_rank:
+            time.sleep(late_s)  # this rank is late for step 2; its flight record still says step 1
+        logged = nemo_memlog.training_log(2, cfg)
+    nemo_memlog.close_writers()
+    return {"logged": logged is not None, "warnings": [str(w.message) for w in seen if "has waited" in str(w.message)]}
+
+
+def test_a_long_wait_is_said_while_it_goes_on_naming_the_late_rank_then_completes(tmp_path):
+    with Cluster(world=2, pp=2) as cluster:
+        results = cluster.run_ok(_late_rank, str(tmp_path), 1, 4.0, timeout=120)
+    arrived, late = results
+    assert arrived["logged"] and late["logged"], "the wait went on to the end: both logged step 2"
+    assert len(arrived["warnings"]) == 1, arrived["warnings"]
+    said = arrived["warnings"][0]
+    assert "iteration 2" in said and "rank 1 (last recorded step 1" in said, said
+    assert "memory_reduce_timeout_s=120s" in said
+    assert late["warnings"] == [], "the late rank never waited"

@@ -186,4 +186,6 @@ def _value(name: str, value: str, text: str):
 def fmt(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{value * 1000:.1f} MB" if abs(value) < 1 else f"{value:.2f} GB"
+    from ..offline.tables import size_text  # the units rule, in one place
+
+    return size_text(value)

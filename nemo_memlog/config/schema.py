@@ -70,6 +70,9 @@ class LoggerConfig:
     """Warn (writer rank) when a stage's free memory falls below this fraction of capacity."""
     memory_reduce_timeout_s: float = 300.0
     """Ranks that joined a memory reduction raise after this long waiting for the others."""
+    memory_reduce_stall_warn_s: float = 30.0
+    """A memory reduction still waiting after this long warns, on the ranks that arrived, naming
+    the ranks whose flight records show they have not (then keeps waiting to the timeout)."""
     memory_reduce_backend: str = "auto"
     """Which process group carries the memory gather. The gathered numbers are host-side
     values, so they need no GPU: "auto" gathers the ``pp`` scope over a gloo group of the

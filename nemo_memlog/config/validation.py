@@ -96,6 +96,7 @@ VALUE_RULES: dict[str, Callable[[Any], bool]] = {
     "writer_mode": lambda v: v in WRITER_MODES,
     "memory_headroom_warn_fraction": lambda v: 0 <= v < 1,
     "memory_reduce_timeout_s": _seconds,
+    "memory_reduce_stall_warn_s": _seconds,
     "writer_close_timeout_s": _seconds,
     "memory_record_dir": lambda v: v is None or bool(os.fspath(v)),
 }
@@ -118,6 +119,7 @@ _TAKES = {
     "writer_mode": f"one of {', '.join(map(repr, WRITER_MODES))}",
     "memory_headroom_warn_fraction": "a number in [0, 1)",
     "memory_reduce_timeout_s": _SECONDS,
+    "memory_reduce_stall_warn_s": _SECONDS,
     "writer_close_timeout_s": _SECONDS,
     "memory_record_dir": f"a folder path, {RECORD_OFF!r} (no recording) or None (beside the run's logs)",
     "memory_keys": "a dict of torch.cuda.memory_stats() names to logged names, or None",

@@ -417,7 +417,8 @@ class _Liveness(threading.Thread):
             beats += 1
             try:
                 phases = recorder.phases  # the innermost phase this rank is in, if any
-                beat = {"alive": self.clock(), "beats": beats, **self.evidence.read(), **(phases[-1] if phases else {})}
+                beat = {"alive": self.clock(), "beats": beats, "iteration": recorder.iteration}
+                beat.update(self.evidence.read(), **(phases[-1] if phases else {}))
                 recorder.write_liveness(beat)
             except Exception:  # never let this thread die noisily; the next beat tries again
                 pass

@@ -26,7 +26,8 @@ The header object::
 The liveness object (``alive`` is unix time; the rest is host evidence, null where the machine
 does not show it)::
 
-    {"alive": float, "beats": int, "host_available_gb": float, "host_rss_gb": float,
+    {"alive": float, "beats": int, "iteration": int|null (the last step recorded),
+     "host_available_gb": float, "host_rss_gb": float,
      "vmstat_oom_kill": int|null, "cgroup_oom_kill": int|null,
      "host_limit_gb": float|null, "host_limit_used_gb": float|null,
      "phase": str (only inside a memory phase), "phase_started": float, "phase_iteration": int|null}

@@ -28,9 +28,12 @@ of it, a storage several layers take (a mask) counted once, at the first.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 FORMAT = "nemo_memlog.layers"
 VERSION = 1
@@ -49,7 +52,12 @@ def write(folder: str | os.PathLike[str], record: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / file_name(int(record["rank"]))
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps({"format": FORMAT, "version": VERSION, **record}, allow_nan=True))
+    whole = {"format": FORMAT, "version": VERSION, **record}
+    try:
+        text = json.dumps(whole, allow_nan=True)
+    except (TypeError, ValueError):  # a value JSON cannot encode (a fact): written as its text, never dropped
+        text = json.dumps(json_safe(whole), allow_nan=True)
+    temporary.write_text(text)
     os.replace(temporary, path)
     return path
 
@@ -111,3 +119,19 @@ def _checked(path: Path) -> dict:
             f"({VERSION}): upgrade nemo_memlog"
         )
     return record
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` as JSON encodes it: dicts (string keys), lists, bools, ints, floats (NaN and the
+    infinities as JSON's extension writes them), strings, None; anything else its ``str``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(key): json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return str(value)

@@ -14,15 +14,15 @@ from pathlib import Path
 
 from .. import advice
 from ..measure import layer_record
-from .tables import metric_cell
+from .tables import part_name, size_text
 
 #: The files that make a folder a record folder.
 PATTERN = "rank-*.layers.json"
 
 
 def gb_cell(value: float | None) -> str:
-    """GB as the report prints them: two decimals, two significant digits below 0.01 (a small model)."""
-    return metric_cell("part_gb", value)
+    """A size as the report prints it, by the units rule (tables.size_text): "1.84 GB", "8.4 MB"."""
+    return size_text(value)
 
 
 class AdviseError(Exception):
@@ -225,11 +225,47 @@ def _capacity(records: list[dict], gpu: bool) -> tuple[float | None, str]:
     if gpu and positive("device_total_gb"):
         return positive("device_total_gb"), "the device's total memory"
     ranks = max(int(records[0].get("local_world_size") or 1), 1)
+    shared = f"shared by {ranks} ranks" if ranks > 1 else "one rank"
     if positive("host_limit_gb"):
-        return positive("host_limit_gb") / ranks, f"the job's memory cgroup limit / {ranks} ranks under it"
+        limit = positive("host_limit_gb")
+        return limit / ranks, f"the job's memory cgroup limit {size_text(limit)}, {shared} under it"
     if positive("host_total_gb"):
-        return positive("host_total_gb") / ranks, f"the node's RAM / {ranks} ranks on it"
+        total = positive("host_total_gb")
+        return total / ranks, f"host memory {size_text(total)}, {shared} on this node"
     return None, "unknown"
+
+
+def capacity_line(run: advice.Run) -> str:
+    """The capacity per rank and where it came from, as ``report`` and ``advise`` both say it:
+    "capacity per rank: 6.32 GB (host memory 25.28 GB, shared by 4 ranks on this node)"."""
+    if not run.capacity_gb:
+        return "capacity per rank: unknown (no device or host total in the records; --capacity-gb GB)"
+    return f"capacity per rank: {size_text(run.capacity_gb)} ({run.capacity_source})"
+
+
+def replica_line(run: advice.Run) -> str:
+    """Whose record each stage's figures are: per stage, the data-parallel rank with the highest peak."""
+    ranks = ", ".join(f"stage {stage.stage} rank {stage.rank}" for stage in run.stages)
+    if run.dp_size <= 1:
+        return f"per-stage figures: {ranks} (DP 1: the only data-parallel replica)"
+    return f"per-stage figures: {ranks} (of DP {run.dp_size} replicas, each stage's rank with the highest peak)"
+
+
+def peak_line(outcomes: list[advice.Outcome]) -> str:
+    """Which stage holds the peak today and under the change, in words."""
+    if not outcomes:
+        return "peak: no stages"
+    now = max(outcomes, key=lambda o: o.peak_now_gb)
+    then = max(outcomes, key=lambda o: o.peak_gb)
+    if now.stage == then.stage:
+        return (
+            f"peak: stage {now.stage} holds it today ({size_text(now.peak_now_gb)}) and predicted "
+            f"({size_text(then.peak_gb)})"
+        )
+    return (
+        f"peak: moves from stage {now.stage} today ({size_text(now.peak_now_gb)}) to stage {then.stage} "
+        f"predicted ({size_text(then.peak_gb)})"
+    )
 
 
 def as_json(run: advice.Run, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> str:
@@ -287,29 +323,16 @@ def _as_dict(run: advice.Run, changes: list[advice.Change], outcomes: list[advic
     )
 
 
-LABELS = {
-    "params_gb": "parameters",
-    "grads_gb": "gradients",
-    "optimizer_state_gb": "optimizer state",
-    "activations_gb": "activations",
-    "temporaries_gb": "temporaries",
-    "allocator_slack_gb": "allocator slack",
-    "outside_gb": "outside the allocator",
-}
-
-
 def as_text(run: advice.Run, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> str:
     """Per stage: each part today and predicted, the peak, capacity and headroom; then what fits."""
     what = " + ".join(change.text for change in changes) or "no change (today's figures)"
-    capacity = f"{gb_cell(run.capacity_gb)} GB ({run.capacity_source})" if run.capacity_gb else "unknown"
-    lines = [f"what-if: {what}", f"capacity per rank: {capacity}; PP {run.pp_size}, DP {run.dp_size}", ""]
-    outside = "outside the allocator" if run.gpu else "rest of the process"
-    header = f"{'part (GB)':<24}" + "".join(f"{'stage ' + str(o.stage):>22}" for o in outcomes)
+    lines = [f"what-if: {what}", f"{capacity_line(run)}; PP {run.pp_size}, DP {run.dp_size}", replica_line(run), ""]
+    header = f"{'part':<24}" + "".join(f"{'stage ' + str(o.stage):>22}" for o in outcomes)
     lines += [header, f"{'':<24}" + "".join(f"{'now -> predicted':>22}" for _ in outcomes), "-" * len(header)]
     for name in advice.PARTS:
         if all(o.now.get(name) is None for o in outcomes):
             continue
-        label = outside if name == "outside_gb" else LABELS[name]
+        label = part_name(name, run.gpu)
         cells = [f"{gb_cell(o.now.get(name))} -> {gb_cell(o.predicted.get(name))}" for o in outcomes]
         lines.append(f"{label:<24}" + "".join(f"{c:>22}" for c in cells))
     rows = (
@@ -320,6 +343,7 @@ def as_text(run: advice.Run, changes: list[advice.Change], outcomes: list[advice
     )
     for label, cells in rows:
         lines.append(f"{label:<24}" + "".join(f"{c:>22}" for c in cells))
+    lines += ["", peak_line(outcomes)]
     if outcomes and outcomes[0].assumptions:
         lines += ["", "assumptions:"] + [f"  - {text}" for text in outcomes[0].assumptions]
     size, how = best

@@ -10,33 +10,39 @@ from typing import TYPE_CHECKING
 
 from ..advice import PARTS
 from .plotting import integer_ticks, new_figure, save
+from .tables import part_name, size_scale, size_text
 
 if TYPE_CHECKING:
     from ..advice import Change, Outcome, Run
 
-#: (part, label, colour), bottom to top, as the composition PNG colours them.
+#: part -> colour, bottom to top, as the composition PNG colours them; names: tables.part_name.
 COLOURS = {
-    "params_gb": ("parameters", "tab:blue"),
-    "grads_gb": ("gradients", "tab:cyan"),
-    "optimizer_state_gb": ("optimizer state", "tab:purple"),
-    "activations_gb": ("activations", "tab:orange"),
-    "temporaries_gb": ("temporaries", "tab:pink"),
-    "allocator_slack_gb": ("allocator slack", "tab:gray"),
-    "outside_gb": ("outside the parts above", "tab:olive"),
+    "params_gb": "tab:blue",
+    "grads_gb": "tab:cyan",
+    "optimizer_state_gb": "tab:purple",
+    "activations_gb": "tab:orange",
+    "temporaries_gb": "tab:pink",
+    "allocator_slack_gb": "tab:gray",
+    "outside_gb": "tab:olive",
 }
 
 
 def write_png(run: Run, changes: list[Change], outcomes: list[Outcome], path: str | Path) -> Path:
-    """Two bars per stage (today, predicted) into the PNG at ``path``; returns the path."""
+    """Two bars per stage (today, predicted) into the PNG at ``path``, the stage holding the peak
+    today and predicted named over its bar and in the title; returns the path."""
+    from .advise import capacity_line, peak_line, replica_line
+
     tallest = max([o.peak_now_gb for o in outcomes] + [o.peak_gb for o in outcomes] + [run.capacity_gb or 0.0])
-    scale, unit = (1000.0, "MB") if tallest < 1 else (1.0, "GB")
+    unit, scale = size_scale(tallest)
+    peak_now = max(outcomes, key=lambda o: o.peak_now_gb).stage if outcomes else None
+    peak_then = max(outcomes, key=lambda o: o.peak_gb).stage if outcomes else None
     figure = new_figure(10, 5.5)
     axes = figure.add_subplot()
     stages = [o.stage for o in outcomes]
     for offset, which in ((-0.2, "now"), (0.2, "predicted")):
         bottoms = [0.0] * len(outcomes)
         for name in PARTS:
-            label, colour = COLOURS[name]
+            label, colour = part_name(name, run.gpu), COLOURS[name]
             heights = [scale * (getattr(o, which).get(name) or 0.0) for o in outcomes]
             if not any(heights):
                 continue
@@ -58,27 +64,29 @@ def write_png(run: Run, changes: list[Change], outcomes: list[Outcome], path: st
                 if which == "now"
                 else ("fits" if outcome.fits else "does NOT fit" if outcome.fits is False else "")
             )
+            holds = stage == (peak_now if which == "now" else peak_then)
             axes.annotate(
-                f"{text}\n{top:.3g} {unit}",
+                ("PEAK\n" if holds else "") + f"{text}\n{size_text(top / scale)}",
                 (stage + offset, top),
                 xytext=(0, 3),
                 textcoords="offset points",
                 ha="center",
                 fontsize="small",
+                color="tab:red" if holds else "black",
             )
     if run.capacity_gb:
         axes.axhline(
             scale * run.capacity_gb,
             color="red",
             linestyle=":",
-            label=f"capacity = {scale * run.capacity_gb:.3g} {unit}",
+            label=capacity_line(run).replace(" (", "\n(", 1),
         )
     axes.set_xlabel("pipeline stage (left bar: today, faded; right bar: predicted)")
     integer_ticks(axes.xaxis)
     axes.set_ylabel(unit)
     what = " + ".join(change.text for change in changes) or "today"
     title = f"what-if {what}: each stage today and predicted"
-    figure.suptitle(title)
+    figure.suptitle(f"{title}\n{peak_line(outcomes)}\n{replica_line(run)}", fontsize="medium")
     axes.grid(alpha=0.3, axis="y")
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
-    return save(figure, path, title)
+    return save(figure, path, f"{title}; {peak_line(outcomes)}; {replica_line(run)}")

@@ -280,21 +280,23 @@ def _postmortem_png(postmortem, path) -> Path | None:
 def _report(args) -> int:
     """Exit code 0; raises ReportError when the run cannot be reported on."""
     from . import composition_plot
-    from .report import choose_metric, format_report, load_run
+    from .report import choose_metric, format_report, load_run, records_run
     from .report_plot import write_png
 
     run = load_run(args.run_dir)
-    print(format_report(run))
+    records = records_run(run)
+    print(format_report(run, records))
     hint = _record_hint(args.run_dir)
     if hint:
         print(hint)
     metric = choose_metric(run, args.metric)
     folder = args.run_dir.parent if args.run_dir.is_file() else args.run_dir
-    png = _report_png(write_png, (run, metric, args.png or folder / PNG_NAME))
+    png = _report_png(write_png, (run, metric, args.png or folder / PNG_NAME, records))
     if png is not None:
         print(f"\nplot of {metric} per stage: {png}")
         if composition_plot.has_composition(run):
-            parts = _report_png(composition_plot.write_png, (run, png.with_name(png.stem + "_composition.png")))
+            composition = png.with_name(png.stem + "_composition.png")
+            parts = _report_png(composition_plot.write_png, (run, composition, records))
             if parts is not None:
                 print(f"what each stage's memory is made of: {parts}")
     return 0

@@ -1,11 +1,12 @@
 """The report's composition PNG: what each pipeline stage's memory is made of, one stacked bar per
-stage, at the run's last logging step, against the device's capacity.
+stage up to its measured peak, at the run's last logging step, against the capacity per rank.
 
 Reads a ``MemoryRun`` (events.py): ``memory/pp_stage_{i}/<part>`` for the parts of PARTS (logged
 when the run passed its model to training_log or a callback: measure/composition.py), and
 ``microbatches_in_flight``, named under each bar: a stage's activations are that many
-microbatches'. In MB when the tallest bar is under 1 GB, else in GB. Draws through plotting.py
-(matplotlib, lazily). No torch.
+microbatches'. On CPU the bar is topped up to the stage's peak host RSS with the rest of the
+process (what the measured parts leave of it), as ``advise`` names it. In MB when the tallest bar
+is under 1 GB, else in GB (tables.size_scale). Draws through plotting.py (matplotlib, lazily). No torch.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .plotting import new_figure, save
+from .tables import OUTSIDE_CPU, part_name, size_scale, size_text
 
 if TYPE_CHECKING:
     from .events import MemoryRun
@@ -22,14 +24,19 @@ if TYPE_CHECKING:
 #: (logged name, label, colour), bottom to top: on a GPU they add up to the peak reserved, then
 #: the memory outside the allocator. On CPU only the model state and activations are measured.
 PARTS = (
-    ("params_gb", "parameters", "tab:blue"),
-    ("grads_gb", "gradients", "tab:cyan"),
-    ("optimizer_state_gb", "optimizer state", "tab:purple"),
-    ("activations_gb", "activations", "tab:orange"),
-    ("temporaries_gb", "temporaries", "tab:pink"),
-    ("allocator_slack_gb", "allocator slack", "tab:gray"),
-    ("device_other_gb", "outside the allocator", "tab:olive"),
+    ("params_gb", part_name("params_gb", True), "tab:blue"),
+    ("grads_gb", part_name("grads_gb", True), "tab:cyan"),
+    ("optimizer_state_gb", part_name("optimizer_state_gb", True), "tab:purple"),
+    ("activations_gb", part_name("activations_gb", True), "tab:orange"),
+    ("temporaries_gb", part_name("temporaries_gb", True), "tab:pink"),
+    ("allocator_slack_gb", part_name("allocator_slack_gb", True), "tab:gray"),
+    ("device_other_gb", part_name("device_other_gb", True), "tab:olive"),
 )
+#: CPU: the rest of the process's resident memory, up to the stage's peak host RSS (no allocator).
+REST = "rest_of_process_gb"
+REST_PEAK = "peak_host_rss_gb"
+#: A capacity more than this many times the tallest bar (a 2 TB node) is named, not drawn.
+FAR = 10
 IN_FLIGHT = "microbatches_in_flight"
 
 
@@ -48,18 +55,23 @@ def stage_parts(run: MemoryRun) -> tuple[int | None, dict[int, dict[str, float]]
     for stage in model_state:
         parts[stage] = {}
         for name, _, _ in PARTS:
-            series = run.per_stage(name).get(stage)
-            value = math.nan
-            if series is not None and step in series.steps:
-                value = series.values[series.steps.index(step)]
-            parts[stage][name] = value
+            parts[stage][name] = _at(run, name, stage, step)
+        if all(math.isnan(parts[stage][name]) for name in ("temporaries_gb", "device_other_gb")):
+            peak = _at(run, REST_PEAK, stage, step)  # CPU: the rest of the process, up to the peak RSS
+            measured = sum(v for v in parts[stage].values() if not math.isnan(v))
+            parts[stage][REST] = max(peak - measured, 0.0) if not math.isnan(peak) else math.nan
     return step, parts
 
 
+def _at(run: MemoryRun, name: str, stage: int, step: int) -> float:
+    series = run.per_stage(name).get(stage)
+    return series.values[series.steps.index(step)] if series is not None and step in series.steps else math.nan
+
+
 def unit(parts: dict[int, dict[str, float]]) -> tuple[str, float]:
-    """("MB", 1000) when the tallest stacked bar is under 1 GB, else ("GB", 1)."""
+    """("MB", 1000) when the tallest stacked bar is under 1 GB, else ("GB", 1): the units rule."""
     tallest = max((sum(max(v, 0.0) for v in p.values() if not math.isnan(v)) for p in parts.values()), default=0.0)
-    return ("MB", 1000.0) if tallest < 1 else ("GB", 1.0)
+    return size_scale(tallest)
 
 
 def in_flight_labels(run: MemoryRun, step: int) -> dict[int, str]:
@@ -72,39 +84,57 @@ def in_flight_labels(run: MemoryRun, step: int) -> dict[int, str]:
     return labels
 
 
-def write_png(run: MemoryRun, path: str | Path) -> Path:
-    """One stacked bar per stage into the PNG at ``path``; returns the path. A part no stage
-    measured (temporaries, slack and outside the allocator on CPU: no CUDA allocator) is left out
-    and said so in the legend."""
+def write_png(run: MemoryRun, path: str | Path, records=None) -> Path:
+    """One stacked bar per stage into the PNG at ``path``, up to the stage's measured peak,
+    against the capacity per rank (``records``: the run as its per-layer records say, for the
+    host's capacity per rank, as ``report`` and ``advise`` say it); returns the path. A part no
+    stage measured (temporaries, slack and outside the allocator on CPU: no CUDA allocator) is
+    left out and said so under the legend."""
+    from .report import capacity_per_rank, replica_line
+
     step, parts = stage_parts(run)
+    gpu = not any(REST in p for p in parts.values())
+    found = capacity_per_rank(run, "peak_reserved_gb" if gpu else REST_PEAK, records)
     units, scale = unit(parts)
+    if found is not None and found[0] <= FAR * max(_tops(parts), default=0.0):
+        units, scale = size_scale(found[0])  # the capacity on the same axis
     figure = new_figure(10, 5.5)
     axes = figure.add_subplot()
     stages = sorted(parts)
     bottoms = [0.0] * len(stages)
     missing = []
-    for name, label, colour in PARTS:
-        values = [parts[stage][name] for stage in stages]
+    for name, label, colour in (*PARTS, (REST, OUTSIDE_CPU, "tab:olive")):
+        values = [parts[stage].get(name, math.nan) for stage in stages]
         if all(math.isnan(v) for v in values):
-            missing.append(label)
+            if name != REST and (gpu or name != "device_other_gb"):  # CPU: the rest of the process has it
+                missing.append(label)
             continue
         heights = [0.0 if math.isnan(v) else max(v, 0.0) * scale for v in values]
         axes.bar(stages, heights, bottom=bottoms, color=colour, label=label, width=0.6)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    total = run.get("device_total_gb")
-    if total is not None:
-        capacity = total.latest * scale
-        axes.axhline(capacity, color="red", linestyle=":", label=f"device capacity = {capacity:.4g} {units}")
     for stage, top in zip(stages, bottoms):
-        axes.annotate(f"{top:.3g} {units}", (stage, top), xytext=(0, 3), textcoords="offset points", ha="center")
+        axes.annotate(size_text(top / scale), (stage, top), xytext=(0, 3), textcoords="offset points", ha="center")
+    top_of_bars = max(bottoms, default=0.0)
+    if found is not None:
+        capacity, label = found
+        if capacity * scale > FAR * top_of_bars > 0:
+            axes.set_ylim(top=1.15 * top_of_bars)
+            axes.text(0.01, 0.98, f"{label}: above this scale", transform=axes.transAxes, va="top", fontsize="small")
+        else:
+            axes.axhline(capacity * scale, color="red", linestyle=":", label=label)
     if missing:
         axes.plot([], [], " ", label="not measured here (no CUDA allocator):\n" + ", ".join(missing))
     labels = in_flight_labels(run, step)
     axes.set_xticks(stages, [f"{stage}\n{labels[stage]}" if stage in labels else str(stage) for stage in stages])
     axes.set_xlabel("pipeline stage" + (" (microbatches whose activations it holds)" if labels else ""))
     axes.set_ylabel(units)
-    title = f"{run.run_dir.name or run.run_dir}: what each stage's memory is made of, step {step}"
-    figure.suptitle(title)
+    peak = "peak reserved + outside the allocator" if gpu else "peak host RSS"
+    title = f"{run.run_dir.name or run.run_dir}: what each stage's memory is made of, step {step}, up to its {peak}"
+    figure.suptitle(title + "\n" + replica_line(run, records))
     axes.grid(alpha=0.3, axis="y")
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
-    return save(figure, path, title)
+    return save(figure, path, title + "; " + replica_line(run, records))
+
+
+def _tops(parts: dict[int, dict[str, float]]) -> list[float]:
+    return [sum(max(v, 0.0) for v in p.values() if not math.isnan(v)) for p in parts.values()]

@@ -110,6 +110,7 @@ class MemoryRun:
     peak_window: str | None = None  # memory_peak_window from the recorded config; None: not recorded
     files: list[EventFile] = field(default_factory=list)  # this run's event files, oldest first
     other_runs: list[list[EventFile]] = field(default_factory=list)  # other runs found, not reported
+    reduce_scope: str | None = None  # memory_reduce_scope from the recorded config; None: not recorded
 
     def get(self, tag: str) -> Series | None:
         return self.series.get(tag)
@@ -177,7 +178,8 @@ def load_run(run_dir: str | Path) -> MemoryRun:
         steps = tuple(sorted(by_step))
         series[tag.removeprefix(PREFIX)] = Series(steps, tuple(by_step[s][1] for s in steps))
     configs = [config for part in newest for config in part.configs]
-    return MemoryRun(run_dir, series, skipped, _peak_window(configs), newest, others)
+    scope = _config_field(configs, "memory_reduce_scope", "pp")
+    return MemoryRun(run_dir, series, skipped, _peak_window(configs), newest, others, scope)
 
 
 def _event_files(run_dir: Path) -> list[Path]:
@@ -241,6 +243,12 @@ def _peak_window(configs: list[tuple[float, str]]) -> str | None:
     """memory_peak_window from one run's recorded configs, oldest first; "a -> b" when a
     resume changed it; None when no config was recorded. A config without the field was
     written before the option existed, when every peak was the run's."""
+    return _config_field(configs, "memory_peak_window", "run")
+
+
+def _config_field(configs: list[tuple[float, str]], name: str, default: str) -> str | None:
+    """A logger field from one run's recorded configs, oldest first ("a -> b" when a resume
+    changed it; ``default`` where a config lacks it); None when no config was recorded."""
     windows = []
     for _, text in sorted(configs):
         try:
@@ -249,7 +257,7 @@ def _peak_window(configs: list[tuple[float, str]]) -> str | None:
             continue
         if not isinstance(params, dict):
             continue
-        window = str(params.get("logger.memory_peak_window", params.get("memory_peak_window", "run")))
+        window = str(params.get(f"logger.{name}", params.get(name, default)))
         if not windows or windows[-1] != window:
             windows.append(window)
     return " -> ".join(windows) or None

@@ -10,18 +10,21 @@ from pathlib import Path
 
 from .plotting import finish_axes, integer_ticks, new_figure, save
 from .postmortem_state import Postmortem, RankState
-from .tables import finite_number
+from .tables import finite_number, size_scale, size_text
 
 METRICS = ("peak_reserved_gb", "peak_host_rss_gb", "host_rss_gb")
 _STATUS_COLOR = {"closed": "tab:green", "cuda_oom": "tab:red", "unfinished": "tab:orange"}
+#: One colour per stage, none of them red or grey (the first failure is marked, not coloured).
+STAGE_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 
 
 def write_png(postmortem: Postmortem, path: str | Path) -> Path:
     """Two panels into the PNG at ``path``; returns the path.
 
     Top: per pipeline stage, the records still in the ring of the rank holding the stage's
-    highest memory metric (peak_reserved_gb, else host RSS) in its last record; the first
-    failure's own records in red, its last point (the OOM, or its last record) marked. Bottom, only
+    highest memory metric (peak_reserved_gb, else host RSS) in its last record, one distinct colour
+    per stage; the first failure's last point (the OOM, or its last record) marked with a black X and
+    named beside it, its own records dashed in black when another rank holds its stage. Bottom, only
     when there is a failure: each rank's stop (``failure_time``, as the table's "stopped" columns)
     relative to the first failure, coloured by status, the ranks that died of its loss apart, the
     first failure starred.
@@ -70,25 +73,67 @@ def _stage_lines(axes, ranks: list[RankState], metric: str, first: RankState | N
         stage = state.header.get("pp_rank")
         if value is not None and (stage not in holders or value > holders[stage].value(metric)):
             holders[stage] = state
-    for stage in sorted(holders, key=str):
-        points = _series(holders[stage], metric)
+    lines = {stage: _series(holders[stage], metric) for stage in holders}
+    if first is not None:
+        lines["first"] = _series(first, metric)
+    tallest = max((v for points in lines.values() for _, v in points), default=0.0)
+    units, scale = size_scale(tallest)
+    for i, stage in enumerate(sorted(holders, key=str)):
+        points = lines[stage]
         if points:
+            holder = holders[stage]
+            dp = holder.header.get("dp_rank")
             axes.plot(
-                *zip(*points),
+                [it for it, _ in points],
+                [scale * v for _, v in points],
                 marker="o",
                 markersize=3,
-                linewidth=1.2,
-                label=f"stage {stage}: rank {holders[stage].rank}, the stage's highest {metric}",
+                linewidth=1.5,
+                color=STAGE_COLOURS[i % len(STAGE_COLOURS)],
+                label=f"stage {stage}: rank {holder.rank}" + (f" (dp {dp})" if dp is not None else ""),
             )
-    if first is not None:
-        points = _series(first, metric)
-        if points:
-            axes.plot(*zip(*points), color="red", linewidth=2.5, label=f"rank {first.rank} (first failure)")
-            axes.plot(*points[-1], marker="X", markersize=14, color="red", linestyle="none")
+    if first is not None and lines["first"]:
+        points = lines["first"]
+        if all(first is not holder for holder in holders.values()):  # its stage's line is another rank's
+            axes.plot(
+                [it for it, _ in points],
+                [scale * v for _, v in points],
+                color="black",
+                linestyle="--",
+                linewidth=1.2,
+                label=f"rank {first.rank} (first failure), stage {first.header.get('pp_rank')}",
+            )
+        it, value = points[-1]
+        axes.plot(
+            it,
+            scale * value,
+            marker="X",
+            markersize=13,
+            markerfacecolor="none",
+            markeredgecolor="black",
+            markeredgewidth=2,
+            linestyle="none",
+            zorder=4,
+            label=f"first failure: rank {first.rank} ({first.status}), its last record",
+        )
+        axes.annotate(
+            f"first failure: rank {first.rank}, stage {first.header.get('pp_rank')}\n"
+            f"{size_text(value)} at iteration {it}",
+            (it, scale * value),
+            xytext=(-14, 6),
+            textcoords="offset points",
+            ha="right",
+            va="bottom",
+            fontsize="small",
+        )
     axes.set_xlabel("iteration (records still in the rings)")
     integer_ticks(axes.xaxis)
-    axes.set_ylabel(f"{metric} (GB)")
-    axes.set_ylim(bottom=0)
+    axes.set_ylabel(f"{metric} ({units})")
+    axes.set_ylim(bottom=0, top=1.18 * scale * tallest if tallest > 0 else None)
+    axes.set_title(
+        f"per stage: the rank with the stage's highest {metric} in its last record (which replica: its dp)",
+        fontsize="small",
+    )
     finish_axes(axes)
 
 

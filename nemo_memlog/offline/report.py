@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..attribution import PREFIX
 from .events import EXPECTED, EventFile, MemoryRun, ReportError, Series, is_host, load_run, split_runs
-from .tables import Column, metric_cell, render_table
+from .tables import Column, metric_cell, render_table, size_text
 
 __all__ = [
     "EventFile",
@@ -19,6 +19,9 @@ __all__ = [
     "Series",
     "TABLE_WIDTH",
     "capacity_tag",
+    "capacity_lines",
+    "records_run",
+    "replica_line",
     "choose_metric",
     "format_report",
     "load_run",
@@ -53,24 +56,24 @@ def capacity_tag(name: str) -> str:
     return "host_total_gb" if is_host(name) else "device_total_gb"
 
 
-def format_report(run: MemoryRun) -> str:
-    """The header lines and the per-stage table, wrapped to TABLE_WIDTH columns."""
+_UNREAD = object()
+
+
+def format_report(run: MemoryRun, records=_UNREAD) -> str:
+    """The header lines and the per-stage table, wrapped to TABLE_WIDTH columns. ``records``: the
+    run as its per-layer records say (``records_run``), read here when not given."""
     steps = run.steps
     last = steps[-1]
     lines = [
         f"run: {run.run_dir}",
         f"steps {steps[0]}..{last} ({len(steps)} logged); pipeline stages: {len(run.stages)}; "
-        f"now = step {last}, peak = max over steps; GB unless the name says otherwise",
+        f"now = step {last}, peak = max over steps; sizes in MB below 1 GB, else GB",
     ]
     lines.append(peak_window_line(run))
     lines += runs_lines(run)
-    capacity = [
-        f"{label} {metric_cell(tag, run.get(tag).latest)} GB"
-        for label, tag in (("device", "device_total_gb"), ("host", "host_total_gb"))
-        if run.get(tag)
-    ]
-    if capacity:
-        lines.append("capacity (largest stage): " + ", ".join(capacity))
+    records = records_run(run) if records is _UNREAD else records
+    lines.append(replica_line(run, records))
+    lines += capacity_lines(run, records)
     names = run.metrics()
     if not names:
         return "\n".join(lines + ["no per-stage memory metrics logged"])
@@ -78,6 +81,77 @@ def format_report(run: MemoryRun) -> str:
     lines += render_table(_columns(run, names), TABLE_WIDTH)
     lines += [f"skipped unreadable event file {entry}" for entry in run.skipped]
     return "\n".join(lines)
+
+
+def records_run(run: MemoryRun):
+    """The run as ``advise`` reads it from its per-layer records (an ``advice.Run``), or None
+    without readable records: the report takes the capacity per rank and the layout from it,
+    so both commands say the same."""
+    from .advise import AdviseError, load
+
+    try:
+        return load(run.run_dir)
+    except (AdviseError, OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def replica_line(run: MemoryRun, records=None) -> str:
+    """Whose values the stage columns are: the writer rank's pipeline group (one data-parallel
+    replica), or with memory_reduce_scope=world each stage's max over every replica."""
+    scope = run.reduce_scope or "pp"
+    dp = f" of DP {records.dp_size}" if records is not None else ""
+    if records is not None and records.dp_size <= 1:
+        return "per-stage values: the only data-parallel replica (DP 1)"
+    if scope == "world":
+        return f"per-stage values: each stage's max over its ranks in every data-parallel replica{dp} (scope world)"
+    return (
+        f"per-stage values: the writer rank's data-parallel replica{dp} (its pipeline group; the writer is "
+        "global rank world_size-1); other replicas are not in these events (memory_reduce_scope=world has them)"
+    )
+
+
+def capacity_per_rank(run: MemoryRun, metric: str, records=None) -> tuple[float, str] | None:
+    """(GB, label) of the capacity a PNG draws for ``metric``: per rank as ``capacity_lines`` says
+    it (the records' capacity for a host metric on CPU), else the logged device or host total."""
+    if records is not None and records.capacity_gb and is_host(metric) != records.gpu:
+        return records.capacity_gb, f"capacity per rank {size_text(records.capacity_gb)}\n({records.capacity_source})"
+    total = run.get(capacity_tag(metric))
+    if total is None:
+        return None
+    where = "host memory on this node (all its ranks)" if is_host(metric) else "the device's total memory"
+    return total.latest, f"capacity {size_text(total.latest)}\n({where})"
+
+
+def capacity_lines(run: MemoryRun, records=None) -> list[str]:
+    """The capacity once, and where it came from: per rank as ``advise`` takes it (from the
+    per-layer records: the host memory shared by the node's ranks, or the device), and why the
+    headroom column differs from it on the host (the node's free memory now, shared)."""
+    lines = []
+    device, host = run.get("device_total_gb"), run.get("host_total_gb")
+    if records is not None and records.capacity_gb:
+        from .advise import capacity_line
+
+        lines.append(capacity_line(records) + ", as `nemo-memlog advise` takes it")
+        peaks = run.per_stage("peak_host_rss_gb") if not records.gpu else {}
+        if peaks:
+            stage, series = min(peaks.items(), key=lambda item: records.capacity_gb - item[1].latest)
+            lines.append(
+                f"least headroom per rank: {size_text(records.capacity_gb - series.latest)} on stage {stage} "
+                f"(capacity per rank - its peak_host_rss {size_text(series.latest)})"
+            )
+    elif device is not None:
+        lines.append(f"capacity per rank: {size_text(device.latest)} (the device's total memory)")
+    elif host is not None:
+        lines.append(
+            f"capacity: host memory {size_text(host.latest)} on this node, not divided per rank: how many ranks "
+            "share it is in the per-layer records, and there are none (`advise` divides it)"
+        )
+    if host is not None and run.get("host_headroom_gb") is not None:
+        lines.append(
+            "headroom column (host): the node's MemAvailable (or the cgroup's room) now, at the stage with the "
+            "least: free memory any rank on the node may take, not a per-rank share"
+        )
+    return lines
 
 
 def peak_window_line(run: MemoryRun) -> str:
@@ -115,7 +189,7 @@ def _columns(run: MemoryRun, names: list[str]) -> list[Column]:
     for stage in run.stages:
         columns += _now_and_peak(f"stage {stage}", names, (run.per_stage(name).get(stage) for name in names))
     headroom = [_headroom(run, "host_headroom" if is_host(name) else "headroom") for name in names]
-    columns.append(Column("headroom", "GB now", [gb for gb, _ in headroom]))
+    columns.append(Column("headroom", "now", [gb for gb, _ in headroom]))
     columns.append(Column("headroom", "stage", [stage for _, stage in headroom]))
     return columns
 

@@ -9,28 +9,33 @@ from __future__ import annotations
 from pathlib import Path
 
 from .plotting import finish_axes, integer_ticks, new_figure, save
-from .report import MemoryRun, capacity_tag
-from .tables import unit
+from .report import MemoryRun, capacity_per_rank, replica_line
+from .tables import size_scale, size_text, unit
 
 
-def write_png(run: MemoryRun, metric: str, path: str | Path) -> Path:
+def write_png(run: MemoryRun, metric: str, path: str | Path, records=None) -> Path:
     """Draw ``metric`` for every stage of ``run`` into the PNG at ``path``; returns the path.
 
     One line per pipeline stage (memory/pp_stage_{i}/<metric>) over a wide grey band, the logged
     pipeline-wide max (memory/<metric>), so no stage hides under it; the last stage marked as what
     stock Megatron dashboards show (their writer is the last rank), with the gap from it to the
-    peak at the last step labelled; the capacity (device or host total) as a horizontal line.
-    The title (also the PNG's Title text) names the run folder and the peak window.
+    peak at the last step labelled where it exceeds what the stages vary by over the run; the
+    capacity (per rank, as the report says it) as a horizontal line, or a note when it is far above
+    the data. Sizes by the units rule (MB below 1 GB). The title (also the PNG's Title text) names
+    the run folder, the peak window and whose values the stages are (which replica).
     """
     figure = new_figure(10, 5.5)
     axes = figure.add_subplot()
     stages = run.per_stage(metric)
     last = max(stages, default=None)
     logged = run.get(metric)
+    sized = unit(metric) == "GB"
+    everything = [v for s in [*stages.values(), *([logged] if logged else [])] for v in s.values if v == v]
+    units, scale = size_scale(max(everything, default=0.0)) if sized else (unit(metric), 1.0)
     if logged is not None:  # under the stage lines: a band, never a line that hides one
         axes.plot(
             logged.steps,
-            logged.values,
+            [scale * v for v in logged.values],
             color="black",
             alpha=0.15,
             linewidth=9,
@@ -42,7 +47,7 @@ def write_png(run: MemoryRun, metric: str, path: str | Path) -> Path:
         stock = stage == last and len(stages) > 1
         axes.plot(
             series.steps,
-            series.values,
+            [scale * v for v in series.values],
             marker="o",
             markersize=3,
             linewidth=2.2 if stock else 1.5,
@@ -51,18 +56,20 @@ def write_png(run: MemoryRun, metric: str, path: str | Path) -> Path:
             label=f"stage {stage} (last: what Megatron-LM, Bridge < 0.5 log)" if stock else f"stage {stage}",
         )
     if len(stages) > 1:
-        _gap_label(axes, stages, last, metric)
-    _capacity_line(axes, run, metric)
-    if unit(metric) == "GB":
+        _gap_label(axes, stages, last, metric, scale)
+    if sized:
         axes.set_ylim(bottom=0)  # distance to the capacity line reads as headroom
+    _capacity_line(axes, run, metric, records, scale, units)
     axes.set_xlabel("step")
     integer_ticks(axes.xaxis)
-    axes.set_ylabel(metric if unit(metric) is None else f"{metric} ({unit(metric)})")
+    axes.set_ylabel(metric if units is None else f"{metric} ({units})")
     window = run.peak_window or "not recorded"
     title = f"{run.run_dir.name or run.run_dir}: {metric} per pipeline stage, peak window: {window}"
-    figure.suptitle(title)  # over the whole figure: the legend beside the axes leaves them narrow
+    figure.suptitle(
+        title + "\n" + replica_line(run, records)
+    )  # over the whole figure: the legend beside the axes leaves them narrow
     finish_axes(axes)
-    return save(figure, path, title)  # the PNG's own text says what it shows
+    return save(figure, path, title + "; " + replica_line(run, records))  # the PNG's own text says what it shows
 
 
 def gap_to_last_stage(stages: dict, last: int) -> tuple[int, float, float, object] | None:
@@ -77,29 +84,53 @@ def gap_to_last_stage(stages: dict, last: int) -> tuple[int, float, float, objec
     return step, values[peak_stage], values[last], peak_stage
 
 
-def _gap_label(axes, stages: dict, last, metric: str) -> None:
-    """An arrow from the last stage up to the peak at the last common step, with the gap in words."""
+def spread(series) -> float:
+    """How much one stage's values vary over the run's steps (max - min): the run's own noise."""
+    values = [v for v in series.values if v == v]
+    return max(values) - min(values) if values else 0.0
+
+
+def _gap_label(axes, stages: dict, last, metric: str, scale: float = 1.0) -> None:
+    """An arrow from the last stage up to the peak at the last common step, with the gap in words;
+    only where the gap exceeds how much those two stages vary over the run's steps (else it is
+    noise, and a grey note says the stages are level)."""
     found = gap_to_last_stage(stages, last)
     if found is None:
         return
     step, peak, shown, peak_stage = found
     if peak <= shown:
         text = "the last stage holds the peak here: last-rank dashboards show it"
-        axes.annotate(text, (step, shown), xytext=(-10, 12), textcoords="offset points", ha="right", fontsize="small")
+        axes.annotate(
+            text, (step, scale * shown), xytext=(-10, 12), textcoords="offset points", ha="right", fontsize="small"
+        )
         return
     gap = peak - shown
-    size = (
-        f"+{gap * 1000:.0f} MB"
-        if unit(metric) == "GB" and gap < 1
-        else f"+{gap:.2f}{' GB' if unit(metric) == 'GB' else ''}"
-    )
+    noise = max(spread(stages[peak_stage]), spread(stages[last]))
+    sized = unit(metric) == "GB"
+    size = size_text(gap) if sized else f"{gap:.3g}"
+    varies = size_text(noise) if sized else f"{noise:.3g}"
+    if gap <= noise:
+        axes.annotate(
+            f"stages level: the gap ({size}) is within what a stage varies over the run ({varies})",
+            (step, scale * shown),
+            xytext=(-10, -14),
+            textcoords="offset points",
+            ha="right",
+            color="dimgray",
+            fontsize="small",
+        )
+        return
     share = f" (+{100 * gap / shown:.0f}%)" if shown > 0 else ""
     axes.annotate(
-        "", xy=(step, peak), xytext=(step, shown), arrowprops={"arrowstyle": "<->", "color": "tab:red", "lw": 1.5}
+        "",
+        xy=(step, scale * peak),
+        xytext=(step, scale * shown),
+        arrowprops={"arrowstyle": "<->", "color": "tab:red", "lw": 1.5},
     )
     axes.annotate(
-        f"{size}{share} on stage {peak_stage}:\nhidden from last-rank dashboards",
-        (step, (peak + shown) / 2),
+        f"+{size}{share} on stage {peak_stage}:\nhidden from last-rank dashboards\n"
+        f"(stages vary by at most {varies} over the run)",
+        (step, scale * (peak + shown) / 2),
         xytext=(-8, 0),
         textcoords="offset points",
         ha="right",
@@ -109,17 +140,25 @@ def _gap_label(axes, stages: dict, last, metric: str) -> None:
     )
 
 
-def _capacity_line(axes, run: MemoryRun, metric: str) -> None:
-    """The capacity as a horizontal line; when it is far above the data (a 2 TB node, 20 GB
-    of RSS) the y axis stays on the data, so the stages stay apart, and the legend says so."""
-    capacity = run.get(capacity_tag(metric))
-    if capacity is None:
+def _capacity_line(axes, run: MemoryRun, metric: str, records=None, scale: float = 1.0, units=None) -> None:
+    """The capacity as a horizontal line with its source in the legend; when it is far above the
+    data (a 2 TB node, 20 GB of RSS) the y axis stays on the data, so the stages stay apart, and
+    no line is drawn: a note in the corner says where it is (no legend entry for what is not drawn)."""
+    found = capacity_per_rank(run, metric, records)
+    if found is None:
         return
-    label = f"{capacity_tag(metric)} = {capacity.latest:.2f}"
+    capacity, label = found
     top = max((v for line in axes.get_lines() for v in line.get_ydata() if v == v), default=0.0)
-    far = top > 0 and capacity.latest > 3 * top
-    axes.axhline(
-        capacity.latest, color="red", linestyle=":", linewidth=1.5, label=label + (" (above this scale)" if far else "")
-    )
-    if far:
+    if top > 0 and scale * capacity > 3 * top:
         axes.set_ylim(top=1.15 * top)
+        axes.text(
+            0.01,
+            0.98,
+            f"{label}: above this scale",
+            transform=axes.transAxes,
+            va="top",
+            fontsize="small",
+            color="dimgray",
+        )
+        return
+    axes.axhline(scale * capacity, color="red", linestyle=":", linewidth=1.5, label=label)

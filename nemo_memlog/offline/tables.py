@@ -93,30 +93,79 @@ def unit(name: str) -> str | None:
     return None
 
 
+def size_text(gb: float | None) -> str:
+    """The units rule: a size in GB as every output shows it, MB below 1 GB, GB from 1 GB.
+
+    "1.84 GB", "543 MB", "8.4 MB", "0.47 MB", "0 MB"; "-" for none. GB with two decimals; MB
+    whole from 10 MB, else two significant digits, so a small model's state never reads "0.00"
+    and no part below 10 MB is rounded away. ``report``, ``advise``, ``postmortem`` and their PNGs
+    all format sizes through here (advice.fmt too)."""
+    if gb is None or (isinstance(gb, float) and not math.isfinite(gb)):
+        return "-"
+    if abs(gb) >= 0.9995:  # what would round to "1000 MB" reads "1.00 GB"
+        return f"{gb:.2f} GB"
+    mb = gb * 1000
+    if mb == 0:
+        return "0 MB"
+    if abs(mb) >= 10:
+        return f"{mb:.0f} MB"
+    if abs(mb) >= 0.01:
+        return f"{float(f'{mb:.2g}'):g} MB"
+    return f"{'-' if mb < 0 else ''}<0.01 MB"
+
+
+def size_scale(largest_gb: float) -> tuple[str, float]:
+    """A picture's axis by the units rule: ("MB", 1000) when its largest size is under 1 GB, else ("GB", 1)."""
+    return ("MB", 1000.0) if largest_gb < 1 else ("GB", 1.0)
+
+
 def metric_cell(name: str, value: float | None) -> str:
-    """A logged metric's value as the report prints it: by its unit; counters and stage indices whole."""
+    """A logged metric's value as the report prints it: sizes (``*_gb``) by the units rule
+    (``size_text``, with the unit), percentages one decimal, counters and stage indices whole."""
     if value is None:
         return "-"
     if unit(name) == "%":
         return f"{value:.1f}"
-    if unit(name) == "GB":  # a small model's state (MB) keeps two significant digits, not "0.00"
-        return f"{value:.2f}" if value == 0 or abs(value) >= 0.01 else f"{value:.2g}"
+    if unit(name) == "GB":
+        return size_text(value)
     if float(value).is_integer():  # counters (alloc_retries) and stage indices
         return str(int(value))
     return f"{value:.3g}"
 
 
 def gb_cell(value: float | None) -> str:
-    """GB in a table cell: two decimals, "-" for none."""
-    return "-" if value is None else f"{value:.2f}"
+    """A size in GB in a table cell, by the units rule (``size_text``): "1.84 GB", "543 MB", "-"."""
+    return size_text(value)
 
 
 def gb_text(value: float | None, scale: float = 1e9) -> str:
-    """Bytes (or GB with ``scale=1``) as a short GB figure for a sentence: "61 GB", "1.3 GB", "0.04 GB"."""
+    """Bytes (or GB with ``scale=1``) as a size for a sentence, by the units rule; "? GB" for none."""
     if value is None:
         return "? GB"
-    number = value / scale
-    return f"{number:.0f} GB" if number >= 10 else f"{number:.1f} GB" if number >= 0.1 else f"{number:.2f} GB"
+    return size_text(value / scale)
+
+
+#: One name per part of a stage's memory, in every output (tables, PNGs, docs); the JSON keeps
+#: the key on the left. ``outside_gb`` / ``device_other_gb`` is what the measured parts leave
+#: of the stage's peak: on a GPU the device memory outside the caching allocator, on CPU the rest
+#: of the process's resident memory (interpreter, libraries, buffers).
+PART_NAMES = {
+    "params_gb": "parameters",
+    "grads_gb": "gradients",
+    "optimizer_state_gb": "optimizer state",
+    "activations_gb": "activations",
+    "temporaries_gb": "temporaries",
+    "allocator_slack_gb": "allocator slack",
+}
+OUTSIDE_GPU = "outside the allocator"
+OUTSIDE_CPU = "rest of the process"
+
+
+def part_name(key: str, gpu: bool) -> str:
+    """The one name of a part (``PART_NAMES``); ``outside_gb`` / ``device_other_gb`` by platform."""
+    if key in ("outside_gb", "device_other_gb", "rest_of_process_gb"):
+        return OUTSIDE_GPU if gpu else OUTSIDE_CPU
+    return PART_NAMES.get(key, key)
 
 
 def cell(value: object) -> str:

@@ -46,6 +46,9 @@ class Channel:
         self.exchange_name = exchange
         self.to_all = exchange == "all_to_all"
         self.layout: Any = None  # the agreed payload.Layout, once every rank adopted it
+        #: (after_s, alert(group, iteration, waited_s), StallWatch): a wait longer than after_s is
+        #: said while it goes on (the Reduction sets it from the run's memory_reduce_stall_warn_s)
+        self.stall: tuple | None = None
 
     def adopt(self, layout: payload.Layout, group: dist.ProcessGroup) -> None:
         self.layout = layout
@@ -103,6 +106,18 @@ class Channel:
         return out.tolist()
 
     def _wait(self, work, group, iteration, timeout_s) -> None:
+        stall = self.stall
+        watched = stall is not None and (timeout_s is None or stall[0] < timeout_s)
+        if watched:
+            after_s, alert, watch = stall
+            watch.arm(after_s, functools.partial(alert, group, iteration))
+        try:
+            self._bounded_wait(work, group, iteration, timeout_s)
+        finally:
+            if watched:
+                watch.disarm()
+
+    def _bounded_wait(self, work, group, iteration, timeout_s) -> None:
         if timeout_s is None:
             work.wait()
         elif self.device.type == "cpu":

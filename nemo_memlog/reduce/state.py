@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from .protocol import (
     key_mismatch_message,
     optional_union,
 )
+from .stall import StallWatch
 from .twins import pp_twin, world_twin
 
 
@@ -48,6 +50,8 @@ class Reduction:
     def __init__(self, warn: WarnOnce | None = None, exchange: str = EXCHANGE):
         self.warn = WarnOnce() if warn is None else warn
         self.exchange = exchange
+        #: (after_s, alert(group, iteration, waited_s)): say a wait longer than after_s while it goes on
+        self.stall: tuple[float, Callable] | None = None
         self._channels = _GroupMap()
         self._twins = _GroupMap()
         self._created: list = []  # the gloo groups this Reduction created, destroyed at close
@@ -110,6 +114,7 @@ class Reduction:
         channel = self._channels.get(group)
         if channel is None:
             channel = self._channels[group] = Channel(group, self.exchange)
+        channel.stall = None if self.stall is None else (*self.stall, PROCESS.stall_watch)
         return channel
 
     def groups(self) -> list:
@@ -244,6 +249,8 @@ class ProcessReductions:
         self.open: list = []
         #: close_writers() calls on this rank (restart.py publishes it for ``agree_on_restart``).
         self.runs_ended = 0
+        #: The one thread that says a collective's wait is long (stall.py), for every Reduction.
+        self.stall_watch = StallWatch()
 
 
 # Per process, not per run: the free helper functions (gather_memory, single_rank,

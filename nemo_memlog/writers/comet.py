@@ -15,6 +15,14 @@ git, code, console and framework auto-logging are all off, and importing comet_m
 does not install its import hooks: they patch torch, TensorBoard and MLflow process-wide,
 and a training script's own ``mlflow.start_run()`` would then open a second Comet
 experiment with full environment capture, ``sys.argv`` included (seen with comet_ml 3.58).
+
+Every stage of a metric in one chart: the per-stage metrics keep names that sort together
+(``memory/pp_stage_{i}/<name>`` beside ``memory/<name>``), which a Comet line-chart panel
+takes several of; and when an experiment this backend opened ends, it gets per metric logged
+per stage a figure (Graphics tab; matplotlib, the ``report`` extra) with the max and every
+stage, one line each and a legend, and the asset ``memory_per_stage.json`` with those lines as
+data (thinned to at most 2000 steps; see stages.py). An adopted experiment gets none: its
+opener ends it, not us.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import scrubbed
 from .base import writable_folder
+from .stages import StageHistory, artifact_name, figures
+
+#: The asset holding the per-stage charts as data, logged when the experiment ends.
+CHARTS_ASSET = "memory_per_stage.json"
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -98,20 +110,34 @@ def import_comet_ml() -> ModuleType:
 def adopt(obj: object) -> CometBackend | None:
     """A comet_ml Experiment (online or offline) that someone else opened, else None."""
     if type(obj).__module__.startswith("comet_ml") and hasattr(obj, "log_metrics"):
-        return CometBackend(obj)
+        return CometBackend(obj, adopted=True)
     return None
 
 
 class CometBackend:
-    def __init__(self, experiment: Any):
+    def __init__(self, experiment: Any, adopted: bool = False):
         self.experiment = experiment
+        self.history = None if adopted else StageHistory()  # an adopted experiment gets no charts at its end
 
     def log(self, metrics: dict, step: int) -> None:
         """Every metric at ``step`` (Comet gets its own copy: ``metrics`` is never mutated)."""
         self.experiment.log_metrics(dict(metrics), step=step)
+        if self.history is not None:
+            self.history.add(metrics, step)
 
     def flush(self) -> None:
         self.experiment.flush()
 
+    def log_charts(self) -> None:
+        """The per-stage charts: one figure per metric, and their lines as the asset ``memory_per_stage.json``."""
+        if self.history is None or not self.history.charts:
+            return
+        self.experiment.log_asset_data(self.history.as_dict(), name=CHARTS_ASSET)
+        for tag, figure in figures(self.history):
+            self.experiment.log_figure(figure_name=f"memory per stage: {artifact_name(tag)}", figure=figure)
+
     def close(self) -> None:
-        self.experiment.end()
+        try:
+            self.log_charts()
+        finally:
+            self.experiment.end()

@@ -13,6 +13,14 @@ normalise to another path. Other characters become ``_`` (``memory/weird key*(1)
 logged as ``memory/weird key__1_``; see ``mlflow_name``). The mapping is a pure function
 of the name, so a metric keeps its MLflow name across steps and runs. Param and tag
 names are mapped the same way; their values are recorded as strings (MLflow's only kind).
+
+Every stage of a metric in one chart: MLflow charts a metric per chart (runs overlaid, not
+metrics), so the per-stage metrics keep names that sort together (``memory/pp_stage_{i}/<name>``
+beside ``memory/<name>``: the chart search finds them by ``<name>``), and when a run this
+backend opened closes, its artifacts get ``memory_per_stage/``: per metric logged per stage a
+PNG (matplotlib, the ``report`` extra) with the max and every stage, one line each and a
+legend, and ``charts.json`` with those lines as data (thinned to at most 2000 steps; see
+stages.py). A run adopted from a framework gets none: it ends the run, not us.
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import scrubbed
 from .base import writable_folder
+from .stages import StageHistory, artifact_name, figures
+
+#: The artifact folder of the per-stage charts, written when the run closes.
+CHARTS_FOLDER = "memory_per_stage"
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -146,7 +158,7 @@ def adopt(obj: Any, spell: Callable[[str], str] | None = None) -> MlflowBackend 
     from mlflow.tracking import MlflowClient
 
     name = framework_namer(spell or _underscored)
-    return MlflowBackend(MlflowClient(tracking_uri=obj.get_tracking_uri()), run.info.run_id, name=name)
+    return MlflowBackend(MlflowClient(tracking_uri=obj.get_tracking_uri()), run.info.run_id, name=name, adopted=True)
 
 
 def _underscored(key: str) -> str:
@@ -166,10 +178,11 @@ def framework_namer(spell: Callable[[str], str]) -> Callable[[str], str]:
 
 
 class MlflowBackend:
-    def __init__(self, client: Any, run_id: str, name: Callable[[str], str] = mlflow_name):
+    def __init__(self, client: Any, run_id: str, name: Callable[[str], str] = mlflow_name, adopted: bool = False):
         self.client = client
         self.run_id = run_id
         self.name = name
+        self.history = None if adopted else StageHistory()  # an adopted run gets no charts at close
 
     def log(self, metrics: dict, step: int) -> None:
         """Every metric at ``step`` as a float, in batches of 1000; raises what MLflow raises."""
@@ -180,9 +193,22 @@ class MlflowBackend:
         batch = [Metric(name(k), float(v), now_ms, step) for k, v in metrics.items()]
         for start in range(0, len(batch), METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=batch[start : start + METRICS_PER_BATCH], synchronous=True)
+        if self.history is not None:
+            self.history.add(metrics, step)
 
     def flush(self) -> None:
         pass  # every log_batch is synchronous: written when log returns
 
+    def log_charts(self) -> None:
+        """The per-stage charts as artifacts: ``memory_per_stage/<name>.png`` and ``charts.json``."""
+        if self.history is None or not self.history.charts:
+            return
+        self.client.log_dict(self.run_id, self.history.as_dict(), f"{CHARTS_FOLDER}/charts.json")
+        for tag, figure in figures(self.history):
+            self.client.log_figure(self.run_id, figure, f"{CHARTS_FOLDER}/{artifact_name(tag)}.png")
+
     def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+        try:
+            self.log_charts()
+        finally:
+            self.client.set_terminated(self.run_id)

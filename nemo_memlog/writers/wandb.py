@@ -1,4 +1,4 @@
-"""Weights & Biases backend: one ``run.log(metrics, step=step)`` per logged step.
+r"""Weights & Biases backend: one ``run.log(metrics, step=step)`` per logged step.
 
 Enabled by ``wandb_project``. ``WANDB_MODE=offline`` (and W&B's other environment
 variables) are honoured by wandb itself. History is JSON: ints are written as ints
@@ -8,6 +8,14 @@ stored as they are (``NaN``, ``Infinity``, ``-Infinity``).
 Each call commits its row at once (``commit=True``), so the latest step is on disk
 without waiting for the next one. W&B steps must increase: a second call at the same
 or an earlier step is dropped by W&B with a warning (the fan-out logs one dict per step).
+
+Every stage of a metric in one chart: the per-stage keys already share a section
+(``memory/``) and a regular expression (a line plot's Y axis, ``memory/(pp_stage_\d+/)?peak_reserved_gb$``,
+overlays every stage and the max while the run is live); and when a run this backend opened
+closes, one W&B custom chart per metric logged per stage (``wandb.plot.line_series``, its own
+section ``memory per stage/<name>``) draws the max and every stage, a legend naming each, over
+the whole run (thinned to at most 2000 steps; see stages.py). A run adopted from a framework
+gets no chart: it ends the run, not us.
 
 The run records only ``params`` (redacted) and the metrics: W&B's capture of the
 environment is switched off, because it would record ``sys.argv`` (where a secret
@@ -21,6 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import scrubbed
 from .base import writable_folder
+from .stages import PREFIX, StageHistory
+
+#: The section of the custom charts drawn at close, one per metric logged per stage.
+CHART_SECTION = "memory per stage/"
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -76,13 +88,39 @@ class WandbBackend:
     def __init__(self, run: Any, commit: bool = True):
         self.run = run
         self.commit = commit
+        self.history = StageHistory() if commit else None  # an adopted run gets no chart at close
 
     def log(self, metrics: dict, step: int) -> None:
         """Log ``metrics`` as the row of ``step`` (W&B gets its own copy: ``metrics`` is never mutated)."""
         self.run.log(dict(metrics), step=step, commit=self.commit)
+        if self.history is not None:
+            self.history.add(metrics, step)
 
     def flush(self) -> None:
         pass  # wandb streams each log call to its service process; there is nothing to push
 
+    def charts(self) -> dict:
+        """``{"memory per stage/<name>": custom chart}``: per metric logged per stage, the max
+        and every stage over the run, one line each, with a legend."""
+        import wandb
+
+        charts = {}
+        for tag in sorted(self.history.charts if self.history is not None else ()):
+            lines = {label: line for label, line in self.history.lines(tag).items() if line[0]}
+            if lines:
+                charts[CHART_SECTION + tag.removeprefix(PREFIX)] = wandb.plot.line_series(
+                    xs=[steps for steps, _ in lines.values()],
+                    ys=[values for _, values in lines.values()],
+                    keys=list(lines),
+                    title=f"{tag}: every pipeline stage, and their max",
+                    xname="step",
+                )
+        return charts
+
     def close(self) -> None:
-        self.run.finish()
+        try:
+            charts = self.charts()
+            if charts:
+                self.run.log(charts)  # after the last step: a row of its own
+        finally:
+            self.run.finish()

@@ -41,3 +41,29 @@ def write_steps(backend) -> None:
         backend.log(metrics, step)
         assert repr(metrics) == before  # log never mutates
     backend.flush()
+
+#: Steps of a three-stage pipeline: two metrics logged per stage (one a name MLflow rejects),
+#: the max of each beside them, and the rest of a unified dict (a peak stage, a loss).
+STAGES = 3
+STAGE_STEPS = {
+    step: {
+        "loss": 3.0 - step / 10,
+        **{
+            f"memory/{name}": max(base + stage * 0.5 + step / 100 for stage in range(STAGES))
+            for name, base in (("peak_reserved_gb", 2.0), ("weird key*(1)", 1.0))
+        },
+        "memory/peak_stage/peak_reserved_gb": STAGES - 1,
+        **{
+            f"memory/pp_stage_{stage}/{name}": base + stage * 0.5 + step / 100
+            for stage in range(STAGES)
+            for name, base in (("peak_reserved_gb", 2.0), ("weird key*(1)", 1.0))
+        },
+    }
+    for step in (5, 10, 15, 20)
+}
+#: The metrics logged per stage, by the tag their max and every stage's run share.
+STAGE_TAGS = ("memory/peak_reserved_gb", "memory/weird key*(1)")
+
+
+def stage_value(step: int, stage: int, tag: str) -> float:
+    return STAGE_STEPS[step][tag.replace("memory/", f"memory/pp_stage_{stage}/")]
