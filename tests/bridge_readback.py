@@ -1,7 +1,9 @@
 """Read back what a harness run (nemo_memlog/testing/bridge_harness.py) left in its loggers' stores.
 
 Raw, so that duplicates show: TensorBoard events are counted one by one from the event
-files (``EventAccumulator`` keeps one event per tag and step), W&B rows come from the
+files (``EventAccumulator`` keeps one event per tag and step), those of the run Bridge opened
+apart from the runs the TensorBoard writer opens beside it, one per pipeline stage
+(``<log_dir>/pp_stage_{i}/``, writers/tensorboard.py), W&B rows come from the
 run's ``.wandb`` log (tests/writers/test_wandb.py's record reader), MLflow histories from
 its SQLite store through ``MlflowClient``.
 """
@@ -12,15 +14,35 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from nemo_memlog.writers.stages import STAGE_LABEL
 from tests.writers.test_wandb import wandb_records
 
 
+def stage_run(path: Path) -> str | None:
+    """The stage label of an event file in a stage's run (``.../pp_stage_1/events...``), else None."""
+    return path.parent.name if STAGE_LABEL.fullmatch(path.parent.name) else None
+
+
 def tensorboard_events(root) -> tuple[list[Path], dict[str, list[tuple[int, float]]]]:
-    """(every event file under root, {tag: [(step, value), ...]} with one entry per event)."""
+    """(every event file under root but the stage runs', {tag: [(step, value), ...]} with one
+    entry per event)."""
+    files = [path for path in sorted(Path(root).rglob("events.out.tfevents.*")) if stage_run(path) is None]
+    return files, _scalars(files)
+
+
+def tensorboard_stage_events(root) -> dict[str, tuple[list[Path], dict[str, list[tuple[int, float]]]]]:
+    """Per stage run under root (``pp_stage_{i}``): (its event files, {tag: [(step, value), ...]})."""
+    by_stage: dict[str, list[Path]] = defaultdict(list)
+    for path in sorted(Path(root).rglob("events.out.tfevents.*")):
+        if stage_run(path) is not None:
+            by_stage[stage_run(path)].append(path)
+    return {stage: (files, _scalars(files)) for stage, files in sorted(by_stage.items())}
+
+
+def _scalars(files: list[Path]) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
     from tensorboard.util import tensor_util
 
-    files = sorted(Path(root).rglob("events.out.tfevents.*"))
     scalars: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for path in files:
         for event in LegacyEventFileLoader(str(path)).Load():
@@ -29,7 +51,7 @@ def tensorboard_events(root) -> tuple[list[Path], dict[str, list[tuple[int, floa
                     scalars[value.tag].append((event.step, value.simple_value))
                 elif value.HasField("tensor") and not value.tensor.string_val:
                     scalars[value.tag].append((event.step, float(tensor_util.make_ndarray(value.tensor))))
-    return files, dict(scalars)
+    return dict(scalars)
 
 
 def wandb_run(root) -> tuple[list[Path], dict[int, dict], dict]:

@@ -36,6 +36,23 @@ def tensorboard_steps(run):
     return steps
 
 
+def tensorboard_runs(folder) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Every TensorBoard run under ``folder``, as TensorBoard names them (``.`` for ``folder``
+    itself, ``pp_stage_1`` for a stage's run): {run: {tag: [(step, value), ...]}}, read with
+    TensorBoard's own EventAccumulator (one folder, one run)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = {}
+    for directory in sorted({path.parent for path in folder.rglob("events.out.tfevents.*")}):
+        accumulator = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+        accumulator.Reload()
+        runs[str(directory.relative_to(folder))] = {
+            tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]
+        }
+    return runs
+
+
 def mlflow_steps(run):
     from mlflow.tracking import MlflowClient
 

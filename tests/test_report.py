@@ -2,6 +2,7 @@
 
 import contextlib
 import io
+import re
 import struct
 import subprocess
 import sys
@@ -81,8 +82,10 @@ def report(run_dir):
 
 
 def row(stdout, metric):
-    [line] = [line for line in stdout.splitlines() if line.split() and line.split()[0] == metric]
-    return line.split()
+    """The cells of the metric's row (wrapped blocks joined); a size keeps its unit: "32.50 GB"."""
+    lines = [line for line in stdout.splitlines() if line.split() and line.split()[0] == metric]
+    cells = [re.findall(r"-?[\d.]+ [GM]B|\S+", line) for line in lines]
+    return cells[0] + [cell for more in cells[1:] for cell in more[1:]]
 
 
 def test_table_names_the_stage_holding_the_max(report):

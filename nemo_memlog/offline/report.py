@@ -125,26 +125,27 @@ def capacity_per_rank(run: MemoryRun, metric: str, records=None) -> tuple[float,
 def capacity_lines(run: MemoryRun, records=None) -> list[str]:
     """The capacity once, and where it came from: per rank as ``advise`` takes it (from the
     per-layer records: the host memory shared by the node's ranks, or the device), and why the
-    headroom column differs from it on the host (the node's free memory now, shared)."""
+    host headroom column differs from it (the node's free memory now, shared by its ranks)."""
     lines = []
     device, host = run.get("device_total_gb"), run.get("host_total_gb")
+    per_rank_host = records is not None and bool(records.capacity_gb) and not records.gpu
     if records is not None and records.capacity_gb:
         from .advise import capacity_line
 
         lines.append(capacity_line(records) + ", as `nemo-memlog advise` takes it")
-        peaks = run.per_stage("peak_host_rss_gb") if not records.gpu else {}
+        peaks = run.per_stage("peak_host_rss_gb") if per_rank_host else {}
         if peaks:
-            stage, series = min(peaks.items(), key=lambda item: records.capacity_gb - item[1].latest)
+            stage, series = max(peaks.items(), key=lambda item: (item[1].latest, -item[0]))
             lines.append(
                 f"least headroom per rank: {size_text(records.capacity_gb - series.latest)} on stage {stage} "
                 f"(capacity per rank - its peak_host_rss {size_text(series.latest)})"
             )
     elif device is not None:
         lines.append(f"capacity per rank: {size_text(device.latest)} (the device's total memory)")
-    elif host is not None:
+    if host is not None and not per_rank_host:
         lines.append(
-            f"capacity: host memory {size_text(host.latest)} on this node, not divided per rank: how many ranks "
-            "share it is in the per-layer records, and there are none (`advise` divides it)"
+            f"host memory: {size_text(host.latest)} on this node, shared by its ranks (how many: the per-layer "
+            "records say; `advise` divides it)"
         )
     if host is not None and run.get("host_headroom_gb") is not None:
         lines.append(

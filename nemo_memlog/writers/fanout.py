@@ -41,6 +41,10 @@ RETRY_MAX_S = 30.0
 #: Failed attempts during a close's drain after which a failing backend is given up on: the
 #: exit is never held up for the whole close budget by a backend that cannot write.
 CLOSE_ATTEMPTS = 3
+#: At most this long, in time whatever the tries, does a backend that is failing when the close
+#: begins (a full disk, a hung server) hold the close: draining and closing it together. A healthy
+#: backend gets the whole close budget (writer_close_timeout_s).
+FAILING_CLOSE_S = 4.0
 MAX_LOST_RANGES = 20  # step ranges kept per backend for the summary (the rest merged into the last)
 
 
@@ -90,6 +94,12 @@ class BufferedBackend:
                 )
             self._buffer.append((metrics, step))
             self._cond.notify()
+
+    def close_deadline(self, deadline: float) -> float:
+        """``deadline``, or sooner for a backend failing now (FAILING_CLOSE_S from now)."""
+        if self._failing or self._stopped:
+            return min(deadline, time.monotonic() + FAILING_CLOSE_S)
+        return deadline
 
     def drain(self, deadline: float) -> bool:
         """Wait until every buffered step is written, or the deadline. True if drained."""
@@ -341,12 +351,14 @@ class ThreadFanOut:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        # Drain all, then close all at once: a hung backend delays no other backend's close.
-        drained = [backend.drain(deadline) for backend in self.buffered]
+        # Drain all, then close all at once: a hung backend delays no other backend's close, and
+        # one failing as the close begins holds it FAILING_CLOSE_S at most.
+        deadlines = [backend.close_deadline(deadline) for backend in self.buffered]
+        drained = [backend.drain(by) for backend, by in zip(self.buffered, deadlines)]
         for backend in self.buffered:
             backend.request_close()
-        for backend, done in zip(self.buffered, drained):
-            backend.close(deadline, done)
+        for backend, by, done in zip(self.buffered, deadlines, drained):
+            backend.close(by, done)
 
     def stats(self) -> dict:
         """Per backend: written, pending, dropped, failures (after the pending hand-off)."""

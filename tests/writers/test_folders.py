@@ -15,6 +15,7 @@ from nemo_memlog import LoggerConfig
 from nemo_memlog.writers import build_writers
 
 BUDGET_S = 25.0  # the default writer_close_timeout_s: what a close held up by a backend would take
+EXIT_BOUND_S = 10.0  # a backend that cannot write holds the exit at most this long after the last logging call
 
 
 @contextlib.contextmanager
@@ -45,11 +46,10 @@ def log_and_close(cfg, steps: int, width: int = 8):
         fanout = build_writers(cfg)
         for step in range(1, steps + 1):
             fanout.log({f"memory/metric_{i}": float(step * i) for i in range(width)}, step)  # never raises
-        fanout.flush(timeout_s=10)
-        stats = fanout.stats()
-        started = time.monotonic()
+        started = time.monotonic()  # the last logging call: the exit path closes at once, no flush first
         fanout.close()
         closing_s = time.monotonic() - started
+        stats = fanout.stats()
     return stats, closing_s, [str(w.message) for w in caught]
 
 
@@ -67,7 +67,7 @@ def test_a_read_only_folder_is_named_once_not_retried_and_does_not_hold_up_the_e
     assert any(
         "tensorboard did not store 5 of the 5 logged steps" in m and m.endswith(": steps 1-5") for m in messages
     ), messages
-    assert closing_s < BUDGET_S / 2, f"the close waited {closing_s:.1f} s on a backend that cannot write"
+    assert closing_s < EXIT_BOUND_S, f"the close waited {closing_s:.1f} s on a backend that cannot write"
 
 
 def test_a_full_disk_is_said_once_and_the_end_counts_what_was_not_stored(tmp_path, capfd):
@@ -80,6 +80,6 @@ def test_a_full_disk_is_said_once_and_the_end_counts_what_was_not_stored(tmp_pat
     assert stats["tensorboard"]["written"] < 300 and lost > 0, stats
     summary = [m for m in messages if "tensorboard did not store" in m]
     assert len(summary) == 1 and "(its disk is full)" in summary[0], messages
-    assert closing_s < BUDGET_S / 2, f"the close waited {closing_s:.1f} s on a full disk"
+    assert closing_s < EXIT_BOUND_S, f"the close waited {closing_s:.1f} s on a full disk"
     printed = capfd.readouterr().err  # the writer process's stderr is this process's
     assert "Traceback" not in printed, printed  # not TensorBoard's thread's raw 30 lines
