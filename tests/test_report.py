@@ -95,24 +95,24 @@ def test_table_names_the_stage_holding_the_max(report):
     # metric | logged now, peak, stage | stage 0..3 now, peak | headroom GB, stage
     assert row(stdout, "peak_reserved_gb") == [
         "peak_reserved_gb",
-        "32.50",
-        "38.50",
+        "32.50 GB",
+        "38.50 GB",
         "1",
-        "21.50",
-        "21.50",
-        "32.50",
-        "38.50",
-        "25.50",
-        "25.50",
-        "13.50",
-        "13.50",
-        "47.50",
+        "21.50 GB",
+        "21.50 GB",
+        "32.50 GB",
+        "38.50 GB",
+        "25.50 GB",
+        "25.50 GB",
+        "13.50 GB",
+        "13.50 GB",
+        "47.50 GB",
         "1",
     ]
-    assert row(stdout, "peak_allocated_gb")[1:4] == ["30.50", "36.50", "1"]
-    assert row(stdout, "peak_host_rss_gb")[1:6] == ["15.75", "15.75", "2", "11.75", "11.75"]
-    assert row(stdout, "peak_host_rss_gb")[-2:] == ["464.75", "2"]  # host headroom on host rows
-    assert row(stdout, "alloc_retries") == ["alloc_retries", "3", "3", "1", *["-"] * 8, "47.50", "1"]
+    assert row(stdout, "peak_allocated_gb")[1:4] == ["30.50 GB", "36.50 GB", "1"]
+    assert row(stdout, "peak_host_rss_gb")[1:6] == ["15.75 GB", "15.75 GB", "2", "11.75 GB", "11.75 GB"]
+    assert row(stdout, "peak_host_rss_gb")[-2:] == ["464.75 GB", "2"]  # host headroom on host rows
+    assert row(stdout, "alloc_retries") == ["alloc_retries", "3", "3", "1", *["-"] * 8, "47.50 GB", "1"]
     assert "loss" not in stdout and "lr" not in stdout.split()
     assert max(len(line) for line in stdout.splitlines() if not line.startswith(("run:", "plot"))) <= 120
 
@@ -154,7 +154,7 @@ def test_unreadable_directory_is_a_clear_error(tmp_path, capsys, make):
 def test_new_style_scalars_are_read(tmp_path, capsys):
     write_events(tmp_path / "tb", STEPS[:2], new_style=True)
     assert main(["report", str(tmp_path), "--png", str(tmp_path / "p.png")]) == 0
-    assert row(capsys.readouterr().out, "peak_reserved_gb")[1:4] == ["31.50", "31.50", "1"]
+    assert row(capsys.readouterr().out, "peak_reserved_gb")[1:4] == ["31.50 GB", "31.50 GB", "1"]
 
 
 def test_cli_does_not_import_torch_itself():

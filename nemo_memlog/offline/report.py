@@ -105,8 +105,8 @@ def replica_line(run: MemoryRun, records=None) -> str:
     if scope == "world":
         return f"per-stage values: each stage's max over its ranks in every data-parallel replica{dp} (scope world)"
     return (
-        f"per-stage values: the writer rank's data-parallel replica{dp} (its pipeline group; the writer is "
-        "global rank world_size-1); other replicas are not in these events (memory_reduce_scope=world has them)"
+        f"per-stage values: the writer's data-parallel replica{dp} (global rank world_size-1's pipeline group); "
+        "scope world: all"
     )
 
 
@@ -149,8 +149,8 @@ def capacity_lines(run: MemoryRun, records=None) -> list[str]:
         )
     if host is not None and run.get("host_headroom_gb") is not None:
         lines.append(
-            "headroom column (host): the node's MemAvailable (or the cgroup's room) now, at the stage with the "
-            "least: free memory any rank on the node may take, not a per-rank share"
+            "headroom column (host): the node's MemAvailable (or cgroup room) now, least over stages: "
+            "free to any rank, not per rank"
         )
     return lines
 

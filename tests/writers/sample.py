@@ -42,6 +42,7 @@ def write_steps(backend) -> None:
         assert repr(metrics) == before  # log never mutates
     backend.flush()
 
+
 #: Steps of a three-stage pipeline: two metrics logged per stage (one a name MLflow rejects),
 #: the max of each beside them, and the rest of a unified dict (a peak stage, a loss).
 STAGES = 3
