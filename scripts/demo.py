@@ -27,7 +27,7 @@ and ``nemo-memlog postmortem`` commands for the run, and how to open each dashbo
 A failure to read: ``python scripts/demo.py fail.kill_stage=0`` SIGKILLs the first rank of
 pipeline stage 0 in the middle of the run, as the kernel's OOM killer would, and then prints
 the ``nemo-memlog postmortem`` command that says which rank died first and what every rank held
-(about 30 s on 2 CPU cores; the ranks' own output goes to torchrun.log in the run folder).
+(about a minute on 2 CPU cores; the ranks' own output goes to torchrun.log in the run folder).
 Building and stepping the Megatron job lives in demo_model.py.
 """
 

@@ -182,13 +182,23 @@ def load_run(run_dir: str | Path) -> MemoryRun:
     return MemoryRun(run_dir, series, skipped, _peak_window(configs), newest, others, scope)
 
 
+#: The folders of the TensorBoard writer's per-stage runs (``<tensorboard_dir>/pp_stage_{i}/``: each
+#: stage's line under the max's tag, so TensorBoard overlays the stages). They repeat what the main
+#: run holds as ``memory/pp_stage_{i}/<name>``; read as runs of their own they would be taken for
+#: other jobs (their steps start over), so the report skips them.
+STAGE_RUN = re.compile(r"pp_stage_\d+")
+
+
 def _event_files(run_dir: Path) -> list[Path]:
-    """``run_dir`` itself if it is a file, else the event files below it; ReportError if none."""
+    """``run_dir`` itself if it is a file, else the event files below it, less the writer's
+    per-stage runs (``STAGE_RUN``); ReportError if none."""
     if run_dir.is_file():
         return [run_dir]
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir}: no such directory; {EXPECTED}")
-    files = sorted(path for path in run_dir.rglob(EVENT_GLOB) if path.is_file())
+    files = sorted(
+        path for path in run_dir.rglob(EVENT_GLOB) if path.is_file() and not STAGE_RUN.fullmatch(path.parent.name)
+    )
     if not files:
         raise ReportError(f"{run_dir}: no TensorBoard event files found under it; {EXPECTED}")
     return files

@@ -93,16 +93,19 @@ def unit(name: str) -> str | None:
     return None
 
 
-def size_text(gb: float | None) -> str:
+def size_text(gb: float | None, short: bool = False) -> str:
     """The units rule: a size in GB as every output shows it, MB below 1 GB, GB from 1 GB.
 
     "1.84 GB", "543 MB", "8.4 MB", "0.47 MB", "0 MB"; "-" for none. GB with two decimals; MB
     whole from 10 MB, else two significant digits, so a small model's state never reads "0.00"
     and no part below 10 MB is rounded away. ``report``, ``advise``, ``postmortem`` and their PNGs
-    all format sizes through here (advice.fmt too)."""
+    all format sizes through here (advice.fmt too). ``short`` (a sentence): GB to two significant
+    digits, "61 GB", "1.3 GB"; MB as above."""
     if gb is None or (isinstance(gb, float) and not math.isfinite(gb)):
         return "-"
     if abs(gb) >= 0.9995:  # what would round to "1000 MB" reads "1.00 GB"
+        if short:
+            return f"{gb:.0f} GB" if abs(gb) >= 9.95 else f"{gb:.1f} GB"
         return f"{gb:.2f} GB"
     mb = gb * 1000
     if mb == 0:
@@ -139,10 +142,11 @@ def gb_cell(value: float | None) -> str:
 
 
 def gb_text(value: float | None, scale: float = 1e9) -> str:
-    """Bytes (or GB with ``scale=1``) as a size for a sentence, by the units rule; "? GB" for none."""
+    """Bytes (or GB with ``scale=1``) as a size for a sentence, by the units rule, short: "61 GB",
+    "1.3 GB", "400 MB"; "? GB" for none."""
     if value is None:
         return "? GB"
-    return size_text(value / scale)
+    return size_text(value / scale, short=True)
 
 
 #: One name per part of a stage's memory, in every output (tables, PNGs, docs); the JSON keeps

@@ -65,32 +65,4 @@ def test_secret_is_written_nowhere(run):
     assert [p for p in files if SECRET.encode() in p.read_bytes()] == []
 
 
-def test_a_custom_scalars_chart_per_stage_metric_overlays_every_stage(tmp_path):
-    cfg = LoggerConfig(tensorboard_dir=str(tmp_path / "tb"))
-    backend = tensorboard.open_backend(cfg, {}, [])
-    first = {f"memory/pp_stage_{stage}/{name}": 1.0 for stage in range(3) for name in ("params_gb", "act(x)_gb")}
-    backend.log({**first, "memory/peak_allocated_gb": 2.0, "loss": 1.0}, 1)
-    backend.log(first, 2)  # nothing new: the layout is not written again
-    backend.log({**first, "memory/pp_stage_1/temporaries_gb": 0.5}, 3)  # a new name: a new chart
-    backend.close()
-
-    import re
-
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.custom_scalar import layout_pb2
-
-    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0}).Reload()
-    records = events.Tensors("custom_scalars__config__")
-    layouts = [layout_pb2.Layout.FromString(r.tensor_proto.string_val[0]) for r in records]
-    assert len(layouts) == 2
-    tags = events.Tags()["scalars"]
-    for layout, names in zip(layouts, [{"params_gb", "act(x)_gb"}, {"params_gb", "act(x)_gb", "temporaries_gb"}]):
-        [category] = layout.category
-        assert category.title == tensorboard.LAYOUT_CATEGORY
-        assert {chart.title for chart in category.chart} == names
-        for chart in category.chart:
-            [regex] = chart.multiline.tag
-            stages = [1] if chart.title == "temporaries_gb" else range(3)  # every stage's line, no other
-            assert {tag for tag in tags if re.search(regex, tag)} == {
-                f"memory/pp_stage_{stage}/{chart.title}" for stage in stages
-            }
+# Stage runs and the custom-scalars layout over them: tests/writers/test_stages.py.
