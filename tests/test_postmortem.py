@@ -75,7 +75,7 @@ def test_cuda_oom_is_the_first_failure_with_the_fragmentation_sentence(tmp_path)
     expected = (
         "rank 12 (pp stage 3, tp 0, dp 0) on node-003 hit a CUDA OOM after iteration 30 (the last recorded) "
         "asking for 2.1 GB with 1.3 GB free; 3.9 GB was free in total, but the largest free block was "
-        "0.4 GB, which is fragmentation: try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
+        "400 MB, which is fragmentation: try PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     )
     assert first["sentence"] == expected == result["sentence"]
     ranks_json = by_rank(result)
@@ -128,7 +128,7 @@ def test_a_killed_rank_among_ranks_killed_later_is_the_first_failure(tmp_path):
     evidence = " ".join(first["host_oom_kill_evidence"])
     assert "vmstat oom_kill counter went up after its last beat (2 -> 3)" in evidence
     assert "cgroup oom_kill counter went up after its last beat (0 -> 1)" in evidence
-    assert "MemAvailable was 0.4 GB of 512.0 GB" in evidence
+    assert "MemAvailable was 400 MB of 512 GB" in evidence
     assert result["sentence"].startswith("rank 5 (pp stage 2, tp 0, dp 1) on node-002 vanished at ")
     assert "(last alive), after iteration 30 (last recorded) with host RSS 61 GB of 512 GB while " in result["sentence"]
     assert "probably the kernel's OOM killer (check `dmesg` on node-002)" in result["sentence"]
@@ -568,6 +568,32 @@ def test_a_cuda_oom_of_a_run_that_passed_its_model_says_what_the_memory_was_made
     code, result = run_json(tmp_path)
     assert code == 1 and result["first_failure"]["rank"] == 0
     assert (
-        "; of 78.7 GB, 30.5 is model state (6.1 parameters, 6.1 gradients, 18.3 optimizer), 40.0 activations, "
-        "4.0 temporaries, 3.1 allocator slack, 1.1 outside the allocator" in result["sentence"]
+        "; of 78.70 GB, 30.50 GB is model state (6.10 GB parameters, 6.10 GB gradients, 18.30 GB optimizer), "
+        "40.00 GB activations, 4.00 GB temporaries, 3.10 GB allocator slack, 1.10 GB outside the allocator"
+        in result["sentence"]
     ), result["sentence"]
+
+
+def test_png_colours_each_stage_apart_and_marks_the_first_failure_another_way(tmp_path, monkeypatch):
+    """No stage drawn red, none the same colour as another: the first failure is a black X on its
+    last record, named beside it, never a red line over its stage's (issue 40)."""
+    from matplotlib.colors import to_hex
+
+    from nemo_memlog.offline import postmortem_plot
+
+    figures = []
+    real = postmortem_plot.save
+    monkeypatch.setattr(postmortem_plot, "save", lambda f, p, t: figures.append(f) or real(f, p, t))
+    ranks = closed_after(layout(pp=4, tp=1, dp=1), 10.0)
+    ranks[0].stopped, ranks[0].end = T0, None
+    write_run(tmp_path / "job", ranks)
+    code, text, _ = run_cli(tmp_path / "job")
+    assert code == 1 and "FIRST FAILURE: rank 0 " in text
+    top = figures[-1].axes[0]
+    stages = [line for line in top.get_lines() if line.get_label().startswith("stage ")]
+    colours = [to_hex(line.get_color()) for line in stages]
+    assert len(stages) == 4 and len(set(colours)) == 4
+    assert to_hex("tab:red") not in colours and to_hex("red") not in colours
+    [marker] = [line for line in top.get_lines() if line.get_label().startswith("first failure: rank 0")]
+    assert marker.get_marker() == "X" and to_hex(marker.get_markeredgecolor()) == to_hex("black")
+    assert any(t.get_text().startswith("first failure: rank 0, stage 0") for t in top.texts)

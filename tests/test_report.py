@@ -289,3 +289,213 @@ def test_composition_png_picks_its_unit_and_names_the_microbatches_in_flight(tmp
     png = tmp_path / "memory_report_composition.png"
     assert f"what each stage's memory is made of: {png}" in capsys.readouterr().out
     assert png_size(png)[1] > 10_000
+
+
+# ---- issue 40: units, names, capacity, replica, pictures ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "gb, text",
+    [
+        (1.8412, "1.84 GB"),
+        (25.276, "25.28 GB"),
+        (0.543, "543 MB"),
+        (0.0084, "8.4 MB"),
+        (0.00047, "0.47 MB"),
+        (0.9996, "1.00 GB"),  # never "1000 MB"
+        (0.0, "0 MB"),
+        (-0.5, "-500 MB"),
+        (None, "-"),
+        (float("nan"), "-"),
+    ],
+)
+def test_the_units_rule(gb, text):
+    """One rule for every size in report, advise, postmortem and their PNGs: MB below 1 GB, GB above;
+    a part below 10 MB keeps two significant digits, never rounded away to "0.01" or "0.00"."""
+    from nemo_memlog.advice import fmt
+    from nemo_memlog.offline.tables import gb_cell, metric_cell, size_text
+
+    assert size_text(gb) == text
+    assert fmt(gb) == text and gb_cell(gb) == text
+    if gb is not None:
+        assert metric_cell("params_gb", gb) == text
+
+
+def cpu_run(folder, with_records=True, rss=(1.84, 1.61, 1.35, 1.04), wobble=0.0):
+    """A CPU run as the demo leaves it: per-stage composition and peak host RSS in the events, the
+    node's 25.28 GB shared by its 4 ranks, and (``with_records``) the per-layer records advise reads."""
+    import json
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    activations = (0.81, 0.61, 0.40, 0.22)
+    writer = SummaryWriter(log_dir=str(folder / "tensorboard"))
+    for step in (1, 2, 3, 4):
+        values = {"memory/host_total_gb": 25.28, "memory/peak_host_rss_gb": max(rss) + wobble * (step % 2)}
+        for stage in range(4):
+            stage_values = {
+                "params_gb": 0.00047,
+                "grads_gb": 0.00047,
+                "optimizer_state_gb": 0.00093,
+                "model_state_gb": 0.0019,
+                "activations_gb": activations[stage],
+                "microbatches_in_flight": 4 - stage,
+                "peak_host_rss_gb": rss[stage] + wobble * (step % 2),
+            }
+            values.update({f"memory/pp_stage_{stage}/{name}": value for name, value in stage_values.items()})
+        for tag, value in values.items():
+            writer.add_scalar(tag, value, step)
+    writer.close()
+    if not with_records:
+        return folder
+    records = folder / "memory_records"
+    records.mkdir()
+    for stage in range(4):
+        record = {
+            "format": "nemo_memlog.layers",
+            "version": 1,
+            "rank": stage,
+            "world_size": 4,
+            "local_world_size": 4,
+            "pp_rank": stage,
+            "pp_size": 4,
+            "tp_rank": 0,
+            "tp_size": 1,
+            "dp_rank": 0,
+            "dp_size": 1,
+            "iteration": 4,
+            "time": 1.0,
+            "run": {"micro_batch_size": 2, "microbatches": 4},
+            "stage": {
+                "params_gb": 0.00047,
+                "grads_gb": 0.00047,
+                "optimizer_state_gb": 0.00093,
+                "model_state_gb": 0.0019,
+                "activations_gb": activations[stage],
+                "activations_per_microbatch_gb": activations[stage] / (4 - stage),
+                "microbatches_in_flight": 4 - stage,
+                "peak_host_rss_gb": rss[stage],
+                "host_total_gb": 25.28,
+            },
+            "layers": [],
+        }
+        (records / f"rank-{stage:05d}.layers.json").write_text(json.dumps(record))
+    return folder
+
+
+def captured(monkeypatch, module):
+    """The figures ``module.write_png`` draws, kept instead of only saved."""
+    figures = []
+    real = module.save
+
+    def keep(figure, path, title):
+        figures.append(figure)
+        return real(figure, path, title)
+
+    monkeypatch.setattr(module, "save", keep)
+    return figures
+
+
+def legend_texts(figure) -> list[str]:
+    return [text.get_text() for axes in figure.axes if axes.get_legend() for text in axes.get_legend().get_texts()]
+
+
+def all_texts(figure) -> str:
+    texts = [t.get_text() for axes in figure.axes for t in axes.texts] + legend_texts(figure)
+    return "\n".join(texts + ([figure._suptitle.get_text()] if figure._suptitle else []))
+
+
+def test_report_and_advise_give_the_same_capacity_and_say_where_it_came_from(tmp_path, capsys):
+    run = cpu_run(tmp_path / "run")
+    assert main(["report", str(run), "--png", str(tmp_path / "r.png")]) == 0
+    report = capsys.readouterr().out
+    assert main(["advise", str(run), "--no-png"]) == 0
+    advise = capsys.readouterr().out
+    said = "capacity per rank: 6.32 GB (host memory 25.28 GB, shared by 4 ranks on this node)"
+    assert said in report and said in advise
+    assert report.count("capacity per rank:") == 1
+    # the headroom figures agree too: the least, stage 0's, is 6.32 - 1.84
+    assert "least headroom per rank: 4.48 GB on stage 0" in report
+    assert "4.48 GB" in [
+        cell for line in advise.splitlines() if line.startswith("headroom") for cell in [line[24:46].strip()]
+    ]
+    assert main(["advise", str(run), "--json", "--no-png"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["capacity_gb"] == pytest.approx(25.28 / 4)
+
+
+def test_without_records_the_report_says_why_its_capacity_is_not_per_rank(tmp_path, capsys):
+    run = cpu_run(tmp_path / "run", with_records=False)
+    assert main(["report", str(run), "--png", str(tmp_path / "r.png")]) == 0
+    out = capsys.readouterr().out
+    assert "host memory: 25.28 GB on this node, shared by its ranks" in out and "capacity per rank" not in out
+
+
+def test_one_name_per_part_in_the_tables_and_the_pictures(tmp_path, capsys, monkeypatch):
+    from nemo_memlog.offline import advise_plot, composition_plot
+
+    run = cpu_run(tmp_path / "run")
+    advise_figures = captured(monkeypatch, advise_plot)
+    composition_figures = captured(monkeypatch, composition_plot)
+    assert main(["advise", str(run), "--what-if", "micro_batch_size=x2"]) == 0
+    text = capsys.readouterr().out
+    assert main(["report", str(run)]) == 0
+    capsys.readouterr()
+    assert any(line.startswith("rest of the process") for line in text.splitlines())
+    assert "params" not in text and "parameters" in text and "0.47 MB -> 0.47 MB" in text
+    advise_legend = legend_texts(advise_figures[-1])
+    composition_legend = legend_texts(composition_figures[-1])
+    for legend in (advise_legend, composition_legend):
+        assert "rest of the process" in legend and "parameters" in legend
+        assert not any("outside the parts above" in entry for entry in legend)
+        assert any(
+            entry.startswith("capacity per rank 6.32 GB") or entry.startswith("capacity per rank: 6.32 GB")
+            for entry in legend
+        ), legend
+
+
+def test_the_composition_bars_reach_the_measured_peak_against_the_capacity(tmp_path, capsys, monkeypatch):
+    from nemo_memlog.offline import composition_plot
+
+    run = cpu_run(tmp_path / "run")
+    figures = captured(monkeypatch, composition_plot)
+    assert main(["report", str(run)]) == 0
+    capsys.readouterr()
+    [axes] = figures[-1].axes
+    labels = [text.get_text() for text in axes.texts]
+    assert labels == ["1.84 GB", "1.61 GB", "1.35 GB", "1.04 GB"]  # the peak host RSS, not 810 MB of activations
+    capacity = [line for line in axes.get_lines() if line.get_label().startswith("capacity per rank")]
+    assert capacity and capacity[0].get_ydata()[0] == pytest.approx(6.32)
+    assert "the only data-parallel replica (DP 1)" in figures[-1]._suptitle.get_text()
+
+
+def test_report_png_labels_a_gap_only_beyond_the_runs_own_variation(tmp_path, capsys, monkeypatch):
+    from nemo_memlog.offline import report_plot
+
+    figures = captured(monkeypatch, report_plot)
+    apart = cpu_run(tmp_path / "apart")
+    level = cpu_run(tmp_path / "level", rss=(1.049, 1.045, 1.043, 1.040), wobble=0.03)
+    assert main(["report", str(apart), "--metric", "peak_host_rss_gb"]) == 0
+    assert main(["report", str(level), "--metric", "peak_host_rss_gb"]) == 0
+    capsys.readouterr()
+    apart_text, level_text = all_texts(figures[0]), all_texts(figures[1])
+    assert "+800 MB (+77%) on stage 0" in apart_text and "stages vary by at most" in apart_text
+    assert "+9 MB" not in level_text.replace("(9 MB)", "") and "hidden from last-rank" not in level_text
+    assert "stages level: the gap (9 MB) is within what a stage varies over the run (30 MB)" in level_text
+    for figure in figures:  # a capacity off the scale is a note, never a legend entry for a line not drawn
+        assert not any("above this scale" in entry or "host_total_gb" in entry for entry in legend_texts(figure))
+        assert "per-stage values: the only data-parallel replica (DP 1)" in figure._suptitle.get_text()
+
+
+def test_advise_names_the_stage_that_would_hold_the_peak(tmp_path, capsys):
+    from nemo_memlog import advice
+    from nemo_memlog.offline.advise import peak_line
+
+    def outcome(stage, now, predicted):
+        return advice.Outcome(stage, {"activations_gb": now}, {"activations_gb": predicted}, 1, 1, 10.0)
+
+    assert peak_line([outcome(0, 1.84, 1.84), outcome(1, 1.61, 2.2)]) == (
+        "peak: moves from stage 0 today (1.84 GB) to stage 1 predicted (2.20 GB)"
+    )
+    assert peak_line([outcome(0, 1.84, 1.9), outcome(1, 0.5, 0.6)]).startswith("peak: stage 0 holds it today")

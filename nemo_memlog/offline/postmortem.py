@@ -53,7 +53,7 @@ from .postmortem_state import (
     RankState,
 )
 from .rank_files import RankFile, find_record_files, read_rank_file
-from .tables import finite_number
+from .tables import finite_number, gb_text
 
 _RANK_IN_NAME = re.compile(r"rank-(\d+)")
 
@@ -247,7 +247,7 @@ def _host_evidence(states: list[RankState]) -> None:
         available, total = state.live("host_available_gb"), state.value("host_total_gb")
         if available is not None and total and available < LOW_AVAILABLE_FRACTION * total:
             state.host_oom_kill_evidence.append(
-                f"MemAvailable was {available:.1f} GB of {total:.1f} GB at its last beat"
+                f"MemAvailable was {gb_text(available, 1)} of {gb_text(total, 1)} at its last beat"
             )
         limit, used = state.live("host_limit_gb"), state.live("host_limit_used_gb")
         if limit and used is not None and used >= NEAR_LIMIT_FRACTION * limit:

@@ -10,7 +10,7 @@ from .. import advice
 from ..failure.records import PEER_LOSS
 from ..measure import composition, layer_record
 from .postmortem_state import Postmortem, RankState
-from .tables import clock, finite_number, gb_text, whole_number
+from .tables import OUTSIDE_GPU, clock, finite_number, gb_text, size_text, whole_number
 
 FRAGMENTATION_FIX = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 #: A clean end's reason (the recorder's word) in words.
@@ -87,8 +87,9 @@ def advice_clause(state: RankState) -> str:
 
 
 def composition_clause(report: dict) -> str:
-    """ "; of 79.1 GB, 30.5 is model state (6.1 parameters, 6.1 gradients, 18.3 optimizer), 40.0
-    activations, 4.0 temporaries, 3.1 allocator slack, 1.5 outside the allocator": what the memory was
+    """ "; of 79.10 GB, 30.50 GB is model state (6.10 GB parameters, 6.10 GB gradients, 18.30 GB
+    optimizer), 40.00 GB activations, 4.00 GB temporaries, 3.10 GB allocator slack, 1.50 GB outside
+    the allocator" (sizes by the units rule: tables.size_text): what the memory was
     made of, from a report with the breakdown (a run that passed its model); "" without one.
     Temporaries are said where the record has them (activations measured, nemo_memlog 0.2+)."""
     parts = {key: finite_number(report.get(key)) for key in COMPOSITION}
@@ -98,12 +99,16 @@ def composition_clause(report: dict) -> str:
     temporaries = parts["temporaries_gb"]
     total = parts["model_state_gb"] + parts["activations_gb"] + (temporaries or 0.0)
     total += (parts["allocator_slack_gb"] or 0.0) + other
-    said_temporaries = "" if temporaries is None else f"{temporaries:.1f} temporaries, "
+
+    def size(key: str) -> str:
+        return size_text(parts[key] or 0.0)
+
+    said_temporaries = "" if temporaries is None else f"{size_text(temporaries)} temporaries, "
     return (
-        f"; of {total:.1f} GB, {parts['model_state_gb']:.1f} is model state ({parts['params_gb'] or 0:.1f} "
-        f"parameters, {parts['grads_gb'] or 0:.1f} gradients, {parts['optimizer_state_gb'] or 0:.1f} optimizer), "
-        f"{parts['activations_gb']:.1f} activations, {said_temporaries}"
-        f"{parts['allocator_slack_gb'] or 0:.1f} allocator slack, {other:.1f} outside the allocator"
+        f"; of {size_text(total)}, {size('model_state_gb')} is model state ({size('params_gb')} parameters, "
+        f"{size('grads_gb')} gradients, {size('optimizer_state_gb')} optimizer), {size('activations_gb')} "
+        f"activations, {said_temporaries}{size('allocator_slack_gb')} allocator slack, "
+        f"{size_text(other)} {OUTSIDE_GPU}"
     )
 
 

@@ -49,6 +49,8 @@ class JobSpec:
     microbatches: int = 4
     distributed_optimizer: bool = False
     recompute: str | None = None  # "full" (uniform, 1 layer) or "selective"
+    bf16: bool = False  # bf16 parameters (Megatron's Float16Module) and its mixed-precision optimizer
+    rope: bool = False  # rotary position embeddings (each layer takes them by keyword), else learned
     seed: int = 1234
     device: str = "cpu"  # "cuda": on this rank's current GPU, as Megatron runs there, no stand-in
 
@@ -107,8 +109,9 @@ def transformer_config(spec: JobSpec):
         hidden_size=spec.hidden,
         num_attention_heads=spec.heads,
         use_cpu_initialization=spec.on_cpu,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        params_dtype=torch.bfloat16 if spec.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if spec.bf16 else torch.float32,
+        bf16=spec.bf16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=spec.tp,
@@ -203,6 +206,7 @@ def build(spec: JobSpec) -> Job:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.module import Float16Module
 
     layout(spec)
     torch.manual_seed(spec.seed)
@@ -222,9 +226,10 @@ def build(spec: JobSpec) -> Job:
                 pre_process=pre,
                 post_process=post,
                 share_embeddings_and_output_weights=False,
+                position_embedding_type="rope" if spec.rope else "learned_absolute",
                 **kwargs,
             )
-            chunks.append(model)
+            chunks.append(Float16Module(config, model) if spec.bf16 else model)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=spec.distributed_optimizer,
@@ -238,7 +243,8 @@ def build(spec: JobSpec) -> Job:
             optimizer="adam",
             lr=1e-4,
             clip_grad=0.0 if spec.on_cpu else 1.0,  # Megatron's clipping asserts CUDA gradients
-            params_dtype=torch.float32,
+            params_dtype=torch.bfloat16 if spec.bf16 else torch.float32,
+            bf16=spec.bf16,
             use_distributed_optimizer=spec.distributed_optimizer,
         )
         optimizer = get_megatron_optimizer(optimizer_config, model)
