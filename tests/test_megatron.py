@@ -29,6 +29,10 @@ SCENARIOS = {
     "interleaved, 8 microbatches": dataclasses.replace(BASE, vpp=2, microbatches=8),
     "PP 4": dataclasses.replace(BASE, pp=4),
     "PP 2 x TP 2": dataclasses.replace(BASE, tp=2),
+    "bf16": dataclasses.replace(BASE, bf16=True),  # Float16Module, the mixed-precision optimizer's fp32 masters
+    "bf16, layers 3,1": dataclasses.replace(BASE, bf16=True, first_stage_layers=3),
+    "rope": dataclasses.replace(BASE, rope=True),  # the rotary embedding: one storage every layer takes by keyword
+    "rope, full recompute": dataclasses.replace(BASE, rope=True, recompute="full"),
 }
 #: change -> (the run it is predicted from, the rerun with the change)
 CASES = {
@@ -38,8 +42,15 @@ CASES = {
     "layers_per_stage=3,1": ("base", "layers_per_stage=3,1"),
     "distributed_optimizer=true": ("base", "distributed_optimizer=true"),
     "recompute=full": ("base", "recompute=full"),
+    "bf16: layers_per_stage=3,1": ("bf16", "bf16, layers 3,1"),
+    "rope: recompute=full": ("rope", "rope, full recompute"),
 }
 MODEL_STATE = ("params_gb", "grads_gb", "optimizer_state_gb")
+#: Where a case's known limit exceeds 1%: Megatron caches the rotary table, one storage every
+#: microbatch keeps, which the measurement counts once but the prediction scales with the
+#: microbatches in flight (+2.8% on stage 0 here, 4 KB against 70 KB kept per microbatch; at real
+#: sizes, a few MB against GBs). docs/advise.md lists it.
+TOLERANCE = {"rope: recompute=full": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -94,11 +105,14 @@ def test_advise_against_a_rerun_with_the_change_per_stage(megatron, change):
     before, after = CASES[change]
     run = advise.load(megatron[before][0] / "memory_records")
     rerun = _stages(megatron[after][1])
-    for outcome in advice.predict(run, advice.parse([change])):
+    for outcome in advice.predict(run, advice.parse([change.rpartition(": ")[2]])):
         measured = rerun[outcome.stage]
         assert outcome.in_flight == measured["microbatches_in_flight"], outcome.stage
         for part in (*MODEL_STATE, "activations_gb"):
-            assert outcome.predicted[part] == pytest.approx(measured[part], rel=0.01), (outcome.stage, part)
+            assert outcome.predicted[part] == pytest.approx(measured[part], rel=TOLERANCE.get(change, 0.01)), (
+                outcome.stage,
+                part,
+            )
 
 
 def test_what_cannot_be_predicted_on_megatron_says_why(megatron):

@@ -287,6 +287,7 @@ class _Session:
         self.opened: list = []  # per chunk forward entered: its hooks context, or None
         self.layer_stack: list[int] = []
         self.live = self.peak = 0
+        self.holders: dict = {}  # storage key -> how many microbatches hold it (the live total counts it once)
         self.live_micros = self.peak_micros = 0
         self.grads: dict = {}
 
@@ -373,8 +374,11 @@ class _Session:
             self.live_micros += 1
             self.peak_micros = max(self.peak_micros, self.live_micros)
         micro.live += nbytes
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
+        holders = self.holders.get(key, 0)
+        self.holders[key] = holders + 1
+        if not holders:  # a storage several microbatches keep (a cached rotary embedding) is held once
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
 
     def release(self, micro: _Micro, key) -> None:
         entry = micro.refs[key]
@@ -383,7 +387,11 @@ class _Session:
             return
         del micro.refs[key]
         micro.live -= entry[1]
-        self.live -= entry[1]
+        holders = self.holders.pop(key) - 1
+        if holders:
+            self.holders[key] = holders
+        else:
+            self.live -= entry[1]
         if not micro.live:
             self.live_micros -= 1
 

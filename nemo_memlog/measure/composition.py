@@ -159,7 +159,8 @@ def layer_state(
     grads = grads or {}
     optimizers = _optimizers(optimizer)
     masters = _master_of(optimizers)
-    states = [getattr(each, "state", {}) for each in optimizers]
+    # Once each: Megatron's wrappers expose their inner optimizer's state as their own ``state``.
+    states = list({id(state): state for state in (getattr(each, "state", {}) for each in optimizers)}.values())
     out, mapped = [], 0.0
     for params in groups:
         params = list({id(p): p for p in params}.values())

@@ -336,7 +336,8 @@ def counted_apart(job: Job) -> dict:
     """This rank's model state in bytes, counted from Megatron's own structures, not by walking
     storages as nemo_memlog does: the DDP buffers' sizes (params where the buffer holds them, else
     each parameter), and Adam's rule (exp_avg and exp_avg_sq per element of each parameter the
-    torch optimizer steps, one 4-byte step each) for the optimizer state."""
+    torch optimizer steps, one 4-byte step each, and the fp32 master copy where the parameter the
+    torch optimizer steps is not the model's own) for the optimizer state."""
     from torch import nn
 
     params = grads = 0
@@ -349,11 +350,14 @@ def counted_apart(job: Job) -> dict:
                 params += sum(p.numel() * p.element_size() for p in buffer.params)
         in_buffers = {id(p) for buffer in chunk.buffers for p in buffer.params}
         params += sum(p.numel() * p.element_size() for p in nn.Module.parameters(chunk) if id(p) not in in_buffers)
+    model_storages = {p.untyped_storage().data_ptr() for chunk in job.model for p in nn.Module.parameters(chunk)}
     state = 0
     for optimizer in getattr(job.optimizer, "chained_optimizers", [job.optimizer]):
         for group in optimizer.optimizer.param_groups:
             for param in group["params"]:
                 state += 2 * param.numel() * 4 + 4
+                if param.untyped_storage().data_ptr() not in model_storages:  # an fp32 master copy (bf16)
+                    state += param.numel() * param.element_size()
     return {"params": params, "grads": grads, "optimizer_state": state}
 
 

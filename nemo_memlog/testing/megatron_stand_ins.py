@@ -16,7 +16,7 @@ STAND_INS = {
     "current_device": "torch.cuda.current_device() is 'cpu' (Megatron uses it as a tensor's device)",
     "cuda_tensors": (
         "tensors made with device='cuda' (torch.zeros/empty/tensor/ones/full/arange) go to the CPU, as seen from "
-        "Megatron's schedules, p2p, utils, optimizer and distributed modules"
+        "Megatron's schedules, p2p, utils, optimizer, distributed and embeddings modules"
     ),
     "autocast": "the schedule's torch.autocast('cuda', ...) is a null context",
     "synchronize": "torch.cuda.synchronize() does nothing (nothing to wait for)",
@@ -42,6 +42,7 @@ REDIRECTED = (
     "megatron.core.optimizer",
     "megatron.core.distributed",
     "megatron.core.tensor_parallel.random",
+    "megatron.core.models.common.embeddings",  # rotary embeddings are made on torch.cuda.current_device()
 )
 _MAKERS = ("zeros", "empty", "tensor", "ones", "full", "arange")
 
