@@ -89,12 +89,12 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.activations import activations_markdown, activations_part  # noqa: E402
-from bench.megatron import megatron_markdown, megatron_part  # noqa: E402
 from bench.composition import composition_markdown, composition_part  # noqa: E402
 from bench.cuda import cuda_markdown, cuda_part  # noqa: E402
 from bench.flight_recorder import recorder_markdown, recorder_part  # noqa: E402
 from bench.host_limit import host_limit_markdown, host_limit_part  # noqa: E402
 from bench.host_memory import host_memory_part, memory_markdown  # noqa: E402
+from bench.megatron import megatron_markdown, megatron_part  # noqa: E402
 from bench.pp_group import (  # noqa: E402
     DEFAULT_ITERS,
     cluster_row,

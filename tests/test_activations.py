@@ -332,4 +332,3 @@ def test_a_torch_without_the_hooks_reader_measures_nothing_and_never_fails_a_for
     loss.backward()  # trains as without the meter
     assert all(p.grad is not None for p in model.parameters())
     assert meter.finish() is None
-

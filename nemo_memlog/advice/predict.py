@@ -318,7 +318,7 @@ def max_micro_batch_size(run: Run) -> tuple[int | None, str]:
         return None, "the micro-batch size or microbatches in the run's record is not a whole number above 0"
     samples = run.micro_batch_size * run.microbatches if run.microbatches else None
     how = "sizes dividing the samples per iteration" if samples else "microbatches in flight as measured"
-    if samples:
+    if samples and run.microbatches:
         candidates = _divisors(run.micro_batch_size, run.microbatches)
         if candidates is None:
             return None, f"more than {_MAX_DIVISORS} sizes divide the samples per iteration ({samples}): not searched"

@@ -85,7 +85,7 @@ _WHOLE_FACTS["microbatch_group_size_per_vp_stage"] = (1, 1 << 16)
 _TEXT_FACTS = ("recompute", "schedule", "optimizer")
 #: The largest GB figure taken as measured (a petabyte): beyond it a figure is garbage.
 MAX_GB = 1e6
-_LAYER_FIGURES = ("params_gb", "grads_gb", "optimizer_state_gb", "activations_per_microbatch_gb")
+_LAYER_FIGURES: tuple[str, ...] = ("params_gb", "grads_gb", "optimizer_state_gb", "activations_per_microbatch_gb")
 _LAYER_FIGURES += ("input_per_microbatch_gb",)
 
 
@@ -226,11 +226,11 @@ def _capacity(records: list[dict], gpu: bool) -> tuple[float | None, str]:
         return positive("device_total_gb"), "the device's total memory"
     ranks = max(int(records[0].get("local_world_size") or 1), 1)
     shared = f"shared by {ranks} ranks" if ranks > 1 else "one rank"
-    if positive("host_limit_gb"):
-        limit = positive("host_limit_gb")
+    limit = positive("host_limit_gb")
+    if limit:
         return limit / ranks, f"the job's memory cgroup limit {size_text(limit)}, {shared} under it"
-    if positive("host_total_gb"):
-        total = positive("host_total_gb")
+    total = positive("host_total_gb")
+    if total:
         return total / ranks, f"host memory {size_text(total)}, {shared} on this node"
     return None, "unknown"
 

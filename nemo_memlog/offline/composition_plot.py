@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .plotting import new_figure, save
 from .tables import OUTSIDE_CPU, part_name, size_scale, size_text
@@ -84,7 +84,7 @@ def in_flight_labels(run: MemoryRun, step: int) -> dict[int, str]:
     return labels
 
 
-def write_png(run: MemoryRun, path: str | Path, records=None) -> Path:
+def write_png(run: MemoryRun, path: str | Path, records: Any = None) -> Path:
     """One stacked bar per stage into the PNG at ``path``, up to the stage's measured peak,
     against the capacity per rank (``records``: the run as its per-layer records say, for the
     host's capacity per rank, as ``report`` and ``advise`` say it); returns the path. A part no

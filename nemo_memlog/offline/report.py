@@ -8,6 +8,8 @@ and the headroom. report_plot.py draws the PNG. No torch.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..attribution import PREFIX
 from .events import EXPECTED, EventFile, MemoryRun, ReportError, Series, is_host, load_run, split_runs
 from .tables import Column, metric_cell, render_table, size_text
@@ -59,7 +61,7 @@ def capacity_tag(name: str) -> str:
 _UNREAD = object()
 
 
-def format_report(run: MemoryRun, records=_UNREAD) -> str:
+def format_report(run: MemoryRun, records: Any = _UNREAD) -> str:
     """The header lines and the per-stage table, wrapped to TABLE_WIDTH columns. ``records``: the
     run as its per-layer records say (``records_run``), read here when not given."""
     steps = run.steps
@@ -83,7 +85,7 @@ def format_report(run: MemoryRun, records=_UNREAD) -> str:
     return "\n".join(lines)
 
 
-def records_run(run: MemoryRun):
+def records_run(run: MemoryRun) -> Any:
     """The run as ``advise`` reads it from its per-layer records (an ``advice.Run``), or None
     without readable records: the report takes the capacity per rank and the layout from it,
     so both commands say the same."""
@@ -95,7 +97,7 @@ def records_run(run: MemoryRun):
         return None
 
 
-def replica_line(run: MemoryRun, records=None) -> str:
+def replica_line(run: MemoryRun, records: Any = None) -> str:
     """Whose values the stage columns are: the writer rank's pipeline group (one data-parallel
     replica), or with memory_reduce_scope=world each stage's max over every replica."""
     scope = run.reduce_scope or "pp"
@@ -110,7 +112,7 @@ def replica_line(run: MemoryRun, records=None) -> str:
     )
 
 
-def capacity_per_rank(run: MemoryRun, metric: str, records=None) -> tuple[float, str] | None:
+def capacity_per_rank(run: MemoryRun, metric: str, records: Any = None) -> tuple[float, str] | None:
     """(GB, label) of the capacity a PNG draws for ``metric``: per rank as ``capacity_lines`` says
     it (the records' capacity for a host metric on CPU), else the logged device or host total."""
     if records is not None and records.capacity_gb and is_host(metric) != records.gpu:
@@ -122,7 +124,7 @@ def capacity_per_rank(run: MemoryRun, metric: str, records=None) -> tuple[float,
     return total.latest, f"capacity {size_text(total.latest)}\n({where})"
 
 
-def capacity_lines(run: MemoryRun, records=None) -> list[str]:
+def capacity_lines(run: MemoryRun, records: Any = None) -> list[str]:
     """The capacity once, and where it came from: per rank as ``advise`` takes it (from the
     per-layer records: the host memory shared by the node's ranks, or the device), and why the
     host headroom column differs from it (the node's free memory now, shared by its ranks)."""

@@ -7,13 +7,14 @@ on the Agg backend: no display is needed).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .plotting import finish_axes, integer_ticks, new_figure, save
 from .report import MemoryRun, capacity_per_rank, replica_line
 from .tables import size_scale, size_text, unit
 
 
-def write_png(run: MemoryRun, metric: str, path: str | Path, records=None) -> Path:
+def write_png(run: MemoryRun, metric: str, path: str | Path, records: Any = None) -> Path:
     """Draw ``metric`` for every stage of ``run`` into the PNG at ``path``; returns the path.
 
     One line per pipeline stage (memory/pp_stage_{i}/<metric>) over a wide grey band, the logged
@@ -84,7 +85,7 @@ def gap_to_last_stage(stages: dict, last: int) -> tuple[int, float, float, objec
     return step, values[peak_stage], values[last], peak_stage
 
 
-def spread(series) -> float:
+def spread(series: Any) -> float:
     """How much one stage's values vary over the run's steps (max - min): the run's own noise."""
     values = [v for v in series.values if v == v]
     return max(values) - min(values) if values else 0.0

@@ -108,7 +108,7 @@ class Channel:
     def _wait(self, work, group, iteration, timeout_s) -> None:
         stall = self.stall
         watched = stall is not None and (timeout_s is None or stall[0] < timeout_s)
-        if watched:
+        if stall is not None and watched:
             after_s, alert, watch = stall
             watch.arm(after_s, functools.partial(alert, group, iteration))
         try:

