@@ -90,3 +90,12 @@ def wandb_finished(run) -> bool:
     return bool(logs) and all(
         any(record.WhichOneof("record_type") == "exit" for record in wandb_records(log)) for log in logs
     )
+
+
+def main_run_events(folder) -> list:
+    """The event files under ``folder`` outside the per-stage runs (``pp_stage_<i>/``): the main run's."""
+    from pathlib import Path
+
+    folder = Path(folder)
+    found = folder.rglob("events.out.tfevents.*")
+    return sorted(p for p in found if not any(part.startswith("pp_stage_") for part in p.relative_to(folder).parts))

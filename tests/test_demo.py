@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.readback import main_run_events
+
 ROOT = Path(__file__).resolve().parents[1]
 ITERS, INTERVAL, STAGES, VOCAB = 5, 2, 4, 128
 LOGGED_STEPS = [2, 4]  # iteration % INTERVAL == 0, iterations counted from 1
@@ -107,8 +109,9 @@ def test_activations_measured_on_every_stage_held_for_the_microbatches_in_flight
         assert in_flight == [4, 3, 2, 1]
         held = [scalars[f"memory/pp_stage_{s}/activations_gb"][step] for s in range(STAGES)]
         per_microbatch = [scalars[f"memory/pp_stage_{s}/activations_per_microbatch_gb"][step] for s in range(STAGES)]
-        assert held[1] / held[2] == pytest.approx(1.5, rel=1e-6) and per_microbatch[1] == per_microbatch[2]
-        assert held[0] == pytest.approx(4 * per_microbatch[0], rel=1e-6)
+        # rel 1e-3: a storage several microbatches keep is held once (measure/activations.py)
+        assert held[1] / held[2] == pytest.approx(1.5, rel=1e-3) and per_microbatch[1] == per_microbatch[2]
+        assert held[0] == pytest.approx(4 * per_microbatch[0], rel=1e-3)
         assert scalars["memory/peak_stage/activations_gb"][step] == 0
 
 
@@ -255,7 +258,7 @@ def test_each_run_writes_into_a_folder_of_its_own(two_runs):
     assert len(folders) == 2 and all(re.fullmatch(r"demo-\d{8}-\d{6}(-\d+)?", path.name) for path in folders)
     assert {printed_run_folder(first_stdout), printed_run_folder(second.stdout)} == set(folders)
     for folder in folders:
-        assert len(list(folder.rglob("events.out.tfevents.*"))) == 1, folder
+        assert len(main_run_events(folder)) == 1, folder
 
 
 def test_the_printed_report_command_works_as_printed_and_shows_one_run(two_runs):
@@ -277,7 +280,7 @@ def test_report_on_the_folder_of_both_runs_shows_the_newest_and_names_the_other(
     out = capsys.readouterr().out
     assert f"NOTE: {root} holds 2 runs" in out
     assert "steps 1..2 (2 logged)" in out and "peak window: run (" in out  # the newest run only
-    (first_events,) = printed_run_folder(first_stdout).rglob("events.out.tfevents.*")
+    (first_events,) = main_run_events(printed_run_folder(first_stdout))
     assert re.search(rf"steps 2\.\.4, started .*: {re.escape(str(first_events))}", out)
     assert "resumed" not in out
     # The ignored run, reported on its own by passing its event file:

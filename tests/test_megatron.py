@@ -55,13 +55,18 @@ TOLERANCE = {"rope: recompute=full": 0.05}
 
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory):
-    """Each scenario trained once (2 iterations, the second measured and logged), on one cluster."""
-    runs = {}
+    """``megatron(name)``: scenario ``name`` trained once (2 iterations, the second measured and
+    logged) on this module's one cluster, at its first use: (its root, every rank's view)."""
+    runs: dict = {}
     with Cluster(world=4, pp=2) as cluster:
-        for name, spec in SCENARIOS.items():
-            root = tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", ""))
-            runs[name] = (root, cluster.run_ok(megatron_cpu.logged_run, spec, str(root), timeout=240))
-    return runs
+
+        def run(name: str) -> tuple:
+            if name not in runs:
+                root = tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", ""))
+                runs[name] = (root, cluster.run_ok(megatron_cpu.logged_run, SCENARIOS[name], str(root), timeout=240))
+            return runs[name]
+
+        yield run
 
 
 def _stages(ranks: list) -> dict:
@@ -71,7 +76,7 @@ def _stages(ranks: list) -> dict:
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_activations_and_in_flight_on_megatrons_schedule_match_the_counts_made_apart(megatron, scenario):
-    _, ranks = megatron[scenario]
+    _, ranks = megatron(scenario)
     for rank in ranks:
         assert rank["layers"] is not None, f"rank {rank['rank']} wrote no per-layer record"
         stage = rank["layers"]["stage"]
@@ -89,13 +94,13 @@ def test_activations_and_in_flight_on_megatrons_schedule_match_the_counts_made_a
     "scenario", ["base", "distributed_optimizer=true", "PP 2 x TP 2", "interleaved, 2 microbatches"]
 )
 def test_the_model_state_is_megatrons_buffers_and_adams_state_to_the_byte(megatron, scenario):
-    _, ranks = megatron[scenario]
+    _, ranks = megatron(scenario)
     for rank in ranks:
         stage, apart = rank["layers"]["stage"], rank["apart"]
         for part in ("params", "grads", "optimizer_state"):
             assert round(stage[f"{part}_gb"] * 1e9) == apart[part], (rank["rank"], part)
     if scenario == "distributed_optimizer=true":  # sharded over DP 2: half the plain run's state
-        plain = {r["rank"]: r["apart"]["optimizer_state"] for r in megatron["base"][1]}
+        plain = {r["rank"]: r["apart"]["optimizer_state"] for r in megatron("base")[1]}
         for rank in ranks:
             assert rank["apart"]["optimizer_state"] == pytest.approx(plain[rank["rank"]] / 2, rel=0.01)
 
@@ -103,8 +108,8 @@ def test_the_model_state_is_megatrons_buffers_and_adams_state_to_the_byte(megatr
 @pytest.mark.parametrize("change", list(CASES))
 def test_advise_against_a_rerun_with_the_change_per_stage(megatron, change):
     before, after = CASES[change]
-    run = advise.load(megatron[before][0] / "memory_records")
-    rerun = _stages(megatron[after][1])
+    run = advise.load(megatron(before)[0] / "memory_records")
+    rerun = _stages(megatron(after)[1])
     for outcome in advice.predict(run, advice.parse([change.rpartition(": ")[2]])):
         measured = rerun[outcome.stage]
         assert outcome.in_flight == measured["microbatches_in_flight"], outcome.stage
@@ -116,20 +121,20 @@ def test_advise_against_a_rerun_with_the_change_per_stage(megatron, change):
 
 
 def test_what_cannot_be_predicted_on_megatron_says_why(megatron):
-    run = advise.load(megatron["base"][0] / "memory_records")
+    run = advise.load(megatron("base")[0] / "memory_records")
     with pytest.raises(advice.Refused, match="selective recompute"):
         advice.predict(run, advice.parse(["recompute=selective"]))
     for stated in ("zero_bubble", "combined_1f1b"):
         with pytest.raises(advice.Refused, match=f"{stated}.*no known rule"):
             advice.predict(dataclasses.replace(run, schedule=stated), advice.parse(["microbatches=8"]))
     # a count the stated schedule contradicts is refused, not guessed
-    interleaved = advise.load(megatron["interleaved, 2 microbatches"][0] / "memory_records")
+    interleaved = advise.load(megatron("interleaved, 2 microbatches")[0] / "memory_records")
     with pytest.raises(advice.Refused, match="not 1f1b"):
         advice.predict(dataclasses.replace(interleaved, schedule="1f1b"), advice.parse(["microbatches=8"]))
 
 
 def test_a_megatron_run_logs_its_advice_and_the_live_largest_micro_batch(megatron):
-    _, ranks = megatron["base"]
+    _, ranks = megatron("base")
     logged = ranks[-1]["logged"]
     assert logged["memory/pp_stage_0/activations_gb"] == pytest.approx(ranks[0]["layers"]["stage"]["activations_gb"])
     assert logged["memory/advice/max_micro_batch_size"] >= BASE.micro_batch_size

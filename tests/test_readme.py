@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.readback import main_run_events
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -71,7 +73,7 @@ def run_pasted(name: str, folder: Path, path: Path = README) -> subprocess.Compl
 def scalars(folder: Path) -> dict[str, dict[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (events,) = folder.rglob("events.out.tfevents.*")
+    (events,) = main_run_events(folder)
     accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
     accumulator.Reload()
     return {tag: {e.step: e.value for e in accumulator.Scalars(tag)} for tag in accumulator.Tags()["scalars"]}

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from nemo_memlog.offline.tables import size_text
 from nemo_memlog.testing import torchrun
 from nemo_memlog.testing.wait import wait_for
-from tests.readback import stored_steps, wandb_finished
+from tests.readback import main_run_events, stored_steps, wandb_finished
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,7 +92,7 @@ def test_report_on_the_real_run_directory(preempted, capsys):
     from tests.test_report import png_size
 
     run, _, _ = preempted
-    (events,) = (run / "tensorboard").rglob("events.out.tfevents.*")
+    (events,) = main_run_events(run / "tensorboard")
     accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
     accumulator.Reload()
     last = {tag: accumulator.Scalars(tag)[-1].value for tag in accumulator.Tags()["scalars"]}
@@ -101,7 +102,7 @@ def test_report_on_the_real_run_directory(preempted, capsys):
     out = capsys.readouterr().out
     # The first block's row (a wide table, phase and model-state rows included, wraps into blocks).
     row = next(line for line in out.splitlines() if line.startswith("peak_host_rss_gb"))
-    assert f"{max(per_stage):.2f}" in row and "pipeline stages: 4" in out
+    assert size_text(max(per_stage)) in row and "pipeline stages: 4" in out
     assert "peak window: run (each peak_* point is the peak since its process started)" in out  # the default
     (width, height), size = png_size(run / "memory_report.png")
     assert width >= 400 and height >= 300 and size > 10_000
