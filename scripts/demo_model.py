@@ -2,11 +2,11 @@
 its ``get_forward_backward_func()`` schedule (1F1B, or interleaved with a virtual pipeline), on
 synthetic data that can be learnt.
 
-On a GPU per process everything is Megatron's as it is: the model on this process's GPU, NCCL,
-no stand-ins. On CPU the job is built and stepped by ``nemo_memlog.testing.megatron_cpu`` (its
-``build``), inside its stand-ins for Megatron's GPU assumptions (``megatron_cpu.summary()`` names
-them), over gloo. ``DemoJob`` adds what the demo needs and ``JobSpec`` lacks: the device, the
-data-parallel rank the data is drawn for, and learnable data.
+The job is built and stepped by ``nemo_memlog.testing.megatron_cpu``: on a GPU per process
+everything is Megatron's as it is (the model on this process's GPU, NCCL, no stand-ins); on CPU
+inside its stand-ins for Megatron's GPU assumptions (``megatron_cpu.summary()`` names them), over
+gloo. ``DemoJob`` adds what the demo needs: the data-parallel rank the data is drawn for, and
+learnable data.
 
 Why the first stage holds the most memory: under 1F1B, stage ``s`` of ``p`` runs ``p - s - 1``
 warm-up forwards before its first backward, so it keeps the activations of up to ``p - s``
@@ -18,7 +18,6 @@ microbatches alive at once: ``p`` on the first stage, 1 on the last.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nemo_memlog.testing import megatron_cpu
-from nemo_memlog.testing.megatron_cpu import Job, JobSpec, cpu_stand_ins
+from nemo_memlog.testing.megatron_cpu import Job, JobSpec
 
 #: Share of tokens drawn at random instead of following the pattern: the loss floor.
 NOISE = 0.1
@@ -35,14 +34,14 @@ NOISE = 0.1
 
 @dataclasses.dataclass
 class DemoJob(Job):
-    """megatron_cpu's Job, on ``device`` (a GPU: no stand-ins), fed ``synthetic_microbatch`` for ``dp_rank``."""
+    """megatron_cpu's Job (built and stepped by it: on a GPU with no stand-in), fed
+    ``synthetic_microbatch`` for ``dp_rank``."""
 
-    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
     dp_rank: int = 0
 
     @property
-    def on_cpu(self) -> bool:
-        return self.device.type == "cpu"
+    def device(self) -> torch.device:
+        return torch.device(self.spec.device)
 
     def data(self, chunk: int):
         """This iteration's microbatches, the same for every chunk (the first uses the tokens, the last the labels)."""
@@ -50,40 +49,14 @@ class DemoJob(Job):
         causal = torch.triu(torch.ones(spec.seq, spec.seq, dtype=torch.bool), diagonal=1)[None, None]
         for index in range(spec.microbatches):
             tokens, labels = synthetic_microbatch(spec, self.iteration + 1, self.dp_rank, index)
-            yield {
-                "tokens": tokens.to(self.device),
-                "labels": labels.to(self.device),
-                "position_ids": torch.arange(spec.seq, device=self.device).expand(spec.micro_batch_size, -1),
-                "loss_mask": torch.ones(spec.micro_batch_size, spec.seq, device=self.device),
-                "attention_mask": causal.to(self.device),  # Megatron's convention: True where masked out
+            batch = {
+                "tokens": tokens,
+                "labels": labels,
+                "position_ids": torch.arange(spec.seq).expand(spec.micro_batch_size, -1),
+                "loss_mask": torch.ones(spec.micro_batch_size, spec.seq),
+                "attention_mask": causal,  # Megatron's convention: True where masked out
             }
-
-    def train_iteration(self, around=contextlib.nullcontext) -> float | None:
-        """One iteration of Megatron's schedule and optimizer step (the stand-ins on CPU only);
-        the mean loss over the microbatches on a last stage, else None."""
-        spec = self.spec
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        iterators = [self.data(i) for i in range(spec.chunks)]
-        with cpu_stand_ins(on_cpu=self.on_cpu), around():
-            losses = self.forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iterators if spec.vpp else iterators[0],
-                model=self.model if spec.vpp else self.model[0],
-                num_microbatches=spec.microbatches,
-                seq_length=spec.seq,
-                micro_batch_size=spec.micro_batch_size,
-                forward_only=False,
-            )
-        with cpu_stand_ins(on_cpu=self.on_cpu):
-            self.optimizer.step()
-        self.iteration += 1
-        if not losses:
-            return None
-        loss = sum(float(entry["lm loss"]) for entry in losses) / len(losses)
-        self.losses.append(loss)
-        return loss
+            yield {name: tensor.to(spec.device) for name, tensor in batch.items()}
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:  # what Megatron's OptimizerParamScheduler sets
@@ -98,79 +71,14 @@ class DemoJob(Job):
         }
 
 
-def forward_step(data_iterator, model):
-    """Megatron's forward step: the chunk's output, and a loss function for the last stage."""
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
-    mask = batch["loss_mask"]
-
-    def loss_func(output_tensor):
-        loss = (output_tensor.float() * mask).sum() / mask.sum()
-        # A copy: the schedule divides the loss it is handed by the microbatch count in place.
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return output, loss_func
-
-
 def build_job(spec: JobSpec, device: torch.device) -> DemoJob:
-    """Megatron's groups, GPTModel chunks in its DDP, optimizer and schedule for ``spec`` on this rank:
-    on CPU ``megatron_cpu.build``; on a GPU the same, on the GPU, with nothing stood in."""
+    """Megatron's groups, GPTModel chunks in its DDP, optimizer and schedule for ``spec`` on this rank
+    (``megatron_cpu.build``: on CPU inside its stand-ins, on this process's GPU with none)."""
     from megatron.core import parallel_state
 
-    job = megatron_cpu.build(spec) if device.type == "cpu" else _build_on_gpu(spec, device)
+    job = megatron_cpu.build(dataclasses.replace(spec, device=device.type))
     fields = {f.name: getattr(job, f.name) for f in dataclasses.fields(Job)}
-    return DemoJob(**fields, device=device, dp_rank=parallel_state.get_data_parallel_rank())
-
-
-def _build_on_gpu(spec: JobSpec, device: torch.device) -> Job:
-    """``megatron_cpu.build`` without its stand-ins: each chunk moved to ``device`` before Megatron's DDP
-    wraps it (as Megatron-LM does), and Megatron's CUDA RNG tracker seeded."""
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    megatron_cpu.layout(spec)
-    torch.manual_seed(spec.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(spec.seed)
-    config = megatron_cpu.transformer_config(spec)
-    chunks = []
-    for vp_stage in range(spec.chunks):
-        kwargs = {"vp_stage": vp_stage} if spec.vpp else {}
-        chunks.append(
-            GPTModel(
-                config=config,
-                transformer_layer_spec=get_gpt_layer_local_spec(),
-                vocab_size=spec.vocab,
-                max_sequence_length=spec.seq,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, **kwargs),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, **kwargs),
-                share_embeddings_and_output_weights=False,
-                **kwargs,
-            ).to(device)
-        )
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=spec.distributed_optimizer, overlap_grad_reduce=False
-    )
-    model = [
-        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=index > 0)
-        for index, chunk in enumerate(chunks)
-    ]
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-4,
-            clip_grad=0.0,  # as on CPU, where Megatron's clipping cannot run: the two runs stay alike
-            params_dtype=torch.float32,
-            use_distributed_optimizer=spec.distributed_optimizer,
-        ),
-        model,
-    )
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = [chunk.no_sync for chunk in model] if spec.vpp else model[0].no_sync
-    return Job(spec, model, optimizer, config, get_forward_backward_func())
+    return DemoJob(**fields, dp_rank=parallel_state.get_data_parallel_rank())
 
 
 def synthetic_microbatch(spec: JobSpec, iteration: int, dp_rank: int, index: int):

@@ -240,6 +240,7 @@ def _advise_png(run, changes, outcomes, path) -> Path | None:
 
 def _postmortem(args) -> int:
     """Exit code 1 when a failure was found, 0 when every rank closed, 2 when nothing could be read."""
+    from . import postmortem_plot
     from .postmortem import PostmortemError, analyse
     from .postmortem_json import json_text
     from .postmortem_render import format_text
@@ -251,7 +252,7 @@ def _postmortem(args) -> int:
         return 2
     png = None
     if not args.no_png and (args.png or not args.json):
-        png = _postmortem_png(postmortem, args.png or args.run_dir / POSTMORTEM_PNG_NAME)
+        png = _png(postmortem_plot.write_png, (postmortem, args.png or args.run_dir / POSTMORTEM_PNG_NAME))
     if args.json:
         print(json_text(postmortem, str(png) if png else None))
     else:
@@ -259,22 +260,6 @@ def _postmortem(args) -> int:
         if png:
             print(f"\nplot of the last records per stage and when each rank stopped: {png}")
     return 1 if postmortem.first_failure is not None else 0
-
-
-def _postmortem_png(postmortem, path) -> Path | None:
-    """The PNG, or None with a warning: a read-only copy of the run or no matplotlib must not
-    hide the post-mortem itself."""
-    try:
-        from .postmortem_plot import write_png
-
-        return write_png(postmortem, path)
-    except Exception as error:  # a read-only folder, no matplotlib, figures it cannot draw
-        print(
-            f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error}); "
-            "--png PATH to write it elsewhere",
-            file=sys.stderr,
-        )
-        return None
 
 
 def _report(args) -> int:
@@ -291,19 +276,20 @@ def _report(args) -> int:
         print(hint)
     metric = choose_metric(run, args.metric)
     folder = args.run_dir.parent if args.run_dir.is_file() else args.run_dir
-    png = _report_png(write_png, (run, metric, args.png or folder / PNG_NAME, records))
+    png = _png(write_png, (run, metric, args.png or folder / PNG_NAME, records))
     if png is not None:
         print(f"\nplot of {metric} per stage: {png}")
         if composition_plot.has_composition(run):
             composition = png.with_name(png.stem + "_composition.png")
-            parts = _report_png(composition_plot.write_png, (run, composition, records))
+            parts = _png(composition_plot.write_png, (run, composition, records))
             if parts is not None:
                 print(f"what each stage's memory is made of: {parts}")
     return 0
 
 
-def _report_png(write, arguments: tuple) -> Path | None:
-    """``write(*arguments)``, or None with a warning: a read-only copy of the run must not hide the table."""
+def _png(write, arguments: tuple) -> Path | None:
+    """``write(*arguments)``, or None with a warning: a read-only copy of the run, or no matplotlib,
+    must not hide the table or the post-mortem."""
     try:
         return write(*arguments)
     except Exception as error:  # a read-only folder, no matplotlib, figures it cannot draw

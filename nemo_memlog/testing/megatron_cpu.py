@@ -229,6 +229,8 @@ def build(spec: JobSpec) -> Job:
                 position_embedding_type="rope" if spec.rope else "learned_absolute",
                 **kwargs,
             )
+            if not spec.on_cpu:  # as Megatron-LM does, before its DDP wraps the chunk
+                model = model.cuda(torch.cuda.current_device())
             chunks.append(Float16Module(config, model) if spec.bf16 else model)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -242,7 +244,7 @@ def build(spec: JobSpec) -> Job:
         optimizer_config = OptimizerConfig(
             optimizer="adam",
             lr=1e-4,
-            clip_grad=0.0 if spec.on_cpu else 1.0,  # Megatron's clipping asserts CUDA gradients
+            clip_grad=0.0,  # Megatron's clipping asserts CUDA gradients on CPU; off on a GPU too, so runs compare
             params_dtype=torch.bfloat16 if spec.bf16 else torch.float32,
             bf16=spec.bf16,
             use_distributed_optimizer=spec.distributed_optimizer,
