@@ -13,6 +13,9 @@ STAMP03 := $(VENV03)/.installed
 #: The tests whose expectations depend on Megatron-Bridge's or megatron-core's version: run in both environments.
 BRIDGE_TESTS := tests/test_bridge.py tests/writers/test_adopt.py
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+# Importing megatron-core makes torch inductor's cache folder (/tmp/torchinductor_<user> by default):
+# keep it inside the environment, so that set-up, the tests and the demo leave nothing in /tmp.
+export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/$(VENV)/.torchinductor
 
 # pip's expected noise, hidden: this machine's local mirror lacks folders for most names,
 # and Bridge is installed --no-deps, so pip lists its own pins (transformer-engine, CUDA
