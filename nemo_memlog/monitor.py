@@ -91,6 +91,7 @@ class MemoryMonitor:
         self.meter = ActivationMeter()  # armed on logging iterations only
         self._state: dict | None = None  # the last model state counted (for the OOM record)
         self._measured: Any = None  # the last activations measured (for the OOM record)
+        self._measured_steps = 0  # the logging steps whose activations were measured (per-layer record)
         self._optimizer_facts: dict = {}  # the optimizer's class and whether it is sharded
         self._facts_given: Any = None  # a copy of the facts= last taken: checked again only when they change
         # Memory logging off: said once (rank 0) when a call brings what it ignores.
@@ -322,10 +323,11 @@ class MemoryMonitor:
     def _write_layers(self, iteration: int, report: dict, measured, model, optimizer) -> None:
         """This rank's per-layer record (measure/layer_record.py), beside its flight record. Never raises."""
         try:
+            self._measured_steps += 1  # nemo-memlog fit ends a probe once every rank has two (offline/fit.py)
             record = {**self._layout, "iteration": iteration, "time": time.time(), "run": self.run_facts}
             record.update(layer_rows.stage_and_rows(report, measured, model, optimizer, self._state))
             assert self.record_dir is not None  # _write_layers runs only with a folder
-            layer_record.write(self.record_dir, record)
+            layer_record.write(self.record_dir, {**record, "measured_steps": self._measured_steps})
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")
 

@@ -75,6 +75,10 @@ class TrainConfig:
     micro_batches: int = 4
     """Microbatches per iteration; >= parallel.pp keeps the first stage's 1F1B warm-up full.
     (The interleaved schedule needs a multiple of parallel.pp.)"""
+    global_batch_size: int | None = None
+    """Samples per iteration over the data-parallel replicas, as Megatron's global_batch_size: when set,
+    train.micro_batches is global_batch_size / (micro_batch_size x DP), so that a micro-batch size
+    change keeps the global batch (``nemo-memlog fit`` changes only the size: docs/fit.md)."""
     micro_batch_size: int = 128
     """With seq_len and model.hidden, sets the activation memory a microbatch keeps on a stage:
     about 0.2 GB here (Megatron's unfused attention keeps its scores). The first stage keeps
@@ -234,9 +238,10 @@ def _check(cfg: DemoConfig) -> None:
             raise ConfigError(f"{name} must be >= 1; got {value}")
     if cfg.model.hidden % cfg.model.heads:
         raise ConfigError(f"model.hidden ({cfg.model.hidden}) must be a multiple of model.heads ({cfg.model.heads})")
+    world = int(os.environ.get("WORLD_SIZE", DEFAULT_PROCESSES))
+    _global_batch(cfg, world)
     _check_vpp(cfg)
     _check_fail(cfg)
-    world = int(os.environ.get("WORLD_SIZE", DEFAULT_PROCESSES))
     if world % cfg.parallel.pp:
         fitting = [str(pp) for pp in range(1, world + 1) if world % pp == 0]
         raise ConfigError(
@@ -245,6 +250,21 @@ def _check(cfg: DemoConfig) -> None:
             f"of {cfg.parallel.pp}: {console_command('torchrun')} --nproc-per-node N scripts/demo.py "
             f"parallel.pp={cfg.parallel.pp} ..."
         )
+
+
+def _global_batch(cfg: DemoConfig, world: int) -> None:
+    """train.micro_batches from train.global_batch_size, where it is set; ConfigError where not whole."""
+    t = cfg.train
+    if t.global_batch_size is None:
+        return
+    dp = max(world // cfg.parallel.pp, 1)
+    microbatches, rest = divmod(t.global_batch_size, t.micro_batch_size * dp)
+    if rest or microbatches < 1:
+        raise ConfigError(
+            f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size}) x DP ({dp})"
+        )
+    t.micro_batches = microbatches
 
 
 def _check_vpp(cfg: DemoConfig) -> None:

@@ -90,6 +90,7 @@ LAUNCHING_MODULES = {
     "test_host_limit",
     "test_composition",
     "test_megatron",
+    "test_fit",
 }
 
 

@@ -10,16 +10,24 @@ its layers where the per-layer record has them. ``predict(run, changes)`` applie
 change to every stage; ``Change`` values come from ``parse``; a change the record cannot support
 raises ``Refused`` saying what is missing.
 
-Three modules: ``model`` (the words), ``predict`` (the arithmetic of a change, and what fits),
-``live`` (the advice read from a logging step and at an OOM).
+Four modules: ``model`` (the words), ``predict`` (the arithmetic of a change, and the largest
+micro-batch size that fits), ``search`` (the changes that fit, cheapest first), ``live`` (the
+advice read from a logging step and at an OOM).
 """
 
 from .live import PREFIX, fix_sentence, oom_run, run_from_unified, stage_parts, would_have_fit
 from .model import CHANGES, MODEL_STATE, PARTS, Change, Outcome, Refused, Run, Stage, fmt, parse, peak, with_model_state
-from .predict import max_micro_batch_size, predict, smallest_fix
+from .predict import MAX_DIVISORS, divisors, max_micro_batch_size, predict, smallest_fix
+from .search import COSTS, Fix, balanced_split, changes_that_fit
 
 __all__ = [
     "CHANGES",
+    "COSTS",
+    "MAX_DIVISORS",
+    "divisors",
+    "Fix",
+    "balanced_split",
+    "changes_that_fit",
     "Change",
     "MODEL_STATE",
     "Outcome",

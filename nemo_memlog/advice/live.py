@@ -18,15 +18,24 @@ PREFIX = "memory/"
 def stage_parts(figure: Callable[[str], Any], gpu: bool) -> dict:
     """One stage's parts (PARTS) from its figures as logged: ``figure(name)`` is a logged name's
     value, or None. GPU: temporaries, slack and the memory outside the allocator as measured; CPU:
-    the rest of the process's resident memory (interpreter, libraries, buffers) as ``outside_gb``.
-    A figure that is absent or NaN counts as 0."""
+    the rest of the process's peak resident memory, split where its idle size was measured
+    (``host_idle_rss_gb``, measure/host_idle.py) into ``outside_gb`` (idle, beyond the model state)
+    and ``temporaries_gb`` (the working set of the microbatch computed at the peak), else all
+    ``outside_gb``. A figure that is absent or NaN counts as 0."""
     parts = {name: _gb(figure(name)) for name in (*MODEL_STATE, "activations_gb")}
     if gpu:
         parts["temporaries_gb"] = _gb(figure("temporaries_gb"))
         parts["allocator_slack_gb"] = _gb(figure("allocator_slack_gb"))
         parts["outside_gb"] = _gb(figure("device_other_gb"))
     else:
-        parts["outside_gb"] = max(_gb(figure("peak_host_rss_gb")) - sum(parts.values()), 0.0)
+        rest = max(_gb(figure("peak_host_rss_gb")) - sum(parts.values()), 0.0)
+        idle = _gb(figure("host_idle_rss_gb"))
+        if idle:  # the idle size beyond the model state stays; what the microbatch adds grows with it
+            outside = min(max(idle - sum(parts[name] for name in MODEL_STATE), 0.0), rest)
+            parts["temporaries_gb"] = rest - outside
+            parts["outside_gb"] = outside
+        else:
+            parts["outside_gb"] = rest
     return parts
 
 

@@ -62,6 +62,9 @@ class Run:
     gpu: bool = False
     capacity_gb: float | None = None
     capacity_source: str = ""
+    #: Per stage, (GB at size 0, GB per sample) of the temporaries, fitted to two runs at two
+    #: micro-batch sizes (nemo-memlog fit's probes); None: they scale with the microbatch.
+    temporaries_line: tuple[tuple[float, float], ...] | None = None
 
     @classmethod
     def of(

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .model import CHANGES, MODEL_STATE, Change, Outcome, Refused, Run, Stage, parse, with_model_state
@@ -147,16 +148,25 @@ def _micro_batch_size(run: Run, state: _State, change: Change) -> None:
         factor = amount / state.micro_batch_size
     else:
         factor = amount
-    for plan in state.plans:
+    size = state.micro_batch_size * factor if state.micro_batch_size is not None else None
+    lines = run.temporaries_line if size is not None else None
+    for index, plan in enumerate(state.plans):
         plan.per_held *= factor
         for row in plan.layers:
             row["activations_per_microbatch_gb"] *= factor
             row["input_per_microbatch_gb"] *= factor
+        if lines is not None and size is not None:
+            plan.parts["temporaries_gb"] = max(lines[index][0] + lines[index][1] * size, 0.0)
+        elif plan.parts.get("temporaries_gb"):
+            plan.parts["temporaries_gb"] *= factor
+    if lines is not None:
+        grows = "temporaries follow the line through two runs' measurements (GB = a + b x micro-batch size)"
+    else:
+        grows = f"so do the temporaries (the working set of the microbatch being computed, x{factor:g})"
     state.assumptions.append(
-        f"activations scale with the microbatch's tokens (x{factor:g}); temporaries and slack as measured"
+        f"activations scale with the microbatch's tokens (x{factor:g}); {grows}; the rest as measured"
     )
-    if state.micro_batch_size is not None:
-        state.micro_batch_size *= factor
+    state.micro_batch_size = size
     if state.microbatches is None:
         state.assumptions.append("microbatches per iteration unknown: the microbatches in flight as measured")
         return
@@ -301,13 +311,14 @@ _PREDICT_EACH = 64  # the live advice runs at every logging step: a few predicti
 #: above it is taken whole (some of its divisors may go untried: the answer still fits).
 _TRIAL_DIVISOR = 1 << 20
 #: More sizes than this dividing the samples per iteration are not searched.
-_MAX_DIVISORS = 1 << 20
+MAX_DIVISORS = 1 << 20
 
 
-def max_micro_batch_size(run: Run) -> tuple[int | None, str]:
-    """(the largest micro-batch size whose prediction fits on every stage, how it was searched), or
-    (None, why not). With microbatches known, only sizes that keep the global batch whole. Bounded:
-    about 40 predictions whatever the run's stated sizes (see _PREDICT_EACH)."""
+def max_micro_batch_size(run: Run, changes: Sequence[Change] = (), margin: float = 0.0) -> tuple[int | None, str]:
+    """(the largest micro-batch size whose prediction, with ``changes`` other than the micro-batch
+    size applied too, leaves ``margin`` of the capacity free on every stage; how it was searched),
+    or (None, why not). With microbatches known, only sizes that keep the global batch whole.
+    Bounded: about 40 predictions whatever the run's stated sizes (see _PREDICT_EACH)."""
     if run.capacity_gb is None:
         return None, "no capacity known"
     if run.micro_batch_size is None:
@@ -319,9 +330,9 @@ def max_micro_batch_size(run: Run) -> tuple[int | None, str]:
     samples = run.micro_batch_size * run.microbatches if run.microbatches else None
     how = "sizes dividing the samples per iteration" if samples else "microbatches in flight as measured"
     if samples and run.microbatches:
-        candidates = _divisors(run.micro_batch_size, run.microbatches)
+        candidates = divisors(run.micro_batch_size, run.microbatches)
         if candidates is None:
-            return None, f"more than {_MAX_DIVISORS} sizes divide the samples per iteration ({samples}): not searched"
+            return None, f"more than {MAX_DIVISORS} sizes divide the samples per iteration ({samples}): not searched"
         count = len(candidates)
     else:
         count = 64 * run.micro_batch_size
@@ -330,12 +341,15 @@ def max_micro_batch_size(run: Run) -> tuple[int | None, str]:
     def size_at(index: int) -> int:
         return candidates[index] if candidates is not None else index + 1
 
+    others = [change for change in changes if change.name != "micro_batch_size"]
+    limit = run.capacity_gb * (1.0 - margin)
+
     def fits(size: int) -> bool:
         try:
-            outcomes = predict(run, [Change("micro_batch_size", ("n", size), f"micro_batch_size={size}")])
+            outcomes = predict(run, [*others, Change("micro_batch_size", ("n", size), f"micro_batch_size={size}")])
         except Refused:
             return False
-        return all(outcome.fits for outcome in outcomes)
+        return all(outcome.peak_gb <= limit for outcome in outcomes)
 
     if count <= _PREDICT_EACH:  # every candidate, as the rule reads
         best = None
@@ -359,11 +373,11 @@ def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _divisors(*numbers: int) -> list[int] | None:
+def divisors(*numbers: int) -> list[int] | None:
     """Every divisor of the product of ``numbers``, ascending, from each one's factors (trial division
     up to _TRIAL_DIVISOR, a larger cofactor taken whole: the micro-batch size and the microbatches are
     factored apart, each at most 2**20 when stated through training_log, so a few hundred divisions);
-    None where there are more than _MAX_DIVISORS."""
+    None where there are more than MAX_DIVISORS."""
     factors: dict[int, int] = {}
     for number in numbers:
         rest, divisor = number, 2
@@ -377,7 +391,7 @@ def _divisors(*numbers: int) -> list[int] | None:
     count = 1
     for power in factors.values():
         count *= power + 1
-    if count > _MAX_DIVISORS:
+    if count > MAX_DIVISORS:
         return None
     divisors = [1]
     for prime, power in factors.items():

@@ -165,11 +165,21 @@ def logger_section(config: Any) -> Any:
     )
 
 
+#: Set by ``nemo-memlog fit`` in each probe's environment: the folder its records go to, whatever
+#: memory_record_dir says, so that every way in (training_log, the callbacks) works unchanged.
+PROBE_DIR_ENV = "NEMO_MEMLOG_PROBE_DIR"
+
+
 def memory_record_dir(logger: Any) -> str | None:
     """The flight recorder's folder for these settings (absolute), or None when it is off:
-    memory logging off, or ``memory_record_dir="off"``. See LoggerConfig.memory_record_dir."""
+    memory logging off, or ``memory_record_dir="off"``. See LoggerConfig.memory_record_dir.
+    In a probe of ``nemo-memlog fit`` (PROBE_DIR_ENV set), that folder while memory logging is on."""
     chosen = setting(logger, "memory_record_dir")
-    if not setting(logger, "log_memory_to_tensorboard") or chosen == RECORD_OFF:
+    if not setting(logger, "log_memory_to_tensorboard"):
+        return None
+    if os.environ.get(PROBE_DIR_ENV):  # a probe of nemo-memlog fit: its records go where fit reads them
+        return os.path.abspath(os.environ[PROBE_DIR_ENV])
+    if chosen == RECORD_OFF:
         return None
     if chosen is not None:
         return os.path.abspath(os.fspath(chosen))

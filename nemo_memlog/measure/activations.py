@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import host_idle
 from .composition import modules_of
 
 GB = 1e9
@@ -126,6 +127,7 @@ class Measurement:
     layer_activations_gb: tuple[float, ...]  # per layer: mean kept per microbatch it ran in
     layer_inputs_gb: tuple[float, ...]  # per layer: mean input per microbatch it ran in
     grads: dict  # id(param) -> (storage key, storage bytes, element bytes): the iteration's gradients
+    host_idle_rss_gb: float | None = None  # CPU: the resident size before the first microbatch (host_idle.py)
 
 
 class ActivationMeter:
@@ -290,6 +292,7 @@ class _Session:
         self.holders: dict = {}  # storage key -> how many microbatches hold it (the live total counts it once)
         self.live_micros = self.peak_micros = 0
         self.grads: dict = {}
+        self.host_idle_rss_gb: float | None = None
 
     # -- microbatches: a chunk's forward ------------------------------------------------------
     def begin(self, module, args) -> None:
@@ -303,6 +306,8 @@ class _Session:
         except Exception:  # noqa: BLE001 -- never into the forward: this microbatch is not measured
             self.opened.append(None)
             return
+        if not self.micros and not torch.cuda.is_initialized():  # CPU: the idle size, before any microbatch
+            self.host_idle_rss_gb = host_idle.idle_rss_gb()
         micro = _Micro(self, len(self.layers))
         self.micros.append(micro)
         self.micro, self.outer = micro, outer
@@ -420,6 +425,7 @@ class _Session:
             layer_activations_gb=tuple(layer_activations),
             layer_inputs_gb=tuple(layer_inputs),
             grads=dict(self.grads),
+            host_idle_rss_gb=self.host_idle_rss_gb,
         )
 
 

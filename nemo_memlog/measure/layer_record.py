@@ -6,13 +6,15 @@ then a rename) at each logging step whose activations were measured (measure/act
 
     {"format": "nemo_memlog.layers", "version": 1, "rank": int, "world_size": int,
      "pp_rank": int, "pp_size": int, "tp_rank": int, "tp_size": int, "dp_rank": int, "dp_size": int,
-     "iteration": int, "time": float (unix time),
+     "iteration": int, "measured_steps": int (this rank's measured logging steps so far: nemo-memlog
+     fit ends a probe at two), "time": float (unix time),
      "run": {...}   the run's facts, as known: "microbatches", "micro_batch_size", "optimizer",
                     "distributed_optimizer", ... (absent where unknown),
      "stage": {"params_gb", "grads_gb", "optimizer_state_gb", "model_state_gb", "activations_gb",
                "activations_per_microbatch_gb", "microbatches_in_flight", "microbatches",
-               "chunks"; on a GPU also "peak_allocated_gb", "peak_reserved_gb", "temporaries_gb",
-               "allocator_slack_gb", "device_other_gb", "device_total_gb"},
+               "chunks"; on CPU also "host_idle_rss_gb" (measure/host_idle.py); on a GPU also
+               "peak_allocated_gb", "peak_reserved_gb", "temporaries_gb", "allocator_slack_gb",
+               "device_other_gb", "device_total_gb"},
      "layers": [{"name": str, "kind": "layer"|"embedding"|"output"|"other", "chunk": int,
                  "number": int|null, "params_gb", "grads_gb", "optimizer_state_gb",
                  "activations_per_microbatch_gb", "input_per_microbatch_gb"}, ...]}

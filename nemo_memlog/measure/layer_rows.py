@@ -36,6 +36,8 @@ def stage_and_rows(report: dict, measured: Measurement, model: Any, optimizer: A
     states = composition.layer_state([*owned, rest], optimizer, measured.grads, state)
     stage = {key: report[key] for key in RECORDED_STAGE_KEYS if key in report and report[key] == report[key]}
     stage.update(microbatches=measured.microbatches, chunks=len(chunks_of(model)))
+    if measured.host_idle_rss_gb is not None:
+        stage["host_idle_rss_gb"] = measured.host_idle_rss_gb
     rows = [
         {
             "name": layer.name,

@@ -268,12 +268,25 @@ def peak_line(outcomes: list[advice.Outcome]) -> str:
     )
 
 
-def as_json(run: advice.Run, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> str:
+def as_json(
+    run: advice.Run,
+    changes: list[advice.Change],
+    outcomes: list[advice.Outcome],
+    best: tuple,
+    fixes: list[advice.Fix] | None = None,
+    margin: float = 0.1,
+) -> str:
     """The contract: {"stages": [{"stage", "now", "predicted", "peak_gb", "capacity_gb", "fits", ...}], ...}.
     Strict JSON: a number that is not finite (NaN, Infinity) is null, and ``null_reasons`` maps where
     it was ("stages[0].peak_gb") to why ("not a finite number: inf")."""
     reasons: dict[str, str] = {}
-    document = _finite(_as_dict(run, changes, outcomes, best), "", reasons)
+    document = _as_dict(run, changes, outcomes, best)
+    if fixes is not None:
+        document["margin"] = margin
+        document["fixes"] = [
+            {"changes": [c.text for c in fix.changes], "peaks_gb": [o.peak_gb for o in fix.outcomes]} for fix in fixes
+        ]
+    document = _finite(document, "", reasons)
     document["null_reasons"] = reasons
     return json.dumps(document, indent=1, allow_nan=False)
 
@@ -323,7 +336,14 @@ def _as_dict(run: advice.Run, changes: list[advice.Change], outcomes: list[advic
     )
 
 
-def as_text(run: advice.Run, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> str:
+def as_text(
+    run: advice.Run,
+    changes: list[advice.Change],
+    outcomes: list[advice.Outcome],
+    best: tuple,
+    fixes: list[advice.Fix] | None = None,
+    margin: float = 0.1,
+) -> str:
     """Per stage: each part today and predicted, the peak, capacity and headroom; then what fits."""
     what = " + ".join(change.text for change in changes) or "no change (today's figures)"
     lines = [f"what-if: {what}", f"{capacity_line(run)}; PP {run.pp_size}, DP {run.dp_size}", replica_line(run), ""]
@@ -348,8 +368,29 @@ def as_text(run: advice.Run, changes: list[advice.Change], outcomes: list[advice
         lines += ["", "assumptions:"] + [f"  - {text}" for text in outcomes[0].assumptions]
     size, how = best
     lines.append("")
+    under = (
+        f" with {' + '.join(c.text for c in changes if c.name != 'micro_batch_size')}"
+        if any(c.name != "micro_batch_size" for c in changes)
+        else ""
+    )
     if size is not None:
-        lines.append(f"largest micro-batch size that fits on every stage: {size} ({how}; today {run.micro_batch_size})")
+        lines.append(
+            f"largest micro-batch size that fits on every stage{under}: {size} ({how}; today {run.micro_batch_size})"
+        )
     else:
-        lines.append(f"largest micro-batch size that fits: not predicted ({how})")
+        lines.append(f"largest micro-batch size that fits{under}: not predicted ({how})")
+    if fixes is not None:
+        lines += ["", *fixes_text(fixes, margin)]
     return "\n".join(lines)
+
+
+def fixes_text(fixes: list[advice.Fix], margin: float) -> list[str]:
+    """The changes that fit, cheapest first, each with its predicted peak per stage and its cost."""
+    if not fixes:
+        return [f"changes that fit with {margin:.0%} free: none predicted (more ranks, or a larger device)"]
+    lines = [f"changes that fit with {margin:.0%} of the capacity free, cheapest first:"]
+    for number, fix in enumerate(fixes, 1):
+        peaks = ", ".join(f"stage {o.stage} {size_text(o.peak_gb)}" for o in fix.outcomes)
+        cost = "; ".join(advice.COSTS[c.name] for c in fix.changes if c.name in advice.COSTS)
+        lines.append(f"  {number}. {fix.text}: {peaks} ({cost})")
+    return lines

@@ -48,7 +48,48 @@ def _parser() -> argparse.ArgumentParser:
     )
     _postmortem_parser(commands)
     _advise_parser(commands)
+    _fit_parser(commands)
     return parser
+
+
+def _fit_parser(commands) -> None:
+    """``fit`` and its options, added to ``commands``."""
+    fit = commands.add_parser(
+        "fit",
+        help="the largest micro-batch size that fits every stage, from probes of your own launch",
+        description="Launch COMMAND (with {micro_batch_size} where the size goes) at one size, end it once every "
+        "rank has recorded two measured logging steps, predict the largest size that fits every pipeline stage, "
+        "and confirm it with another launch (docs/fit.md). Exit status: 0 with an answer, 2 when even the "
+        "smallest size does not fit (or a usage error), 1 when the probes measured nothing, 130/143 interrupted.",
+    )
+    fit.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your launch, after --")
+    fit.add_argument("--capacity-gb", type=_gigabytes, default=None, help="memory per rank (default: as advise)")
+    fit.add_argument("--margin", type=_fraction, default=0.1, help="share of the capacity left free (default 0.1)")
+    fit.add_argument("--start", type=_whole, default=None, help="the first probe's size (default 1)")
+    fit.add_argument("--max-launches", type=_whole, default=3, help="probes at most (default 3)")
+    fit.add_argument("--probe-timeout-s", type=_seconds, default=1800.0, help="longest wait for a probe's records")
+    fit.add_argument("--grace-s", type=_seconds, default=30.0, help="SIGTERM to SIGKILL for a probe (default 30)")
+    fit.add_argument("--work-dir", type=Path, default=None, help="keep the probes' records and output here")
+    fit.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _fraction(text: str) -> float:
+    """An argparse type: a number from 0 up to (not including) 1."""
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a share from 0 up to 1 (0.1 is 10%) is expected")
+    return value
+
+
+def _whole(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= 1 is expected")
+    return value
 
 
 def _advise_parser(commands) -> None:
@@ -80,6 +121,13 @@ def _advise_parser(commands) -> None:
         help="memory per rank to fit in (default: the device's total; on CPU the job's memory cgroup limit, "
         "else the node's RAM divided by the ranks on it)",
     )
+    advise.add_argument(
+        "--fit",
+        action="store_true",
+        help="also list the changes that fit (--margin of the capacity free), cheapest first: the micro-batch "
+        "size, the distributed optimizer, recompute, a layer split",
+    )
+    advise.add_argument("--margin", type=_fraction, default=0.1, help="with --fit: share left free (default 0.1)")
     advise.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     advise.add_argument(
         "--png", type=Path, default=None, help="where to write the picture (default: RUN_DIR/memory_advise.png)"
@@ -188,6 +236,8 @@ def _command(args) -> int:
         return _postmortem(args)
     if args.command == "advise":
         return _advise(args)
+    if args.command == "fit":
+        return _fit(args)
     from .report import ReportError
 
     try:
@@ -210,18 +260,50 @@ def _advise(args) -> int:
     except (AdviseError, ValueError) as error:  # advice.Refused is a ValueError
         print(f"nemo-memlog advise: error: {error}", file=sys.stderr)
         return 2
-    best = advice.max_micro_batch_size(run)
+    best = advice.max_micro_batch_size(run, changes)
+    fixes = advice.changes_that_fit(run, args.margin) if args.fit else None
     png = None
     if not args.no_png:
         folder = args.run_dir if args.run_dir.is_dir() else args.run_dir.parent
         png = _advise_png(run, changes, outcomes, args.png or folder / ADVISE_PNG_NAME)
     if args.json:
-        print(as_json(run, changes, outcomes, best))
+        print(as_json(run, changes, outcomes, best, fixes, args.margin))
     else:
-        print(as_text(run, changes, outcomes, best))
+        print(as_text(run, changes, outcomes, best, fixes, args.margin))
         if png:
             print(f"\nplot of each stage today and predicted: {png}")
     return 0
+
+
+def _fit(args) -> int:
+    """Exit code 0 with an answer, 2 when nothing fits, 1 when the probes measured nothing."""
+    import signal
+
+    from .fit import NOTHING_FITS, FitError, Options, search
+    from .fit_render import as_json, as_text
+    from .probe import become_subreaper
+
+    command = args.job[1:] if args.job[:1] == ["--"] else args.job
+    options = Options(
+        command, args.capacity_gb, args.margin, args.start, args.max_launches, args.probe_timeout_s, args.grace_s
+    )
+    options.work_dir = args.work_dir
+    become_subreaper()  # a worker whose launcher died is re-parented here, and ended with the probe
+    signal.signal(signal.SIGTERM, _interrupted)
+    try:
+        result = search(options)
+    except FitError as error:
+        print(f"nemo-memlog fit: error: {error}", file=sys.stderr)
+        return 2 if "COMMAND" in str(error) else 1
+    except KeyboardInterrupt as interrupt:
+        print("nemo-memlog fit: interrupted; every probe's processes ended", file=sys.stderr)
+        return 143 if interrupt.args == ("SIGTERM",) else 130
+    print(as_json(result, options) if args.json else as_text(result, options))
+    return 0 if result.micro_batch_size is not None else NOTHING_FITS
+
+
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _advise_png(run, changes, outcomes, path) -> Path | None:

@@ -1,0 +1,110 @@
+"""The changes that fit, cheapest first (``advise --fit``, and ``fit`` when nothing fits): the largest
+micro-batch size, then the distributed optimizer, then recompute, then another layer split, each
+alone, else all of them together. Pure arithmetic over ``predict``; never raises Refused."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .model import Change, Outcome, Refused, Run, parse
+from .predict import max_micro_batch_size, predict
+
+#: The order of the search, cheapest first: what each costs the run.
+COSTS = {
+    "micro_batch_size": "no extra compute; fewer samples per microbatch, more microbatches",
+    "distributed_optimizer": "one all-gather of the parameters per step over data parallelism",
+    "recompute": "a second forward of each layer in backward (about a third more compute)",
+    "layers_per_stage": "an uneven pipeline: the longest stage sets the pace",
+}
+
+
+@dataclass(frozen=True)
+class Fix:
+    """Changes that, applied together, leave every stage's predicted peak within the limit."""
+
+    changes: tuple[Change, ...]
+    outcomes: tuple[Outcome, ...]
+
+    @property
+    def text(self) -> str:
+        return " + ".join(change.text for change in self.changes)
+
+
+def changes_that_fit(run: Run, margin: float) -> list[Fix]:
+    """Each change of COSTS's order that alone leaves ``margin`` of the capacity free on every
+    stage (the largest micro-batch size that does, for the first); where none alone does, the
+    distributed optimizer, recompute and a layer split together, with the largest micro-batch size
+    under them. [] without a capacity or where nothing can be predicted to fit."""
+    if run.capacity_gb is None:
+        return []
+    limit = run.capacity_gb * (1.0 - margin)
+    fixes = []
+    size, _ = max_micro_batch_size(run, margin=margin)
+    if size is not None:
+        fixes.append(_fix(run, parse([f"micro_batch_size={size}"]), limit))
+    fixes.append(_fix(run, parse(["distributed_optimizer=true"]), limit))
+    fixes.append(_fix(run, parse(["recompute=full"]), limit))
+    split = balanced_split(run, limit)
+    if split is not None:
+        fixes.append(_fix(run, parse([f"layers_per_stage={','.join(map(str, split))}"]), limit))
+    found = [fix for fix in fixes if fix is not None]
+    if found:
+        return found
+    together = [text for text in ("distributed_optimizer=true", "recompute=full") if _fix(run, parse([text]), 1e300)]
+    if split is not None:
+        together.append(f"layers_per_stage={','.join(map(str, split))}")
+    size, _ = max_micro_batch_size(run, parse(together), margin=margin)
+    if size is None:
+        return []
+    fix = _fix(run, parse([*together, f"micro_batch_size={size}"]), limit)
+    return [fix] if fix is not None else []
+
+
+def _fix(run: Run, changes: Sequence[Change], limit: float) -> Fix | None:
+    """A Fix of ``changes`` where the prediction keeps every stage within ``limit``, else None."""
+    try:
+        outcomes = predict(run, list(changes))
+    except Refused:
+        return None
+    if all(outcome.peak_gb <= limit for outcome in outcomes):
+        return Fix(tuple(changes), tuple(outcomes))
+    return None
+
+
+def balanced_split(run: Run, limit: float) -> tuple[int, ...] | None:
+    """Transformer layers per stage that lower the highest predicted peak the most, moving one layer
+    at a time off the stage that holds it (at most layers x stages moves); None where the run's
+    record cannot predict a layer move or no move lowers the peak."""
+    counts = [sum(1 for row in stage.layers if row.get("kind") == "layer") for stage in run.stages]
+    if len(counts) < 2 or not sum(counts):
+        return None
+
+    def highest(split: list[int]) -> float | None:
+        try:
+            outcomes = predict(run, parse([f"layers_per_stage={','.join(map(str, split))}"]))
+        except (Refused, ValueError):
+            return None
+        return max(outcome.peak_gb for outcome in outcomes)
+
+    best, best_peak = list(counts), highest(counts)
+    if best_peak is None:
+        return None
+    for _ in range(sum(counts) * len(counts)):
+        if best_peak <= limit:
+            break
+        peaks = [outcome.peak_gb for outcome in predict(run, parse([f"layers_per_stage={','.join(map(str, best))}"]))]
+        worst = peaks.index(max(peaks))
+        moves = []
+        for other in range(len(best)):
+            if other != worst and best[worst] > 0:
+                moved = list(best)
+                moved[worst] -= 1
+                moved[other] += 1
+                peak = highest(moved)
+                if peak is not None:
+                    moves.append((peak, moved))
+        if not moves or min(moves)[0] >= best_peak:
+            break
+        best_peak, best = min(moves)
+    return tuple(best) if best != counts else None

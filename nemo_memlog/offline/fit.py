@@ -1,0 +1,272 @@
+"""``nemo-memlog fit -- COMMAND``: the largest micro-batch size whose measured peak leaves ``margin`` of
+the capacity free on every pipeline stage, found from the job itself and confirmed before it is
+handed back. No torch: the probes are the user's own launches (offline/probe.py), the predictions
+``advice``'s arithmetic over what they recorded.
+
+The search: the first probe (``start``) measures every stage; ``advice`` predicts the largest
+candidate size that fits (the sizes that keep the global batch whole, from the probe's facts); the
+next probe runs it. From two measured sizes the temporaries (the working set of the microbatch
+being computed) are a line through the two (``Run.temporaries_line``), and each prediction is made
+from the measured run nearest in size. A probe that fits raises the floor, one that does not (over
+the limit, or killed: an OOM) lowers the ceiling; the next size is the largest predicted to fit
+between them, until none is left or ``max_launches`` is spent. The answer is always a size a probe
+measured to fit. docs/fit.md says what a probe costs and how accurate the predictions were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import shlex
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import advice
+from .advise import AdviseError, load
+from .probe import Probe, run_probe
+
+PLACEHOLDER = "{micro_batch_size}"
+#: Exit status when even the smallest size does not fit.
+NOTHING_FITS = 2
+#: The error the advice's peak prediction was held to against reruns (docs/fit.md): a size above the
+#: largest predicted to fit, but predicted to miss the limit by less than this, is probed too.
+PREDICTION_ERROR = 0.10
+
+
+class FitError(Exception):
+    """fit cannot go on; the message says why and what to change."""
+
+
+@dataclass
+class Options:
+    command: list[str]
+    capacity_gb: float | None = None
+    margin: float = 0.1
+    start: int | None = None
+    max_launches: int = 3
+    probe_timeout_s: float = 1800.0
+    grace_s: float = 30.0
+    work_dir: Path | None = None
+
+
+@dataclass
+class Launch:
+    """One probe and what was made of it: its run (None: nothing usable recorded), the peaks
+    predicted for its size before it ran, and whether every stage stayed within the limit."""
+
+    probe: Probe
+    run: advice.Run | None
+    predicted: list[float] | None
+    fits: bool
+
+
+@dataclass
+class Result:
+    micro_batch_size: int | None
+    launches: list[Launch]
+    limit_gb: float | None
+    capacity_gb: float | None
+    capacity_source: str
+    seconds: float
+    candidates: list[int]
+    alternatives: list[advice.Fix] = field(default_factory=list)
+    answer: Launch | None = None
+
+
+def command_for(command: list[str], size: int) -> list[str]:
+    """``command`` with every PLACEHOLDER replaced by ``size``."""
+    return [part.replace(PLACEHOLDER, str(size)) for part in command]
+
+
+def check_command(command: list[str]) -> None:
+    if not command:
+        raise FitError(f"no COMMAND: nemo-memlog fit [options] -- COMMAND ... {PLACEHOLDER} ...")
+    if not any(PLACEHOLDER in part for part in command):
+        raise FitError(
+            f"COMMAND has no {PLACEHOLDER}: put it where the size goes, e.g. "
+            f"train.micro_batch_size={PLACEHOLDER} (quoted, so the shell leaves the braces)"
+        )
+
+
+def search(options: Options) -> Result:
+    """Probe, predict, confirm (module docstring). Raises FitError where the first probe measures nothing."""
+    check_command(options.command)
+    began = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="nemo-memlog-fit-") as scratch:
+        work = options.work_dir or Path(scratch)
+        state = _Search(options, work)
+        state.run()
+    return Result(
+        micro_batch_size=state.best.probe.micro_batch_size if state.best else None,
+        launches=state.launches,
+        limit_gb=state.limit,
+        capacity_gb=state.capacity,
+        capacity_source=state.capacity_source,
+        seconds=time.monotonic() - began,
+        candidates=state.candidates,
+        alternatives=state.alternatives,
+        answer=state.best,
+    )
+
+
+class _Search:
+    def __init__(self, options: Options, work: Path):
+        self.options, self.work = options, work
+        self.launches: list[Launch] = []
+        self.best: Launch | None = None  # the largest size measured to fit
+        self.ceiling: int | None = None  # the smallest size measured not to fit
+        self.limit: float | None = None
+        self.capacity: float | None = None
+        self.capacity_source = ""
+        self.candidates: list[int] = []
+        self.alternatives: list[advice.Fix] = []
+
+    def run(self) -> None:
+        first = self._launch(self.options.start or 1, None)
+        if first.run is None:
+            raise FitError(_no_measurement(first.probe, self.options))
+        self.candidates = _candidates(first.run)
+        size = self._next()
+        while size is not None and len(self.launches) < self.options.max_launches:
+            self._launch(size, self._predicted(size))
+            size = self._next()
+        if self.best is None:
+            nearest = min(
+                (launch for launch in self.launches if launch.run), key=lambda launch: launch.probe.micro_batch_size
+            )
+            assert nearest.run is not None
+            self.alternatives = advice.changes_that_fit(nearest.run, self.options.margin)
+
+    def _launch(self, size: int, predicted: list[float] | None) -> Launch:
+        folder = self.work / f"probe-{len(self.launches) + 1}-mbs-{size}"
+        probe = run_probe(
+            command_for(self.options.command, size), size, folder, self.options.probe_timeout_s, self.options.grace_s
+        )
+        run = self._read(probe)
+        fits = run is not None and probe.measured and all(peak <= self.limit for peak in _peaks(run))
+        launch = Launch(probe, run, predicted, fits)
+        self.launches.append(launch)
+        if fits:
+            if self.best is None or size > self.best.probe.micro_batch_size:
+                self.best = launch
+        elif self.ceiling is None or size < self.ceiling:
+            self.ceiling = size
+        return launch
+
+    def _read(self, probe: Probe) -> advice.Run | None:
+        try:
+            run = load(probe.folder, self.options.capacity_gb)
+        except AdviseError as error:
+            probe.notes.append(str(error))
+            return None
+        if run.micro_batch_size is not None and run.micro_batch_size != probe.micro_batch_size:
+            raise FitError(
+                f"the probe launched with micro-batch size {probe.micro_batch_size} recorded "
+                f"{run.micro_batch_size}: {PLACEHOLDER} is not where the command takes its micro-batch size"
+            )
+        run = dataclasses.replace(run, micro_batch_size=probe.micro_batch_size)
+        if self.capacity is None:
+            if run.capacity_gb is None:
+                raise FitError("no capacity known from the probe's records: give --capacity-gb GB")
+            self.capacity, self.capacity_source = run.capacity_gb, run.capacity_source
+            self.limit = self.capacity * (1.0 - self.options.margin)
+        return dataclasses.replace(run, capacity_gb=self.capacity, capacity_source=self.capacity_source)
+
+    def _next(self) -> int | None:
+        """The largest candidate predicted to fit between the floor and the ceiling not yet probed."""
+        floor = self.best.probe.micro_batch_size if self.best else 0
+        tried = {launch.probe.micro_batch_size for launch in self.launches}
+        between = [s for s in self.candidates if s > floor and (self.ceiling is None or s < self.ceiling)]
+        fitting = [s for s in between if s not in tried and self._fits(s)]
+        if fitting:
+            return max(fitting)
+        untried = [s for s in between if s not in tried]
+        if self.best is None:  # nothing predicted to fit: the smallest is measured before saying so
+            return untried[0] if untried and untried[0] == between[0] else None
+        # The next size up predicted to miss by less than the advice's tested error: measured, not guessed.
+        if untried and untried[0] == between[0] and self._fits(untried[0], 1.0 + PREDICTION_ERROR):
+            return untried[0]
+        return None
+
+    def _fits(self, size: int, slack: float = 1.0) -> bool:
+        assert self.limit is not None
+        predicted = self._predicted(size)
+        return predicted is not None and all(peak <= self.limit * slack for peak in predicted)
+
+    def _predicted(self, size: int) -> list[float] | None:
+        """Each stage's predicted peak at ``size``: from the measured run nearest in size, its
+        temporaries on the line through two measured sizes where there are two."""
+        measured = [launch for launch in self.launches if launch.run is not None]
+        if not measured:
+            return None
+        base = min(measured, key=lambda launch: abs(math.log(launch.probe.micro_batch_size / size)))
+        assert base.run is not None
+        run = dataclasses.replace(base.run, temporaries_line=_line(measured, size))
+        try:
+            outcomes = advice.predict(run, advice.parse([f"micro_batch_size={size}"]))
+        except advice.Refused:
+            return None
+        return [outcome.peak_gb for outcome in outcomes]
+
+
+def _peaks(run: advice.Run) -> list[float]:
+    return [advice.peak(stage.parts) for stage in run.stages]
+
+
+def _candidates(run: advice.Run) -> list[int]:
+    """The sizes the job allows: with the global batch fixed (the probe's micro-batch size times its
+    microbatches, per data-parallel replica), those giving whole microbatches; else 1 to 64x."""
+    if run.microbatches and run.micro_batch_size:
+        found = advice.divisors(run.microbatches, run.micro_batch_size)
+        if found is None:
+            raise FitError(f"more than {advice.MAX_DIVISORS} sizes divide the samples per iteration: not searched")
+        return found
+    return list(range(1, 64 * (run.micro_batch_size or 1) + 1))
+
+
+def _line(measured: list[Launch], size: int) -> tuple | None:
+    """Per stage (GB at size 0, GB per sample, never below 0) of the temporaries through the two
+    measured sizes nearest ``size``; None with fewer than two sizes."""
+    points = {}
+    for launch in measured:
+        assert launch.run is not None
+        points[launch.probe.micro_batch_size] = [
+            stage.parts.get("temporaries_gb") or 0.0 for stage in launch.run.stages
+        ]
+    if len(points) < 2:
+        return None
+    near = sorted(points, key=lambda s: abs(math.log(s / size)))[:2]
+    (s1, t1), (s2, t2) = ((s, points[s]) for s in sorted(near))
+    lines = []
+    for a, b in zip(t1, t2):
+        slope = max((b - a) / (s2 - s1), 0.0)
+        lines.append((a - slope * s1, slope))
+    return tuple(lines)
+
+
+def _no_measurement(probe: Probe, options: Options) -> str:
+    log = probe.folder / "probe.log"
+    tail = ""
+    try:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    except OSError:
+        pass
+    why = {
+        "died": f"the command exited with {probe.exit_code} before every rank recorded two measured logging steps",
+        "ended": "the command ended (exit 0) before every rank recorded two measured logging steps",
+        "timeout": f"no two measured logging steps on every rank within {options.probe_timeout_s:g} s",
+    }.get(probe.status, probe.status)
+    return (
+        f"the first probe (micro-batch size {probe.micro_batch_size}) measured nothing: {why} "
+        f"({probe.ranks_recorded} of {probe.world_size or '?'} ranks recorded). A probe needs memory logging on "
+        "(log_memory_to_tensorboard), the model passed to training_log or a callback, and two logging "
+        "intervals of training; a size that runs (--start N)."
+        + ("".join(f"\n  {note}" for note in probe.notes))
+        + (f"\nthe command's last output ({log}):\n{tail}" if tail else "")
+    )
+
+
+def shown(command: list[str]) -> str:
+    return shlex.join(command)
