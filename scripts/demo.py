@@ -75,15 +75,15 @@ class TrainConfig:
     micro_batches: int = 4
     """Microbatches per iteration; >= parallel.pp keeps the first stage's 1F1B warm-up full.
     (The interleaved schedule needs a multiple of parallel.pp.)"""
-    global_batch_size: int | None = None
-    """Samples per iteration over the data-parallel replicas, as Megatron's global_batch_size: when set,
-    train.micro_batches is global_batch_size / (micro_batch_size x DP), so that a micro-batch size
-    change keeps the global batch (``nemo-memlog fit`` changes only the size: docs/fit.md)."""
     micro_batch_size: int = 128
     """With seq_len and model.hidden, sets the activation memory a microbatch keeps on a stage:
     about 0.2 GB here (Megatron's unfused attention keeps its scores). The first stage keeps
     3 more of them than the last. (With logger.writer_mode=thread the last stage, the writer
     rank, also holds the ~0.2 GB of logging backends; in the default writer process it does not.)"""
+    global_batch_size: int | None = None
+    """Samples per iteration over the data-parallel replicas, as Megatron's global_batch_size: when set,
+    train.micro_batches is global_batch_size / (micro_batch_size x DP), so that a micro-batch size
+    change keeps the global batch (``nemo-memlog fit`` changes only the size: docs/fit.md)."""
     seq_len: int = 128
     """Tokens per sample."""
     lr: float = 3e-3

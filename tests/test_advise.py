@@ -3,6 +3,7 @@ part, on real gloo ranks (PP 2 x DP 2, megatron-core's parallel_state): micro-ba
 layers per stage, and the distributed optimizer against torch's ZeroRedundancyOptimizer. Then the
 refusals, the JSON contract and the picture."""
 
+import dataclasses
 import json
 import warnings
 
@@ -204,10 +205,11 @@ def test_the_oom_post_mortem_names_the_changes_that_would_have_fit(runs, tmp_pat
     assert code == 1 and result["first_failure"]["rank"] == 0
     # today: 36 + 40 + 1 + 2.0 asked + 1.5 slack + 1.1 outside = 81.6 GB > 80
     # distributed optimizer over DP 2: 24 -> 12, peak 69.6; half the micro-batch: 2 in flight still
-    # (PP 2, 8 microbatches: stage 0 holds min(2, 8)), 40 -> 20, 61.6
+    # (PP 2, 8 microbatches: stage 0 holds min(2, 8)), 40 -> 20, and the temporaries with the request
+    # it could not serve, 1 + 2 -> 1.5: 60.1
     assert "predicted to fit (nemo-memlog advise): " in result["sentence"], result["sentence"]
     assert "distributed_optimizer=true (peak 70 GB)" in result["sentence"], result["sentence"]
-    assert "micro_batch_size=x0.5 (peak 62 GB)" in result["sentence"], result["sentence"]
+    assert "micro_batch_size=x0.5 (peak 60 GB)" in result["sentence"], result["sentence"]
     assert "expandable_segments=true" not in result["sentence"]  # 81.6 - 1.5 = 80.1: still over
 
 
@@ -260,3 +262,76 @@ def test_a_real_runs_warning_carries_the_advice_and_the_dashboard_its_largest_mi
     stored = load_run(tmp_path / "tb").get("advice/max_micro_batch_size")
     code, offline = advise_json(tmp_path)
     assert code == 0 and stored is not None and stored.latest == offline["max_micro_batch_size"] >= 8
+
+
+# ---- the arithmetic of what grows with the micro-batch, and of what fits (no process) ----------
+
+
+def _layer(activations: float, params: float = 0.01) -> dict:
+    return {
+        "kind": "layer",
+        "params_gb": params,
+        "grads_gb": params,
+        "optimizer_state_gb": 2 * params,
+        "activations_per_microbatch_gb": activations,
+        "input_per_microbatch_gb": activations / 20,
+    }
+
+
+def _run(capacity: float, layers=((0.1, 0.1), (0.1, 0.1)), in_flight=(2, 1), temporaries=0.05, **facts) -> advice.Run:
+    """PP 2, 1F1B, 4 microbatches of 4 samples: each stage's parts from its layers' rows."""
+    stages = []
+    for stage, (rows, held) in enumerate(zip(layers, in_flight)):
+        rows = [_layer(a) for a in rows]
+        parts = {part: sum(row[part] for row in rows) for part in advice.MODEL_STATE}
+        per_microbatch = sum(row["activations_per_microbatch_gb"] for row in rows)
+        parts.update(activations_gb=per_microbatch * held, temporaries_gb=temporaries, outside_gb=0.5)
+        stages.append(advice.Stage(stage, parts, held, layers=tuple(rows)))
+    return advice.Run.of(
+        stages, {"pp_size": 2, "dp_size": 2}, {"micro_batch_size": 4, "microbatches": 4, **facts},
+        gpu=False, capacity_gb=capacity,
+    )  # fmt: skip
+
+
+def test_on_cpu_the_rest_of_the_process_splits_at_its_measured_idle_size():
+    figures = {"params_gb": 0.1, "grads_gb": 0.1, "optimizer_state_gb": 0.2, "activations_gb": 0.3}
+    split = advice.stage_parts({**figures, "peak_host_rss_gb": 1.5, "host_idle_rss_gb": 0.9}.get, gpu=False)
+    assert split["outside_gb"] == pytest.approx(0.9 - 0.4) and split["temporaries_gb"] == pytest.approx(0.3)
+    assert advice.peak(split) == pytest.approx(1.5)  # the parts still add up to the measured peak
+    whole = advice.stage_parts({**figures, "peak_host_rss_gb": 1.5}.get, gpu=False)  # an older record
+    assert whole["outside_gb"] == pytest.approx(0.8) and "temporaries_gb" not in whole
+
+
+def test_temporaries_grow_with_the_micro_batch_or_follow_two_runs_line():
+    run = _run(10.0)
+    doubled = advice.predict(run, advice.parse(["micro_batch_size=x2"]))
+    assert [o.predicted["temporaries_gb"] for o in doubled] == pytest.approx([0.1, 0.1])
+    assert [o.predicted["outside_gb"] for o in doubled] == [0.5, 0.5]
+    lined = dataclasses.replace(run, temporaries_line=((0.02, 0.01), (0.03, 0.0)))
+    at_8 = advice.predict(lined, advice.parse(["micro_batch_size=8"]))
+    assert [o.predicted["temporaries_gb"] for o in at_8] == pytest.approx([0.02 + 0.08, 0.03])
+
+
+def test_the_largest_size_is_searched_under_the_what_ifs_other_changes():
+    run = _run(1.2)
+    alone, _ = advice.max_micro_batch_size(run)
+    recomputed, _ = advice.max_micro_batch_size(run, advice.parse(["recompute=full", "micro_batch_size=x4"]))
+    assert alone is not None and recomputed is not None and recomputed > alone
+    outcomes = advice.predict(run, advice.parse(["recompute=full", f"micro_batch_size={recomputed}"]))
+    assert all(o.peak_gb <= 1.2 for o in outcomes)
+    assert advice.max_micro_batch_size(run, margin=0.2)[0] == 2 < alone  # a fifth of the capacity kept free
+
+
+def test_the_changes_that_fit_come_cheapest_first_and_each_fits():
+    heavy = _run(1.0, layers=((0.2, 0.2), (0.05, 0.05)), temporaries=0.0)  # stage 0 holds 2 x 0.4 GB
+    fixes = advice.changes_that_fit(heavy, margin=0.1)
+    names = [fix.changes[0].name for fix in fixes]
+    assert names == sorted(names, key=list(advice.COSTS).index) and "recompute" in names
+    for fix in fixes:
+        assert all(o.peak_gb <= 0.9 for o in fix.outcomes), fix.text
+    split = advice.balanced_split(heavy, 0.9)
+    assert split is not None and split[0] < 2  # layers leave the stage that holds the peak
+    before = max(o.peak_gb for o in advice.predict(heavy, []))
+    after = max(o.peak_gb for o in advice.predict(heavy, advice.parse([f"layers_per_stage={split[0]},{split[1]}"])))
+    assert after < before
+    assert advice.changes_that_fit(_run(0.1), margin=0.1) == []  # below the idle size: nothing fits

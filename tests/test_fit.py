@@ -184,7 +184,7 @@ def test_ctrl_c_during_a_probe_leaves_nothing_running(tmp_path):
 
 def test_nothing_fits_exits_2_and_names_what_would(tmp_path):
     """Long sequences: the activations are most of the peak, so recompute would fit where no size does."""
-    long = ["--hidden", "64", "--heads", "2", "--seq", "1024", "--layers", "2", "--global-batch", "2"]
+    long = ["--hidden", "128", "--heads", "8", "--seq", "1024", "--layers", "2", "--global-batch", "2"]
     measure = tmp_path / "measure"
     code, first, text = fit(
         "--capacity-gb",
@@ -204,7 +204,7 @@ def test_nothing_fits_exits_2_and_names_what_would(tmp_path):
     )  # fmt: skip
     predicted = max(stage["peak_gb"] for stage in json.loads(advised.stdout)["stages"])
     measured = max(first["probes"][0]["measured_peaks_gb"])
-    assert measured - predicted > 0.02, (measured, predicted)  # recompute keeps far less
+    assert measured - predicted > 0.06, (measured, predicted)  # recompute keeps far less (about 0.1 GB)
     capacity = (measured + predicted) / 2
     code, out, text = fit(
         "--capacity-gb", f"{capacity:.4f}", "--margin", "0", "--", *job(tmp_path, "{micro_batch_size}", *long)

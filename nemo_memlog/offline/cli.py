@@ -65,7 +65,7 @@ def _fit_parser(commands) -> None:
     fit.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your launch, after --")
     fit.add_argument("--capacity-gb", type=_gigabytes, default=None, help="memory per rank (default: as advise)")
     fit.add_argument("--margin", type=_fraction, default=0.1, help="share of the capacity left free (default 0.1)")
-    fit.add_argument("--start", type=_whole, default=None, help="the first probe's size (default 1)")
+    fit.add_argument("--start", type=_whole, default=None, help="the first probe's size (default: {micro_batch_size:N}'s N, else 1)")
     fit.add_argument("--max-launches", type=_whole, default=3, help="probes at most (default 3)")
     fit.add_argument("--probe-timeout-s", type=_seconds, default=1800.0, help="longest wait for a probe's records")
     fit.add_argument("--grace-s", type=_seconds, default=30.0, help="SIGTERM to SIGKILL for a probe (default 30)")

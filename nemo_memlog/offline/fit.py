@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import shlex
 import tempfile
 import time
@@ -75,18 +76,31 @@ class Result:
     answer: Launch | None = None
 
 
+#: PLACEHOLDER, or with the size the command would use: ``{micro_batch_size:8}`` (the first probe's).
+_SLOT = re.compile(r"\{micro_batch_size(?::(\d+))?\}")
+
+
 def command_for(command: list[str], size: int) -> list[str]:
-    """``command`` with every PLACEHOLDER replaced by ``size``."""
-    return [part.replace(PLACEHOLDER, str(size)) for part in command]
+    """``command`` with every PLACEHOLDER (``{micro_batch_size}`` or ``{micro_batch_size:N}``) replaced by ``size``."""
+    return [_SLOT.sub(str(size), part) for part in command]
+
+
+def stated_size(command: list[str]) -> int | None:
+    """The size the command would use, where a placeholder states it (``{micro_batch_size:8}``)."""
+    sizes = {int(match.group(1)) for part in command for match in _SLOT.finditer(part) if match.group(1)}
+    if len(sizes) > 1:
+        raise FitError(f"COMMAND states several sizes in its placeholders ({sorted(sizes)}): state one")
+    return sizes.pop() if sizes and min(sizes) > 0 else None
 
 
 def check_command(command: list[str]) -> None:
     if not command:
         raise FitError(f"no COMMAND: nemo-memlog fit [options] -- COMMAND ... {PLACEHOLDER} ...")
-    if not any(PLACEHOLDER in part for part in command):
+    if not any(_SLOT.search(part) for part in command):
         raise FitError(
             f"COMMAND has no {PLACEHOLDER}: put it where the size goes, e.g. "
-            f"train.micro_batch_size={PLACEHOLDER} (quoted, so the shell leaves the braces)"
+            f"train.micro_batch_size={PLACEHOLDER} (quoted, so the shell leaves the braces), or "
+            f"{{micro_batch_size:8}} to start from 8, the size the command would use"
         )
 
 
@@ -124,7 +138,7 @@ class _Search:
         self.alternatives: list[advice.Fix] = []
 
     def run(self) -> None:
-        first = self._launch(self.options.start or 1, None)
+        first = self._launch(self.options.start or stated_size(self.options.command) or 1, None)
         if first.run is None:
             raise FitError(_no_measurement(first.probe, self.options))
         self.candidates = _candidates(first.run)
