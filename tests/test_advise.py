@@ -307,9 +307,20 @@ def test_temporaries_grow_with_the_micro_batch_or_follow_two_runs_line():
     doubled = advice.predict(run, advice.parse(["micro_batch_size=x2"]))
     assert [o.predicted["temporaries_gb"] for o in doubled] == pytest.approx([0.1, 0.1])
     assert [o.predicted["outside_gb"] for o in doubled] == [0.5, 0.5]
-    lined = dataclasses.replace(run, temporaries_line=((0.02, 0.01), (0.03, 0.0)))
-    at_8 = advice.predict(lined, advice.parse(["micro_batch_size=8"]))
-    assert [o.predicted["temporaries_gb"] for o in at_8] == pytest.approx([0.02 + 0.08, 0.03])
+    at_16 = dataclasses.replace(run, micro_batch_size=16, microbatches=1)
+    measured_at_16 = zip(at_16.stages, (0.1, 0.05))
+    stages = tuple(
+        dataclasses.replace(stage, parts={**stage.parts, "temporaries_gb": t}) for stage, t in measured_at_16
+    )
+    grown = dataclasses.replace(at_16, stages=stages)
+    growth = advice.growth_between(run, grown)  # x4 in size: x2 (p = 0.5) and x1 (p = 0)
+    assert growth == pytest.approx((0.5, 0.0))
+    calibrated = advice.predict(
+        dataclasses.replace(run, temporaries_growth=growth), advice.parse(["micro_batch_size=8"])
+    )
+    assert [o.predicted["temporaries_gb"] for o in calibrated] == pytest.approx([0.05 * 2**0.5, 0.05])
+    with pytest.raises(ValueError, match="two micro-batch sizes"):
+        advice.growth_between(run, run)
 
 
 def test_the_largest_size_is_searched_under_the_what_ifs_other_changes():

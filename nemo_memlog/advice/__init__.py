@@ -16,7 +16,21 @@ advice read from a logging step and at an OOM).
 """
 
 from .live import PREFIX, fix_sentence, oom_run, run_from_unified, stage_parts, would_have_fit
-from .model import CHANGES, MODEL_STATE, PARTS, Change, Outcome, Refused, Run, Stage, fmt, parse, peak, with_model_state
+from .model import (
+    CHANGES,
+    MODEL_STATE,
+    PARTS,
+    Change,
+    Outcome,
+    Refused,
+    Run,
+    Stage,
+    fmt,
+    growth_between,
+    parse,
+    peak,
+    with_model_state,
+)
 from .predict import MAX_DIVISORS, divisors, max_micro_batch_size, predict, smallest_fix
 from .search import COSTS, Fix, balanced_split, changes_that_fit
 
@@ -38,6 +52,7 @@ __all__ = [
     "Stage",
     "fix_sentence",
     "fmt",
+    "growth_between",
     "max_micro_batch_size",
     "oom_run",
     "parse",

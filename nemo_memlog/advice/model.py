@@ -62,9 +62,9 @@ class Run:
     gpu: bool = False
     capacity_gb: float | None = None
     capacity_source: str = ""
-    #: Per stage, (GB at size 0, GB per sample) of the temporaries, fitted to two runs at two
-    #: micro-batch sizes (nemo-memlog fit's probes); None: they scale with the microbatch.
-    temporaries_line: tuple[tuple[float, float], ...] | None = None
+    #: Per stage, the exponent p of the temporaries' growth with the micro-batch size (x F: x F**p),
+    #: from two runs at two sizes (``growth_between``); None: 1, in proportion.
+    temporaries_growth: tuple[float, ...] | None = None
 
     @classmethod
     def of(
@@ -95,6 +95,30 @@ class Run:
             capacity_gb=capacity_gb,
             capacity_source=capacity_source,
         )
+
+
+#: The exponents ``growth_between`` gives are kept in [0, MAX_GROWTH]: measurement noise between two
+#: close sizes must not make a steeper rule than the tokens' (1) by much, nor a falling one.
+MAX_GROWTH = 1.5
+
+
+def growth_between(first: Run, second: Run) -> tuple[float, ...]:
+    """Per stage, the exponent p with which the temporaries grew from ``first``'s micro-batch size to
+    ``second``'s: T2 / T1 = (s2 / s1) ** p, kept in [0, MAX_GROWTH]; 1 where a stage's temporaries
+    were not measured in both. Raises ValueError for runs of other layouts or without two sizes."""
+    s1, s2 = first.micro_batch_size, second.micro_batch_size
+    if not s1 or not s2 or s1 == s2:
+        raise ValueError(f"two runs at two micro-batch sizes are needed (got {s1} and {s2})")
+    if len(first.stages) != len(second.stages):
+        raise ValueError(f"the runs have {len(first.stages)} and {len(second.stages)} pipeline stages")
+    growth = []
+    for a, b in zip(first.stages, second.stages):
+        t1, t2 = a.parts.get("temporaries_gb") or 0.0, b.parts.get("temporaries_gb") or 0.0
+        if t1 <= 0 or t2 <= 0:
+            growth.append(1.0)
+        else:
+            growth.append(min(max(math.log(t2 / t1) / math.log(s2 / s1), 0.0), MAX_GROWTH))
+    return tuple(growth)
 
 
 @dataclass(frozen=True)

@@ -148,25 +148,24 @@ def _micro_batch_size(run: Run, state: _State, change: Change) -> None:
         factor = amount / state.micro_batch_size
     else:
         factor = amount
-    size = state.micro_batch_size * factor if state.micro_batch_size is not None else None
-    lines = run.temporaries_line if size is not None else None
-    for index, plan in enumerate(state.plans):
+    growth = run.temporaries_growth or (1.0,) * len(state.plans)
+    for plan, power in zip(state.plans, growth):
         plan.per_held *= factor
         for row in plan.layers:
             row["activations_per_microbatch_gb"] *= factor
             row["input_per_microbatch_gb"] *= factor
-        if lines is not None and size is not None:
-            plan.parts["temporaries_gb"] = max(lines[index][0] + lines[index][1] * size, 0.0)
-        elif plan.parts.get("temporaries_gb"):
-            plan.parts["temporaries_gb"] *= factor
-    if lines is not None:
-        grows = "temporaries follow the line through two runs' measurements (GB = a + b x micro-batch size)"
+        if plan.parts.get("temporaries_gb"):
+            plan.parts["temporaries_gb"] *= factor**power
+    if run.temporaries_growth:
+        powers = ", ".join(f"{power:.2f}" for power in growth)
+        grows = f"the temporaries x{factor:g}**p, p per stage from two runs at two sizes: {powers}"
     else:
         grows = f"so do the temporaries (the working set of the microbatch being computed, x{factor:g})"
     state.assumptions.append(
         f"activations scale with the microbatch's tokens (x{factor:g}); {grows}; the rest as measured"
     )
-    state.micro_batch_size = size
+    if state.micro_batch_size is not None:
+        state.micro_batch_size *= factor
     if state.microbatches is None:
         state.assumptions.append("microbatches per iteration unknown: the microbatches in flight as measured")
         return

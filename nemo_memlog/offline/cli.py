@@ -65,7 +65,9 @@ def _fit_parser(commands) -> None:
     fit.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your launch, after --")
     fit.add_argument("--capacity-gb", type=_gigabytes, default=None, help="memory per rank (default: as advise)")
     fit.add_argument("--margin", type=_fraction, default=0.1, help="share of the capacity left free (default 0.1)")
-    fit.add_argument("--start", type=_whole, default=None, help="the first probe's size (default: {micro_batch_size:N}'s N, else 1)")
+    fit.add_argument(
+        "--start", type=_whole, default=None, help="the first probe's size (default: {micro_batch_size:N}'s N, else 1)"
+    )
     fit.add_argument("--max-launches", type=_whole, default=3, help="probes at most (default 3)")
     fit.add_argument("--probe-timeout-s", type=_seconds, default=1800.0, help="longest wait for a probe's records")
     fit.add_argument("--grace-s", type=_seconds, default=30.0, help="SIGTERM to SIGKILL for a probe (default 30)")
@@ -128,6 +130,14 @@ def _advise_parser(commands) -> None:
         "size, the distributed optimizer, recompute, a layer split",
     )
     advise.add_argument("--margin", type=_fraction, default=0.1, help="with --fit: share left free (default 0.1)")
+    advise.add_argument(
+        "--calibrate-with",
+        type=Path,
+        default=None,
+        metavar="RUN_DIR",
+        help="a second run of the same job at another micro-batch size: the temporaries then grow as the two "
+        "show (default: in proportion to the micro-batch)",
+    )
     advise.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     advise.add_argument(
         "--png", type=Path, default=None, help="where to write the picture (default: RUN_DIR/memory_advise.png)"
@@ -250,12 +260,17 @@ def _command(args) -> int:
 
 def _advise(args) -> int:
     """Exit code 0 with the prediction printed; 2 for bad input, no records or a refused change."""
+    import dataclasses
+
     from .. import advice
     from .advise import AdviseError, as_json, as_text, load
 
     try:
         changes = advice.parse(args.what_if)
         run = load(args.run_dir, args.capacity_gb)
+        if args.calibrate_with is not None:
+            growth = advice.growth_between(run, load(args.calibrate_with, args.capacity_gb))
+            run = dataclasses.replace(run, temporaries_growth=growth)
         outcomes = advice.predict(run, changes)
     except (AdviseError, ValueError) as error:  # advice.Refused is a ValueError
         print(f"nemo-memlog advise: error: {error}", file=sys.stderr)

@@ -6,8 +6,8 @@ handed back. No torch: the probes are the user's own launches (offline/probe.py)
 The search: the first probe (``start``) measures every stage; ``advice`` predicts the largest
 candidate size that fits (the sizes that keep the global batch whole, from the probe's facts); the
 next probe runs it. From two measured sizes the temporaries (the working set of the microbatch
-being computed) are a line through the two (``Run.temporaries_line``), and each prediction is made
-from the measured run nearest in size. A probe that fits raises the floor, one that does not (over
+being computed) grow as the two show (``advice.growth_between``: x F**p, p per stage), and each
+prediction is made from the measured run nearest in size. A probe that fits raises the floor, one that does not (over
 the limit, or killed: an OOM) lowers the ceiling; the next size is the largest predicted to fit
 between them, until none is left or ``max_launches`` is spent. The answer is always a size a probe
 measured to fit. docs/fit.md says what a probe costs and how accurate the predictions were.
@@ -211,13 +211,13 @@ class _Search:
 
     def _predicted(self, size: int) -> list[float] | None:
         """Each stage's predicted peak at ``size``: from the measured run nearest in size, its
-        temporaries on the line through two measured sizes where there are two."""
+        temporaries growing as the two measured sizes nearest it show, where there are two."""
         measured = [launch for launch in self.launches if launch.run is not None]
         if not measured:
             return None
         base = min(measured, key=lambda launch: abs(math.log(launch.probe.micro_batch_size / size)))
         assert base.run is not None
-        run = dataclasses.replace(base.run, temporaries_line=_line(measured, size))
+        run = dataclasses.replace(base.run, temporaries_growth=_growth(measured, size))
         try:
             outcomes = advice.predict(run, advice.parse([f"micro_batch_size={size}"]))
         except advice.Refused:
@@ -240,24 +240,16 @@ def _candidates(run: advice.Run) -> list[int]:
     return list(range(1, 64 * (run.micro_batch_size or 1) + 1))
 
 
-def _line(measured: list[Launch], size: int) -> tuple | None:
-    """Per stage (GB at size 0, GB per sample, never below 0) of the temporaries through the two
-    measured sizes nearest ``size``; None with fewer than two sizes."""
-    points = {}
-    for launch in measured:
-        assert launch.run is not None
-        points[launch.probe.micro_batch_size] = [
-            stage.parts.get("temporaries_gb") or 0.0 for stage in launch.run.stages
-        ]
-    if len(points) < 2:
+def _growth(measured: list[Launch], size: int) -> tuple[float, ...] | None:
+    """Per stage, the temporaries' growth exponent between the two measured sizes nearest ``size``
+    (advice.growth_between); None with fewer than two sizes."""
+    runs = {launch.probe.micro_batch_size: launch.run for launch in measured if launch.run is not None}
+    if len(runs) < 2:
         return None
-    near = sorted(points, key=lambda s: abs(math.log(s / size)))[:2]
-    (s1, t1), (s2, t2) = ((s, points[s]) for s in sorted(near))
-    lines = []
-    for a, b in zip(t1, t2):
-        slope = max((b - a) / (s2 - s1), 0.0)
-        lines.append((a - slope * s1, slope))
-    return tuple(lines)
+    near = sorted(sorted(runs, key=lambda s: abs(math.log(s / size)))[:2])
+    first, second = runs[near[0]], runs[near[1]]
+    assert first is not None and second is not None
+    return advice.growth_between(first, second)
 
 
 def _no_measurement(probe: Probe, options: Options) -> str:

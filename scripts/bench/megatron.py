@@ -24,6 +24,7 @@ def megatron_part(repetitions: int, quick: bool = False) -> dict:
     import torch
     import torch.distributed as dist
 
+    from nemo_memlog.measure import host_idle
     from nemo_memlog.measure.activations import ActivationMeter
     from nemo_memlog.testing import megatron_cpu
     from nemo_memlog.testing.cluster import free_port
@@ -40,18 +41,25 @@ def megatron_part(repetitions: int, quick: bool = False) -> dict:
         meter = ActivationMeter()
         seen = {}
 
-        def iteration(armed: bool):
+        def iteration(armed: bool, idle: bool = True):
             if armed:
                 meter.arm(job.model)
-            job.train_iteration()
+            read = host_idle.idle_rss_gb
+            if not idle:  # the meter without the idle size's read (measure/host_idle.py: mallinfo2 and /proc)
+                host_idle.idle_rss_gb = lambda: None
+            try:
+                job.train_iteration()
+            finally:
+                host_idle.idle_rss_gb = read
             if armed:
                 seen["measured"] = meter.finish()
 
-        wall, _ = interleaved(
-            {"megatron_meter": lambda _: iteration(True), "megatron_plain": lambda _: iteration(False)},
-            repetitions,
-            warmup=1 if quick else 2,
-        )
+        variants = {
+            "megatron_meter": lambda _: iteration(True),
+            "megatron_meter_no_idle": lambda _: iteration(True, idle=False),
+            "megatron_plain": lambda _: iteration(False),
+        }
+        wall, _ = interleaved(variants, repetitions, warmup=1 if quick else 2)
     finally:
         torch.set_num_threads(threads)
         if started:
@@ -63,6 +71,7 @@ def megatron_part(repetitions: int, quick: bool = False) -> dict:
         "microbatches": MICROBATCHES,
         "activations_gb": None if measured is None else measured.activations_gb,
         "paired": statistics.median(a / b for a, b in zip(wall["megatron_meter"], wall["megatron_plain"])),
+        "paired_idle": statistics.median(a / b for a, b in zip(wall["megatron_meter"], wall["megatron_meter_no_idle"])),
         **summarise(wall),
     }
 
@@ -85,4 +94,9 @@ def megatron_markdown(part: dict | None) -> list[str]:
         f"| {part['megatron_meter']['n']} |",
         "",
         f"The meter measured {part['activations_gb'] or 0:.4f} GB of activations on that iteration.",
+        "",
+        f"The idle size's read (on CPU, once per measured iteration: mallinfo2 and one /proc read, "
+        f"measure/host_idle.py): the meter with it against the meter without, paired ratio (median) "
+        f"x{part['paired_idle']:.3f}; medians {with_ms:.1f} against "
+        f"{part['megatron_meter_no_idle']['median_us'] / 1e3:.1f} ms.",
     ]
