@@ -64,7 +64,7 @@ lint: $(STAMP)
 	$(PY) -m mypy
 
 test: lint $(STAMP03)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 	@echo "the Bridge tests again, against Megatron-Bridge 0.3.1 ($(VENV03)):"
 	$(VENV03)/bin/python -m pytest -q $(BRIDGE_TESTS)
 	@echo "megatron-core's own stack again, against megatron-core 0.16.1 (the interleaved schedule and bf16 scenarios):"
