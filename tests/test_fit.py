@@ -174,9 +174,12 @@ def test_fit_steps_down_when_the_kernel_kills_the_confirming_probe(sweep, tmp_pa
     print("fit under the cgroup:", statuses, out["seconds"], "s")
 
 
-def test_ctrl_c_during_a_probe_leaves_nothing_running(tmp_path):
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, -9)])
+def test_fit_interrupted_during_a_probe_leaves_nothing_running(tmp_path, signum, code):
+    """Ctrl-C and SIGTERM: fit ends the probe's processes itself. SIGKILL: the kernel tells the probe's
+    launcher (its parent-death signal), which ends its ranks."""
     marker = str(tmp_path)
-    # --interval 100000: the probe never records, so fit is waiting on it when Ctrl-C comes
+    # --interval 100000: the probe never records, so fit is waiting on it when the signal comes
     proc = subprocess.Popen(
         [*FIT, "--capacity-gb", "4", "--start", "2", "--work-dir", str(tmp_path / "work"), "--",
          *job(tmp_path, "{micro_batch_size}", "--interval", "100000")],
@@ -189,14 +192,20 @@ def test_ctrl_c_during_a_probe_leaves_nothing_running(tmp_path):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.2)
         assert len(left_behind(marker)) >= 3  # torchrun and its two ranks, training
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, stderr
-    assert "interrupted" in stderr
-    assert not left_behind(marker)
+    assert proc.returncode == code, stderr
+    if signum != signal.SIGKILL:
+        assert "interrupted" in stderr
+        assert not left_behind(marker)
+    else:  # ended by torchrun, on the SIGTERM the kernel sent it when fit died
+        deadline = time.monotonic() + 90
+        while left_behind(marker) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left_behind(marker)
 
 
 def test_nothing_fits_exits_2_and_names_what_would(tmp_path):
@@ -229,6 +238,16 @@ def test_nothing_fits_exits_2_and_names_what_would(tmp_path):
     assert code == 2, text
     assert out["micro_batch_size"] is None and out["launches"] == 1
     assert any("recompute=full" in alternative["changes"] for alternative in out["alternatives"]), text
+    assert not left_behind(str(tmp_path))
+
+
+def test_a_command_that_keeps_its_microbatches_not_its_global_batch_is_named(tmp_path):
+    """The demo without train.global_batch_size keeps 4 microbatches whatever the size: the second
+    probe's global batch differs from the first's, and fit says what to give the command."""
+    command = [arg for arg in demo(tmp_path, "{micro_batch_size:8}") if not arg.startswith("train.global_batch")]
+    code, _, text = fit("--capacity-gb", "50", "--max-launches", "2", "--", *command)
+    assert code == 1, text
+    assert "keeps its microbatches per iteration, not its global batch" in text and "global_batch_size" in text
     assert not left_behind(str(tmp_path))
 
 

@@ -147,9 +147,8 @@ class _Search:
             self._launch(size, self._predicted(size))
             size = self._next()
         if self.best is None:
-            nearest = min(
-                (launch for launch in self.launches if launch.run), key=lambda launch: launch.probe.micro_batch_size
-            )
+            seen = [launch for launch in self.launches if launch.run]  # the smallest size, measured ones first
+            nearest = min(seen, key=lambda launch: (not launch.probe.measured, launch.probe.micro_batch_size))
             assert nearest.run is not None
             self.alternatives = advice.changes_that_fit(nearest.run, self.options.margin)
 
@@ -181,12 +180,30 @@ class _Search:
                 f"{run.micro_batch_size}: {PLACEHOLDER} is not where the command takes its micro-batch size"
             )
         run = dataclasses.replace(run, micro_batch_size=probe.micro_batch_size)
+        self._check_global_batch(run)
         if self.capacity is None:
             if run.capacity_gb is None:
                 raise FitError("no capacity known from the probe's records: give --capacity-gb GB")
             self.capacity, self.capacity_source = run.capacity_gb, run.capacity_source
             self.limit = self.capacity * (1.0 - self.options.margin)
         return dataclasses.replace(run, capacity_gb=self.capacity, capacity_source=self.capacity_source)
+
+    def _check_global_batch(self, run: advice.Run) -> None:
+        """FitError where this probe's samples per iteration differ from the first probe's: the
+        candidates (and every prediction) hold the global batch fixed."""
+        samples = run.microbatches * run.micro_batch_size if run.microbatches and run.micro_batch_size else None
+        first = self.launches[0].run if self.launches else None
+        if first is None or samples is None or not first.microbatches or not first.micro_batch_size:
+            return
+        if samples != first.microbatches * first.micro_batch_size:
+            raise FitError(
+                f"the probe at micro-batch size {run.micro_batch_size} ran {run.microbatches} microbatches per "
+                f"iteration ({samples} samples per replica), the first probe {first.microbatches} of "
+                f"{first.micro_batch_size} ({first.microbatches * first.micro_batch_size}): the command keeps its "
+                "microbatches per iteration, not its global batch. fit searches the sizes that keep the global "
+                "batch, as Megatron's global_batch_size does: give the command its global batch (the demo's "
+                "train.global_batch_size, a Megatron-Bridge recipe's train.global_batch_size)"
+            )
 
     def _next(self) -> int | None:
         """The largest candidate predicted to fit between the floor and the ceiling not yet probed."""
@@ -212,7 +229,7 @@ class _Search:
     def _predicted(self, size: int) -> list[float] | None:
         """Each stage's predicted peak at ``size``: from the measured run nearest in size, its
         temporaries growing as the two measured sizes nearest it show, where there are two."""
-        measured = [launch for launch in self.launches if launch.run is not None]
+        measured = [launch for launch in self.launches if launch.run is not None and launch.probe.measured]
         if not measured:
             return None
         base = min(measured, key=lambda launch: abs(math.log(launch.probe.micro_batch_size / size)))

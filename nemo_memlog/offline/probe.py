@@ -7,7 +7,9 @@ which the product reads wherever it resolves its record folder, so every way in 
 The command starts in a session of its own; this process makes itself the child subreaper
 (Linux's PR_SET_CHILD_SUBREAPER), so that a worker whose launcher died (torchrun starts each worker
 in its own session) is re-parented here, not to init, and is found and ended with the others:
-SIGTERM to every descendant's process group, SIGKILL after ``grace_s``, every one reaped.
+SIGTERM to every descendant's process group, SIGKILL after ``grace_s``, every one reaped. Should
+fit itself be killed outright, the kernel sends the probe's first process SIGTERM
+(PR_SET_PDEATHSIG), and its launcher ends its workers.
 """
 
 from __future__ import annotations
@@ -60,6 +62,15 @@ def become_subreaper() -> bool:
         return False
 
 
+def _end_with_parent() -> None:
+    """In the probe's first process, before it runs the command: SIGTERM it when fit dies (even by
+    SIGKILL), so that its launcher ends its workers as on any SIGTERM (Linux's PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_probe(command: list[str], size: int, folder: Path, timeout_s: float, grace_s: float) -> Probe:
     """Launch ``command`` (the size already in it) with its records going to ``folder``; return when
     every rank has recorded STEPS measured logging steps, or the command ended, or ``timeout_s``
@@ -75,6 +86,7 @@ def run_probe(command: list[str], size: int, folder: Path, timeout_s: float, gra
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_end_with_parent,
         )
         try:
             _watch(proc, probe, started + timeout_s)
