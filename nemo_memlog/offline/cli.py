@@ -60,7 +60,8 @@ def _fit_parser(commands) -> None:
         description="Launch COMMAND (with {micro_batch_size} where the size goes) at one size, end it once every "
         "rank has recorded two measured logging steps, predict the largest size that fits every pipeline stage, "
         "and confirm it with another launch (docs/fit.md). Exit status: 0 with an answer, 2 when even the "
-        "smallest size does not fit (or a usage error), 1 when the probes measured nothing, 130/143 interrupted.",
+        "smallest size does not fit (or a usage error), 1 when fit cannot go on (the first probe measured nothing, the "
+        "command keeps its microbatches per iteration instead of its global batch), 130/143 interrupted.",
     )
     fit.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your launch, after --")
     fit.add_argument("--capacity-gb", type=_gigabytes, default=None, help="memory per rank (default: as advise)")
@@ -69,7 +70,7 @@ def _fit_parser(commands) -> None:
         "--start", type=_whole, default=None, help="the first probe's size (default: {micro_batch_size:N}'s N, else 1)"
     )
     fit.add_argument("--max-launches", type=_whole, default=3, help="probes at most (default 3)")
-    fit.add_argument("--probe-timeout-s", type=_seconds, default=1800.0, help="longest wait for a probe's records")
+    fit.add_argument("--probe-timeout-s", type=_seconds, default=1800.0, help="longest wait for a probe's records (default 1800)")
     fit.add_argument("--grace-s", type=_seconds, default=30.0, help="SIGTERM to SIGKILL for a probe (default 30)")
     fit.add_argument("--work-dir", type=Path, default=None, help="keep the probes' records and output here")
     fit.add_argument("--json", action="store_true", help="print one JSON object")

@@ -271,11 +271,7 @@ def _growth(measured: list[Launch], size: int) -> tuple[float, ...] | None:
 
 def _no_measurement(probe: Probe, options: Options) -> str:
     log = probe.folder / "probe.log"
-    tail = ""
-    try:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-    except OSError:
-        pass
+    tail = probe.read_tail(15)
     why = {
         "died": f"the command exited with {probe.exit_code} before every rank recorded two measured logging steps",
         "ended": "the command ended (exit 0) before every rank recorded two measured logging steps",

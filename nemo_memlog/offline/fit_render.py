@@ -42,6 +42,7 @@ def _launch(launch: Launch) -> dict:
         "fits": launch.fits,
         "predicted_peaks_gb": launch.predicted,
         "measured_peaks_gb": [advice.peak(stage.parts) for stage in launch.run.stages] if launch.run else None,
+        "output_tail": probe.output_tail or None,
     }
 
 
@@ -78,6 +79,9 @@ def as_text(result: Result, options: Options) -> str:
             f"probe {number}: micro-batch size {probe.micro_batch_size}: {verdict} "
             f"(peaks per stage {peaks}; {probe.seconds:.0f} s)"
         )
+        if probe.output_tail:  # why it died: an OOM kill, or something else to fix first
+            exit_text = f"exit {probe.exit_code}" if probe.exit_code is not None else probe.status
+            lines += [f"  its last output ({exit_text}):", *(f"    {line}" for line in probe.output_tail.splitlines())]
     limit = f"{size_text(result.limit_gb)} per rank ({size_text(result.capacity_gb)} {result.capacity_source}, "
     lines += [f"limit: {limit}less {options.margin:.0%} margin)", ""]
     if result.micro_batch_size is None:

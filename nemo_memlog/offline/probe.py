@@ -47,6 +47,14 @@ class Probe:
     ranks_recorded: int = 0
     world_size: int | None = None
     notes: list[str] = field(default_factory=list)
+    output_tail: str = ""  # the command's last lines, where it died or ended on its own
+
+    def read_tail(self, lines: int = 12) -> str:
+        """The last ``lines`` of the command's output (LOG_NAME), or ""."""
+        try:
+            return "\n".join((self.folder / LOG_NAME).read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
 
     @property
     def measured(self) -> bool:
@@ -93,6 +101,8 @@ def run_probe(command: list[str], size: int, folder: Path, timeout_s: float, gra
         finally:
             end_tree(proc, grace_s)
     probe.seconds = time.monotonic() - started
+    if probe.status in ("died", "ended", "timeout"):  # kept: the folder may be a temporary one
+        probe.output_tail = probe.read_tail()
     return probe
 
 
