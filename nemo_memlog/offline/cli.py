@@ -70,7 +70,9 @@ def _fit_parser(commands) -> None:
         "--start", type=_whole, default=None, help="the first probe's size (default: {micro_batch_size:N}'s N, else 1)"
     )
     fit.add_argument("--max-launches", type=_whole, default=3, help="probes at most (default 3)")
-    fit.add_argument("--probe-timeout-s", type=_seconds, default=1800.0, help="longest wait for a probe's records (default 1800)")
+    fit.add_argument(
+        "--probe-timeout-s", type=_seconds, default=1800.0, help="longest wait for a probe's records (default 1800)"
+    )
     fit.add_argument("--grace-s", type=_seconds, default=30.0, help="SIGTERM to SIGKILL for a probe (default 30)")
     fit.add_argument("--work-dir", type=Path, default=None, help="keep the probes' records and output here")
     fit.add_argument("--json", action="store_true", help="print one JSON object")
