@@ -31,7 +31,7 @@ from .model import (
     peak,
     with_model_state,
 )
-from .predict import MAX_DIVISORS, divisors, max_micro_batch_size, predict, smallest_fix
+from .predict import MAX_DIVISORS, divisors, max_micro_batch_size, predict, schedule_name, smallest_fix
 from .search import COSTS, Fix, balanced_split, changes_that_fit
 
 __all__ = [
@@ -58,6 +58,7 @@ __all__ = [
     "parse",
     "peak",
     "predict",
+    "schedule_name",
     "run_from_unified",
     "smallest_fix",
     "stage_parts",

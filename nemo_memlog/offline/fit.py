@@ -248,11 +248,20 @@ def _peaks(run: advice.Run) -> list[float]:
 
 def _candidates(run: advice.Run) -> list[int]:
     """The sizes the job allows: with the global batch fixed (the probe's micro-batch size times its
-    microbatches, per data-parallel replica), those giving whole microbatches; else 1 to 64x."""
+    microbatches, per data-parallel replica), those giving whole microbatches, and under the
+    interleaved schedule at least one group of them (Megatron refuses fewer); else 1 to 64x."""
     if run.microbatches and run.micro_batch_size:
         found = advice.divisors(run.microbatches, run.micro_batch_size)
         if found is None:
             raise FitError(f"more than {advice.MAX_DIVISORS} sizes divide the samples per iteration: not searched")
+        try:
+            interleaved = advice.schedule_name(run) == "interleaved"
+        except advice.Refused:
+            interleaved = False
+        if interleaved:  # Megatron's interleaved schedule takes at least one group of microbatches (PP by default)
+            group = run.microbatch_group or run.pp_size
+            samples = run.microbatches * run.micro_batch_size
+            found = [size for size in found if samples // size >= group]
         return found
     return list(range(1, 64 * (run.micro_batch_size or 1) + 1))
 

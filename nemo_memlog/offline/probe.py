@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import time
@@ -31,6 +32,8 @@ PROBE_DIR_ENV = "NEMO_MEMLOG_PROBE_DIR"
 STEPS = 2
 POLL_S = 0.2
 LOG_NAME = "probe.log"
+#: A line of the command's output that says why it ended: an exception, an OOM, a kill.
+_ERROR = re.compile(r"\w*(Error|Exception)\b|[Oo]ut of memory|OOM|Killed|SIGKILL")
 
 
 @dataclass
@@ -50,11 +53,15 @@ class Probe:
     output_tail: str = ""  # the command's last lines, where it died or ended on its own
 
     def read_tail(self, lines: int = 12) -> str:
-        """The last ``lines`` of the command's output (LOG_NAME), or ""."""
+        """The last ``lines`` of the command's output (LOG_NAME), after the last line that names an
+        error (a launcher's summary often follows the cause), or ""."""
         try:
-            return "\n".join((self.folder / LOG_NAME).read_text(errors="replace").splitlines()[-lines:])
+            text = (self.folder / LOG_NAME).read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        errors = [line for line in text if _ERROR.search(line)]
+        tail = text[-lines:]
+        return "\n".join(([errors[-1]] if errors and errors[-1] not in tail else []) + tail)
 
     @property
     def measured(self) -> bool:

@@ -22,6 +22,7 @@ from .megatron_cpu import JobSpec, build
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="megatron_job", description=__doc__.split("\n\n")[0])
     parser.add_argument("--pp", type=int, default=2, help="pipeline stages (the rest of the world: DP)")
+    parser.add_argument("--vpp", type=int, default=None, help="model chunks per stage: the interleaved schedule")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
@@ -57,6 +58,7 @@ def main(argv: list[str]) -> int:
         return 2
     spec = JobSpec(
         pp=args.pp,
+        vpp=args.vpp,
         layers=args.layers,
         hidden=args.hidden,
         heads=args.heads,
