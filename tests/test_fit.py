@@ -7,6 +7,7 @@ refusal when nothing fits. Every test checks that no process of its probes is le
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -254,3 +255,25 @@ def test_a_command_that_keeps_its_microbatches_not_its_global_batch_is_named(tmp
 def test_fit_refuses_a_command_without_the_placeholder(tmp_path):
     code, _, text = fit("--", sys.executable, "-c", "pass")
     assert code == 2 and "{micro_batch_size}" in text
+
+
+def test_candidates_keep_the_global_batch_and_the_interleaved_schedules_group():
+    from nemo_memlog import advice
+    from nemo_memlog.offline.fit import _candidates
+
+    stages = [advice.Stage(s, {"params_gb": 0.1}, 2 - s, chunks=2) for s in range(2)]
+    run = advice.Run.of(stages, {"pp_size": 2}, {"micro_batch_size": 4, "microbatches": 4}, gpu=False, capacity_gb=1)
+    assert _candidates(run) == [1, 2, 4, 8]  # 16 samples; one microbatch of 16 is below the group of PP 2
+    one_chunk = advice.Run.of(
+        [dataclasses.replace(stage, chunks=1) for stage in stages],
+        {"pp_size": 2}, {"micro_batch_size": 4, "microbatches": 4}, gpu=False, capacity_gb=1,
+    )  # fmt: skip
+    assert _candidates(one_chunk) == [1, 2, 4, 8, 16]
+
+
+def test_a_died_probes_tail_leads_with_its_error(tmp_path):
+    from nemo_memlog.offline.probe import LOG_NAME, Probe
+
+    (tmp_path / LOG_NAME).write_text("start\n[rank0]: ValueError: no\n" + "\n".join(f"summary {i}" for i in range(20)))
+    tail = Probe(1, tmp_path).read_tail(5).splitlines()
+    assert tail[0] == "[rank0]: ValueError: no" and tail[1:] == [f"summary {i}" for i in range(15, 20)]
