@@ -353,3 +353,17 @@ def test_a_uri_password_is_recorded_redacted_and_is_a_secret():
     params, secrets = recorded(cfg, cfg)
     assert params["mlflow_tracking_uri"] == "http://alice:***@host:5000" and "PW-uri-1" in secrets
     assert "PW-uri-1" not in repr(resolve(cfg)) and "alice:***@host" in repr(resolve(cfg))
+
+
+def test_a_probe_of_fit_writes_its_records_where_fit_reads_them(monkeypatch, tmp_path):
+    """NEMO_MEMLOG_PROBE_DIR (set by nemo-memlog fit) wins over memory_record_dir, "off" included,
+    while memory logging is on; with it off nothing is recorded, as without the variable."""
+    from nemo_memlog.config import LoggerConfig, resolve
+
+    monkeypatch.setenv("NEMO_MEMLOG_PROBE_DIR", str(tmp_path / "probe"))
+    for chosen in (None, "off", str(tmp_path / "mine")):
+        settings = resolve(LoggerConfig(log_memory_to_tensorboard=True, memory_record_dir=chosen))
+        assert settings.record_dir == str(tmp_path / "probe")
+    assert resolve(LoggerConfig(log_memory_to_tensorboard=False)).record_dir is None
+    monkeypatch.delenv("NEMO_MEMLOG_PROBE_DIR")
+    assert resolve(LoggerConfig(log_memory_to_tensorboard=True, memory_record_dir="off")).record_dir is None
