@@ -381,7 +381,7 @@ def test_advise_json_is_strict_with_a_reason_for_each_null(tmp_path):
         layer_file(tmp_path, rank, pp=2, pp_rank=rank)
     run = advise.load(tmp_path, capacity_gb=math.inf)
     outcomes = advice.predict(run, [])
-    result = strict_json(advise.as_json(run, [], outcomes, (None, "x")))
+    result = strict_json(advise.as_json(advise.Advice(run, [], outcomes, (None, "x"))))
     assert result["capacity_gb"] is None and result["stages"][0]["headroom_gb"] is None
     assert result["null_reasons"]["capacity_gb"] == "not a finite number: inf"
     code, _, err = advise_cli(tmp_path, "--capacity-gb", "inf")

@@ -51,7 +51,7 @@ def changes_that_fit(run: Run, margin: float) -> list[Fix]:
     found = [fix for fix in fixes if fix is not None]
     if found:
         return found
-    together = [text for text in ("distributed_optimizer=true", "recompute=full") if _fix(run, parse([text]), 1e300)]
+    together = [text for text in ("distributed_optimizer=true", "recompute=full") if _peaks(run, text) is not None]
     if split is not None:
         together.append(f"layers_per_stage={','.join(map(str, split))}")
     size, _ = max_micro_batch_size(run, parse(together), margin=margin)
@@ -80,20 +80,15 @@ def balanced_split(run: Run, limit: float) -> tuple[int, ...] | None:
     if len(counts) < 2 or not sum(counts):
         return None
 
-    def highest(split: list[int]) -> float | None:
-        try:
-            outcomes = predict(run, parse([f"layers_per_stage={','.join(map(str, split))}"]))
-        except (Refused, ValueError):
-            return None
-        return max(outcome.peak_gb for outcome in outcomes)
+    def split_peaks(split: list[int]) -> list[float] | None:
+        return _peaks(run, f"layers_per_stage={','.join(map(str, split))}")
 
-    best, best_peak = list(counts), highest(counts)
-    if best_peak is None:
+    best, peaks = list(counts), split_peaks(counts)
+    if peaks is None:
         return None
     for _ in range(sum(counts) * len(counts)):
-        if best_peak <= limit:
+        if max(peaks) <= limit:
             break
-        peaks = [outcome.peak_gb for outcome in predict(run, parse([f"layers_per_stage={','.join(map(str, best))}"]))]
         worst = peaks.index(max(peaks))
         moves = []
         for other in range(len(best)):
@@ -101,10 +96,18 @@ def balanced_split(run: Run, limit: float) -> tuple[int, ...] | None:
                 moved = list(best)
                 moved[worst] -= 1
                 moved[other] += 1
-                peak = highest(moved)
-                if peak is not None:
-                    moves.append((peak, moved))
-        if not moves or min(moves)[0] >= best_peak:
+                moved_peaks = split_peaks(moved)
+                if moved_peaks is not None:
+                    moves.append((max(moved_peaks), moved, moved_peaks))
+        if not moves or min(moves)[0] >= max(peaks):
             break
-        best_peak, best = min(moves)
+        _, best, peaks = min(moves)
     return tuple(best) if best != counts else None
+
+
+def _peaks(run: Run, text: str) -> list[float] | None:
+    """Each stage's predicted peak under the change ``text``, or None where it cannot be predicted."""
+    try:
+        return [outcome.peak_gb for outcome in predict(run, parse([text]))]
+    except (Refused, ValueError):
+        return None

@@ -48,6 +48,12 @@ def file_name(rank: int) -> str:
     return f"rank-{rank:05d}.layers.json"
 
 
+def rank_of(name: str) -> int | None:
+    """The global rank a record file's name gives (``file_name``'s inverse), or None for another file."""
+    match = _NAME.match(name)
+    return int(match.group(1)) if match else None
+
+
 def write(folder: str | os.PathLike[str], record: dict) -> Path:
     """Write ``record`` (its ``rank`` names the file) into ``folder``, atomically; returns the path."""
     folder = Path(folder)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import advice
@@ -268,24 +269,33 @@ def peak_line(outcomes: list[advice.Outcome]) -> str:
     )
 
 
-def as_json(
-    run: advice.Run,
-    changes: list[advice.Change],
-    outcomes: list[advice.Outcome],
-    best: tuple,
-    fixes: list[advice.Fix] | None = None,
-    margin: float = 0.1,
-) -> str:
+@dataclass(frozen=True)
+class Advice:
+    """What ``advise`` prints, as data: the run, the change, every stage under it, the largest
+    micro-batch size that fits (size, how searched), and with ``--fit`` the changes that fit."""
+
+    run: advice.Run
+    changes: list[advice.Change]
+    outcomes: list[advice.Outcome]
+    best: tuple
+    fixes: list[advice.Fix] | None = None
+    margin: float = 0.1
+
+
+def fix_dict(fix: advice.Fix) -> dict:
+    """A change that fits, as the JSON of ``advise --fit`` and ``fit``'s alternatives show it."""
+    return {"changes": [change.text for change in fix.changes], "peaks_gb": [o.peak_gb for o in fix.outcomes]}
+
+
+def as_json(advised: Advice) -> str:
     """The contract: {"stages": [{"stage", "now", "predicted", "peak_gb", "capacity_gb", "fits", ...}], ...}.
     Strict JSON: a number that is not finite (NaN, Infinity) is null, and ``null_reasons`` maps where
     it was ("stages[0].peak_gb") to why ("not a finite number: inf")."""
     reasons: dict[str, str] = {}
-    document = _as_dict(run, changes, outcomes, best)
-    if fixes is not None:
-        document["margin"] = margin
-        document["fixes"] = [
-            {"changes": [c.text for c in fix.changes], "peaks_gb": [o.peak_gb for o in fix.outcomes]} for fix in fixes
-        ]
+    document = _as_dict(advised.run, advised.changes, advised.outcomes, advised.best)
+    if advised.fixes is not None:
+        document["margin"] = advised.margin
+        document["fixes"] = [fix_dict(fix) for fix in advised.fixes]
     document = _finite(document, "", reasons)
     document["null_reasons"] = reasons
     return json.dumps(document, indent=1, allow_nan=False)
@@ -336,15 +346,9 @@ def _as_dict(run: advice.Run, changes: list[advice.Change], outcomes: list[advic
     )
 
 
-def as_text(
-    run: advice.Run,
-    changes: list[advice.Change],
-    outcomes: list[advice.Outcome],
-    best: tuple,
-    fixes: list[advice.Fix] | None = None,
-    margin: float = 0.1,
-) -> str:
+def as_text(advised: Advice) -> str:
     """Per stage: each part today and predicted, the peak, capacity and headroom; then what fits."""
+    run, changes, outcomes = advised.run, advised.changes, advised.outcomes
     what = " + ".join(change.text for change in changes) or "no change (today's figures)"
     lines = [f"what-if: {what}", f"{capacity_line(run)}; PP {run.pp_size}, DP {run.dp_size}", replica_line(run), ""]
     header = f"{'part':<24}" + "".join(f"{'stage ' + str(o.stage):>22}" for o in outcomes)
@@ -366,7 +370,7 @@ def as_text(
     lines += ["", peak_line(outcomes)]
     if outcomes and outcomes[0].assumptions:
         lines += ["", "assumptions:"] + [f"  - {text}" for text in outcomes[0].assumptions]
-    size, how = best
+    size, how = advised.best
     lines.append("")
     under = (
         f" with {' + '.join(c.text for c in changes if c.name != 'micro_batch_size')}"
@@ -379,8 +383,8 @@ def as_text(
         )
     else:
         lines.append(f"largest micro-batch size that fits{under}: not predicted ({how})")
-    if fixes is not None:
-        lines += ["", *fixes_text(fixes, margin)]
+    if advised.fixes is not None:
+        lines += ["", *fixes_text(advised.fixes, advised.margin)]
     return "\n".join(lines)
 
 

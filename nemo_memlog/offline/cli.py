@@ -266,7 +266,7 @@ def _advise(args) -> int:
     import dataclasses
 
     from .. import advice
-    from .advise import AdviseError, as_json, as_text, load
+    from .advise import Advice, AdviseError, as_json, as_text, load
 
     try:
         changes = advice.parse(args.what_if)
@@ -285,9 +285,9 @@ def _advise(args) -> int:
         folder = args.run_dir if args.run_dir.is_dir() else args.run_dir.parent
         png = _advise_png(run, changes, outcomes, args.png or folder / ADVISE_PNG_NAME)
     if args.json:
-        print(as_json(run, changes, outcomes, best, fixes, args.margin))
+        print(as_json(Advice(run, changes, outcomes, best, fixes, args.margin)))
     else:
-        print(as_text(run, changes, outcomes, best, fixes, args.margin))
+        print(as_text(Advice(run, changes, outcomes, best, fixes, args.margin)))
         if png:
             print(f"\nplot of each stage today and predicted: {png}")
     return 0
@@ -303,9 +303,15 @@ def _fit(args) -> int:
 
     command = args.job[1:] if args.job[:1] == ["--"] else args.job
     options = Options(
-        command, args.capacity_gb, args.margin, args.start, args.max_launches, args.probe_timeout_s, args.grace_s
+        command,
+        capacity_gb=args.capacity_gb,
+        margin=args.margin,
+        start=args.start,
+        max_launches=args.max_launches,
+        probe_timeout_s=args.probe_timeout_s,
+        grace_s=args.grace_s,
+        work_dir=args.work_dir,
     )
-    options.work_dir = args.work_dir
     become_subreaper()  # a worker whose launcher died is re-parented here, and ended with the probe
     signal.signal(signal.SIGTERM, _interrupted)
     try:

@@ -158,7 +158,7 @@ class _Search:
             command_for(self.options.command, size), size, folder, self.options.probe_timeout_s, self.options.grace_s
         )
         run = self._read(probe)
-        fits = run is not None and probe.measured and all(peak <= self.limit for peak in _peaks(run))
+        fits = run is not None and probe.measured and all(peak <= self.limit for peak in peaks(run))
         launch = Launch(probe, run, predicted, fits)
         self.launches.append(launch)
         if fits:
@@ -191,15 +191,15 @@ class _Search:
     def _check_global_batch(self, run: advice.Run) -> None:
         """FitError where this probe's samples per iteration differ from the first probe's: the
         candidates (and every prediction) hold the global batch fixed."""
-        samples = run.microbatches * run.micro_batch_size if run.microbatches and run.micro_batch_size else None
         first = self.launches[0].run if self.launches else None
-        if first is None or samples is None or not first.microbatches or not first.micro_batch_size:
+        samples, expected = _samples(run), _samples(first) if first is not None else None
+        if first is None or samples is None or expected is None:
             return
-        if samples != first.microbatches * first.micro_batch_size:
+        if samples != expected:
             raise FitError(
                 f"the probe at micro-batch size {run.micro_batch_size} ran {run.microbatches} microbatches per "
                 f"iteration ({samples} samples per replica), the first probe {first.microbatches} of "
-                f"{first.micro_batch_size} ({first.microbatches * first.micro_batch_size}): the command keeps its "
+                f"{first.micro_batch_size} ({expected}): the command keeps its "
                 "microbatches per iteration, not its global batch. fit searches the sizes that keep the global "
                 "batch, as Megatron's global_batch_size does: give the command its global batch (the demo's "
                 "train.global_batch_size, a Megatron-Bridge recipe's train.global_batch_size)"
@@ -242,8 +242,14 @@ class _Search:
         return [outcome.peak_gb for outcome in outcomes]
 
 
-def _peaks(run: advice.Run) -> list[float]:
+def peaks(run: advice.Run) -> list[float]:
+    """Each stage's measured peak in ``run`` (its parts' sum: advise's peak today)."""
     return [advice.peak(stage.parts) for stage in run.stages]
+
+
+def _samples(run: advice.Run) -> int | None:
+    """The samples per iteration per data-parallel replica the run's facts give, or None."""
+    return run.microbatches * run.micro_batch_size if run.microbatches and run.micro_batch_size else None
 
 
 def _candidates(run: advice.Run) -> list[int]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import json
 
-from .. import advice
-from .fit import Launch, Options, Result, command_for, shown
+from .advise import fix_dict
+from .fit import Launch, Options, Result, command_for, peaks, shown
 from .tables import size_text
 
 
@@ -16,8 +16,7 @@ def _stages(result: Result) -> list[dict]:
     if answer is None or answer.run is None:
         return []
     rows = []
-    for index, stage in enumerate(answer.run.stages):
-        measured = advice.peak(stage.parts)
+    for index, (stage, measured) in enumerate(zip(answer.run.stages, peaks(answer.run))):
         predicted = answer.predicted[index] if answer.predicted else None
         rows.append(
             {
@@ -41,7 +40,7 @@ def _launch(launch: Launch) -> dict:
         "seconds": round(probe.seconds, 1),
         "fits": launch.fits,
         "predicted_peaks_gb": launch.predicted,
-        "measured_peaks_gb": [advice.peak(stage.parts) for stage in launch.run.stages] if launch.run else None,
+        "measured_peaks_gb": peaks(launch.run) if launch.run else None,
         "output_tail": probe.output_tail or None,
     }
 
@@ -60,10 +59,7 @@ def as_json(result: Result, options: Options) -> str:
             "candidates": result.candidates,
             "stages": _stages(result),
             "probes": [_launch(launch) for launch in result.launches],
-            "alternatives": [
-                {"changes": [change.text for change in fix.changes], "peaks_gb": [o.peak_gb for o in fix.outcomes]}
-                for fix in result.alternatives
-            ],
+            "alternatives": [fix_dict(fix) for fix in result.alternatives],
         },
         indent=1,
     )
@@ -74,10 +70,10 @@ def as_text(result: Result, options: Options) -> str:
     for number, launch in enumerate(result.launches, 1):
         probe = launch.probe
         verdict = "fits" if launch.fits else ("does not fit" if probe.measured else probe.status)
-        peaks = ", ".join(size_text(advice.peak(s.parts)) for s in launch.run.stages) if launch.run else "-"
+        measured = ", ".join(size_text(peak) for peak in peaks(launch.run)) if launch.run else "-"
         lines.append(
             f"probe {number}: micro-batch size {probe.micro_batch_size}: {verdict} "
-            f"(peaks per stage {peaks}; {probe.seconds:.0f} s)"
+            f"(peaks per stage {measured}; {probe.seconds:.0f} s)"
         )
         if probe.output_tail:  # why it died: an OOM kill, or something else to fix first
             exit_text = f"exit {probe.exit_code}" if probe.exit_code is not None else probe.status
@@ -89,8 +85,8 @@ def as_text(result: Result, options: Options) -> str:
         if result.alternatives:
             lines.append("what advise predicts would fit instead (cheapest first):")
             for fix in result.alternatives:
-                peaks = ", ".join(size_text(o.peak_gb) for o in fix.outcomes)
-                lines.append(f"  {fix.text}  (peaks per stage {peaks})")
+                predicted = ", ".join(size_text(o.peak_gb) for o in fix.outcomes)
+                lines.append(f"  {fix.text}  (peaks per stage {predicted})")
         else:
             lines.append("advise predicts no change alone or together that fits: more ranks, or a larger device.")
     else:

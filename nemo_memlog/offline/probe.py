@@ -132,12 +132,10 @@ def _watch(proc: subprocess.Popen, probe: Probe, deadline: float) -> None:
 def _recorded(probe: Probe) -> bool:
     """Whether every rank's record in the probe's folder has STEPS measured steps (counts noted)."""
     steps: dict[int, int] = {}
-    for path in probe.folder.glob("rank-*.layers.json"):
-        try:
-            record = layer_record.read_rank(probe.folder, int(path.name[5:10]))
-        except ValueError:
-            continue
-        if record is None:
+    for path in probe.folder.iterdir():
+        rank = layer_record.rank_of(path.name)
+        record = layer_record.read_rank(probe.folder, rank) if rank is not None else None
+        if record is None:  # another file, or one that cannot be read (yet): counted at a later poll
             continue
         probe.world_size = record.get("world_size") or probe.world_size
         steps[int(record["rank"])] = int(record.get("measured_steps") or 0)
