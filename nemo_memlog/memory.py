@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import process_wide
-from .measure.host_limit import limit_of_process
+from .host_limit import limit_of_process
 from .process_wide import read_proc
 from .warn import WarnOnce
 
@@ -66,22 +66,34 @@ _TORCH_STAT = re.compile(
 def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | float]:
     """Return this process's memory statistics as ``{logged_name: value}``.
 
-    - CUDA statistics (when this process has initialised CUDA) are those of
-      ``torch.cuda.memory_stats()``: byte counts as GB floats (1e9 bytes), counters
-      as Python ints. ``memory_keys`` maps torch's statistic names to logged names.
-    - Host memory is always reported: ``host_rss_gb`` and ``peak_host_rss_gb``.
-    - ``device_used_gb`` (the whole device: total - free, every process) and
-      ``device_other_gb`` (device used - this process's reserved memory: the CUDA
-      context, NCCL buffers, other processes), both now, from ``torch.cuda.mem_get_info``.
-    - ``peak_*`` values are peaks since the process started or since the last
-      ``reset_peaks()``.
-    - A statistic this rank lacks is present with the value ``MISSING`` (NaN), which
-      the reduction ignores; names torch cannot produce warn once.
+    Every rank returns the same keys in the same order for the same ``memory_keys``. No
+    collective, no allocation on the device, no wait for queued GPU work, and never a new
+    CUDA context.
 
-    One read of the allocator's nested statistics per call (``torch.cuda.memory_stats()``
-    would flatten and sort all ~120 of them in Python); each name's path in it is
-    resolved once per mapping. No collective, no allocation on the device, no wait
-    for queued GPU work.
+    - CUDA statistics (once this process has initialised CUDA), from
+      ``torch.cuda.memory_stats()``: byte counts as GB floats (1e9 bytes), counters as
+      Python ints.
+    - ``host_rss_gb`` and ``peak_host_rss_gb``: always.
+    - ``device_used_gb`` (total - free of the whole device, every process) and
+      ``device_other_gb`` (device used - this process's reserved memory: the CUDA
+      context, NCCL buffers, other processes), both now, from cudaMemGetInfo.
+    - ``peak_*``: the peak since the process started or since the last ``reset_peaks()``.
+    - A statistic this rank lacks (no CUDA in use, a name torch does not produce) is
+      present with the value ``MISSING`` (NaN), which the reduction ignores.
+
+    Args:
+        memory_keys: torch statistic name -> logged name. Replaces ``DEFAULT_MEMORY_KEYS``
+            (used for None or an empty mapping); extend it with
+            ``{**DEFAULT_MEMORY_KEYS, ...}``. A name torch cannot produce warns once
+            (UserWarning) and is reported as ``MISSING``.
+
+    Returns:
+        A new dict of floats (GB, or NaN) and ints (counters).
+
+    Raises:
+        TypeError: a ``memory_keys`` entry that is not ``str -> non-empty str``.
+        ValueError: a logged name reserved for host or device memory (``host_rss_gb``,
+            ``peak_host_rss_gb``, ``device_used_gb``, ``device_other_gb``).
     """
     plan = _plan(tuple(memory_keys.items())) if memory_keys else _default_plan()
     device, stats = allocator_stats()
@@ -188,15 +200,18 @@ def _has_context(device: int, stats: dict) -> bool:
 def reset_peaks() -> None:
     """Start a new peak window: from now on every ``peak_*`` value is the peak since this call.
 
-    - CUDA: ``torch.cuda.reset_peak_memory_stats()`` on the current device, only when this
+    The counters are the process's: anything else reading them (Megatron's text log,
+    ``torch.cuda.max_memory_allocated``) sees them reset too. No collective.
+
+    - CUDA: ``torch.cuda.reset_peak_memory_stats()`` on the current device, only once this
       process has initialised CUDA (never creates a context).
     - Host: writes ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), which sets VmHWM to
-      the current RSS. Where that is impossible (macOS, other systems read the peak from
-      getrusage, which cannot be reset; a kernel or sandbox refusing the write), the host
-      peak stays the process's lifetime peak, and this warns once per process.
+      the current RSS.
 
-    Both are process-wide state: anything else reading the same peaks (Megatron's own
-    text log, torch.cuda.max_memory_allocated) sees them reset too. No collective.
+    Raises:
+        Nothing for the host peak: where it cannot be reset (no ``/proc``, as on macOS; a
+        kernel or sandbox refusing the write) ``peak_host_rss_gb`` stays the process's
+        lifetime peak, and this warns once per process.
     """
     peak_counters.clear()
     if _cuda_in_use():
@@ -348,14 +363,18 @@ def _device_total(device: int) -> int:
 
 
 def capacity_report() -> dict[str, float]:
-    """What this rank could use: device and host totals, and the host's available RAM.
+    """Return what this rank could use, in GB (1e9 bytes).
 
-    ``host_available_gb`` is the kernel's MemAvailable: shared by every rank on the node,
-    it is the real distance to the OOM killer (SIGKILL), where a per-process share of
-    total RAM would not be. Inside a memory cgroup with a limit (SLURM, Kubernetes, a container)
-    the OOM killer fires at that limit first: ``host_limit_gb`` and ``host_limit_used_gb`` are the
-    limit and the usage of the cgroup holding it (NaN without one); attribution.py takes the
-    smaller distance.
+    - ``device_total_gb``: the current CUDA device's memory; NaN until this process has
+      initialised CUDA.
+    - ``host_total_gb``: the machine's physical RAM.
+    - ``host_available_gb``: the kernel's MemAvailable, shared by every rank on the node:
+      the distance to the OOM killer (SIGKILL).
+    - ``host_limit_gb``, ``host_limit_used_gb``: the limit and usage of the memory cgroup
+      whose limit binds this process (SLURM, Kubernetes, a container), where the OOM killer
+      fires first; NaN without one, or where the cgroup files cannot be read.
+
+    No collective; never creates a CUDA context.
     """
     device_total = device_total_bytes()
     limit = host_limit_bytes()
@@ -369,7 +388,7 @@ def capacity_report() -> dict[str, float]:
 
 
 def host_limit_bytes() -> tuple[int, int] | None:
-    """(limit, usage) of the memory cgroup whose limit binds this process (measure/host_limit.py), in
+    """(limit, usage) of the memory cgroup whose limit binds this process (host_limit.py), in
     bytes; None without one (no cgroup limit below the machine's RAM, or unreadable)."""
     limit = limit_of_process(os.getpid(), host_total_bytes())
     return None if limit is None else limit.read()

@@ -11,7 +11,7 @@ import threading
 import warnings
 from collections.abc import Hashable
 
-from .config import scrubbed
+from .redaction import scrubbed
 
 PREFIX = "nemo_memlog: "
 

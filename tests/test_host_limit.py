@@ -1,4 +1,4 @@
-"""The host memory limit as clusters enforce it (measure/host_limit.py): a memory cgroup's limit.
+"""The host memory limit as clusters enforce it (host_limit.py): a memory cgroup's limit.
 
 - File layouts, v1 and v2, from fixture trees (the reader takes its /proc files as arguments),
   and a limit set, changed or lifted between two reads, or a move to another cgroup (issue 33).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_memlog.measure.host_limit import ProcessLimit, find_chain, find_limit
+from nemo_memlog.host_limit import ProcessLimit, find_chain, find_limit
 from nemo_memlog.testing import cgroups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +159,7 @@ def steps_main() -> int:
     ``capacity_report`` reads it (``memory.host_limit_bytes``: ``limit_of_process(pid, RAM).read()``;
     torch is not imported, to start in a second) and as the liveness beat records it."""
     from nemo_memlog.failure.evidence import HostEvidence
-    from nemo_memlog.measure.host_limit import limit_of_process
+    from nemo_memlog.host_limit import limit_of_process
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     beat = HostEvidence()  # made at start, as the liveness thread's is
@@ -193,6 +193,7 @@ def cgroups_here():
         pytest.skip(f"cannot create a memory cgroup here: {why}")
 
 
+@pytest.mark.processes
 def test_a_limit_set_and_changed_after_start_is_read_at_the_next_step(cgroups_here):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, __file__, "steps"]
@@ -283,6 +284,7 @@ def under_a_limit(tmp_path_factory):
         return run_ranks(__file__, [out], out, ranks=(0, 1), check=True, cgroup=group)
 
 
+@pytest.mark.processes
 def test_the_headroom_is_the_distance_to_the_cgroup_limit_not_the_nodes_ram(under_a_limit):
     logged = under_a_limit[1]["logged"]
     assert logged == under_a_limit[0]["logged"]  # every rank returns the same unified dict
@@ -298,6 +300,7 @@ def test_the_headroom_is_the_distance_to_the_cgroup_limit_not_the_nodes_ram(unde
     assert logged["memory/peak_host_rss_pct"] == pytest.approx(share)
 
 
+@pytest.mark.processes
 def test_the_low_headroom_warning_speaks_of_the_limit(under_a_limit):
     writer = under_a_limit[1]["warnings"]
     assert any("before its memory cgroup's limit" in w and f"of {LIMIT / 1e9:.1f} GB" in w for w in writer), writer

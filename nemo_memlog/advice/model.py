@@ -8,17 +8,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..parts import ADVISED_KEYS, MODEL_STATE_PARTS
+from ..units import size_text
+
 #: The part names, bottom to top, as the JSON and the picture show them.
-PARTS = (
-    "params_gb",
-    "grads_gb",
-    "optimizer_state_gb",
-    "activations_gb",
-    "temporaries_gb",
-    "allocator_slack_gb",
-    "outside_gb",
-)
-MODEL_STATE = ("params_gb", "grads_gb", "optimizer_state_gb")
+PARTS = ADVISED_KEYS
+MODEL_STATE = MODEL_STATE_PARTS
 CHANGES = {
     "micro_batch_size": "N, or xF (a factor of today's): micro_batch_size=4, micro_batch_size=x0.5",
     "microbatches": "N, microbatches per iteration: microbatches=16",
@@ -213,6 +208,4 @@ def _value(name: str, value: str, text: str):
 def fmt(value: float | None) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    from ..offline.tables import size_text  # the units rule, in one place
-
     return size_text(value)

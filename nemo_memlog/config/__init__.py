@@ -7,11 +7,13 @@
   record of a run's config;
 - overrides.py: ``from_overrides``, a LoggerConfig from dotted command-line overrides;
 - facts.py: the rules of the run's facts (``training_log(..., facts=...)``), checked once;
-- secrets.py: the secrets in a config: one walk that redacts them and collects them, and scrubbing.
+- the secrets in a config (one walk that redacts and collects them, and scrubbing) are
+  ../redaction.py's, a leaf the warnings and the writers reach too.
 
 Every name the package, its scripts and tests import from ``nemo_memlog.config`` is here.
 """
 
+from ..redaction import REDACTED, SECRET_NAME, flat_params, redact, redact_uri, scrubbed, secrets_of
 from .facts import checked_facts
 from .overrides import EXPECTED_FORM, from_overrides
 from .resolution import checked_settings, from_plain, recorded, resolve, resolve_fields
@@ -26,7 +28,6 @@ from .schema import (
     memory_record_dir,
     setting,
 )
-from .secrets import REDACTED, SECRET_NAME, flat_params, redact, redact_uri, scrubbed, secrets_of
 from .validation import PEAK_WINDOWS, RECORD_OFF, REDUCE_BACKENDS, REDUCE_EXCHANGES, WRITER_MODES, did_you_mean
 
 __all__ = [

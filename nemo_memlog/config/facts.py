@@ -15,7 +15,7 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from .secrets import REDACTED, SECRET_NAME
+from ..redaction import REDACTED, SECRET_NAME
 
 #: The largest count (micro-batch size, microbatches per iteration...) a fact may state.
 MAX_COUNT = 2**20

@@ -1,20 +1,32 @@
 """``from_overrides``: a LoggerConfig from dotted overrides, as recipes take them on the command
 line (read with OmegaConf, imported only when called)."""
 
+from ..redaction import REDACTED, SECRET_NAME, redact_uri, scrubbed, uri_credentials
 from .schema import FIELDS, LoggerConfig
-from .secrets import REDACTED, SECRET_NAME, redact_uri, scrubbed, uri_credentials
 from .validation import did_you_mean
 
 EXPECTED_FORM = "expected logger.key=value, e.g. logger.log_memory_to_tensorboard=true"
 
 
 def from_overrides(overrides: list[str], base: LoggerConfig | None = None) -> LoggerConfig:
-    """Build a LoggerConfig from dotted overrides, as recipes take them on the command line:
-    ``["logger.log_memory_to_tensorboard=true", "logger.tensorboard_log_interval=10"]``.
-    The ``logger.`` prefix is optional; overrides for other sections (``train.iters=5``)
-    are ignored. Raises ValueError for anything else (a flag, a path, ``key=value`` with an
-    unknown key), showing the expected form, and for an unknown logger field, naming the
-    closest one: a script's own arguments are not overrides, pass only those that are.
+    """Build a LoggerConfig from dotted overrides, as recipes take them on the command line.
+
+    Needs omegaconf (``pip install 'nemo_memlog[config]'``).
+
+    Args:
+        overrides: ``["logger.log_memory_to_tensorboard=true", "logger.tensorboard_log_interval=10"]``.
+            The ``logger.`` prefix is optional; overrides for other sections (``train.iters=5``)
+            are ignored. Pass only overrides, not a script's own arguments.
+        base: the LoggerConfig the overrides apply to (default: ``LoggerConfig()``).
+
+    Returns:
+        A new LoggerConfig, checked.
+
+    Raises:
+        ValueError: an item that is no override (a flag, a path), showing the expected form;
+            an unknown logger field, naming the closest one; a value of the wrong type or one
+            that cannot work, naming the field (a secret's value is not shown).
+        ImportError: omegaconf is not installed.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException

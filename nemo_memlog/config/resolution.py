@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
+from ..redaction import flattened, redact
 from .schema import (
     FIELDS,
     RULES,
@@ -18,7 +19,6 @@ from .schema import (
     logger_section,
     setting,
 )
-from .secrets import flattened, redact
 
 
 def resolve(config: Any) -> Settings:

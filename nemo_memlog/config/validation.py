@@ -16,7 +16,7 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .secrets import SECRET_NAME
+from ..redaction import SECRET_NAME
 
 #: memory_peak_window's values: the peaks of the whole run, or of each logging interval.
 PEAK_WINDOWS = ("run", "interval")

@@ -2,7 +2,7 @@
 
 A rank killed by the OOM killer (SIGKILL) writes nothing more; what the post-mortem can show
 is what the host looked like up to then: MemAvailable, the memory cgroup's limit and usage
-(measure/host_limit.py: SLURM, Kubernetes, containers), this process's RSS, /proc/vmstat's
+(host_limit.py: SLURM, Kubernetes, containers), this process's RSS, /proc/vmstat's
 ``oom_kill`` and the job cgroup's ``oom_kill`` (cgroup v2 ``memory.events``, or v1
 ``memory.oom_control``). Each file is re-read through a descriptor kept open
 (``process_wide.read_proc``): the beat costs microseconds and never allocates a descriptor.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from ..measure.host_limit import limit_of_process
+from ..host_limit import limit_of_process
 from ..process_wide import read_proc
 
 GB = 1e9

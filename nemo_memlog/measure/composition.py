@@ -37,6 +37,21 @@ reserved - peak allocated, so that on a GPU
 
 Without CUDA statistics (CPU) the last two are NaN; without a measurement the first three are.
 ``layer_state`` splits the model state by layer (activations.find_layers).
+
+Known limitations:
+
+- Only storages on the device of the first tensor found count: parameters or optimizer state
+  on another device (CPU offload) are not model state here; host memory shows in host RSS.
+- Buffers (``register_buffer``) are in no part: not model state, and left out of the
+  activations; on a GPU they fall in ``temporaries_gb``.
+- An optimizer object it does not recognise counts 0 optimizer state, not NaN; state values
+  that are not tensors (nested lists or dicts of tensors) are not counted.
+- FP8 wrapper tensors (Transformer Engine's Float8Tensor and kin): counted by the storage
+  ``untyped_storage()`` returns, the FP8 data only where TE returns it (not the transpose /
+  column-wise copy or the scales); a wrapper without a readable storage raises RuntimeError.
+- ``temporaries_gb`` is what is left of the peak: it takes in whatever the activation meter
+  does not see (CPU offload contexts, CUDA graph pools, delayed weight gradients, saves outside
+  the forward: measure/activations.py) and is floored at 0 where the parts' maxima do not coincide.
 """
 
 from __future__ import annotations
@@ -45,18 +60,14 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import parts
+
 if TYPE_CHECKING:
     from torch import nn
 
 GB = 1e9
-NAMES = ("params_gb", "grads_gb", "optimizer_state_gb", "model_state_gb")
-DERIVED = (
-    "activations_gb",
-    "activations_per_microbatch_gb",
-    "microbatches_in_flight",
-    "temporaries_gb",
-    "allocator_slack_gb",
-)
+NAMES = parts.MODEL_STATE_KEYS
+DERIVED = parts.STEP_KEYS
 
 
 #: What ``model=`` takes, for the TypeError that names it.
@@ -94,7 +105,30 @@ def _described(value) -> str:
 
 
 def report_model_state(model: nn.Module | Sequence[nn.Module] | None, optimizer: Any = None) -> dict[str, float]:
-    """This rank's model state in GB (the module docstring), counted now. Floats; mutates nothing."""
+    """Return this rank's model state now, in GB (1e9 bytes): parameters, gradients, optimizer state.
+
+    Each storage counts once, at its whole size, in the first category that reaches it;
+    only storages on the device of the model's first parameter count. Mutates nothing; no
+    collective. Known limitations: see the module docstring.
+
+    Args:
+        model: a module, or a list (or tuple) of model chunks as Megatron passes them; None
+            counts nothing.
+        optimizer: a torch optimizer, Megatron's MegatronOptimizer, ChainedOptimizer,
+            mixed-precision or distributed optimizer, or a list of optimizers. None: the
+            optimizer state is unknown.
+
+    Returns:
+        ``params_gb``, ``grads_gb``, ``optimizer_state_gb`` and ``model_state_gb`` (their
+        sum), floats. Without an optimizer ``optimizer_state_gb`` is NaN and
+        ``model_state_gb`` is parameters + gradients.
+
+    Raises:
+        AttributeError: ``model`` is not a module or a list of modules (this function does
+            not check its arguments; training_log does, raising TypeError).
+        RuntimeError: from torch, for a tensor whose storage cannot be read (a tensor
+            subclass without one).
+    """
     return _count(modules_of(model), optimizer)
 
 
@@ -287,7 +321,7 @@ def _count(modules: list, optimizer) -> dict[str, float]:
 
     seen: set = set()
     device = None
-    totals = dict.fromkeys(("params_gb", "grads_gb", "optimizer_state_gb"), 0)
+    totals = dict.fromkeys(parts.MODEL_STATE_PARTS, 0)
 
     def add(category: str, tensor) -> None:
         nonlocal device
@@ -329,6 +363,6 @@ def _count(modules: list, optimizer) -> dict[str, float]:
     return out
 
 
-def _model_state(parts: dict) -> float:
+def _model_state(figures: dict) -> float:
     """params + grads + optimizer state, the optimizer state left out where it is missing (NaN)."""
-    return sum(parts[name] for name in NAMES[:3] if parts[name] == parts[name])
+    return sum(figures[name] for name in parts.MODEL_STATE_PARTS if figures[name] == figures[name])

@@ -27,12 +27,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..parts import ACTIVATIONS, MODEL_STATE_TOTAL
+
 GB = 1e9
 PREFIX = "memory/"
 #: The stage Bridge's estimate describes: its activations are the first stage's.
 ESTIMATED_STAGE = 0
 #: The parts an estimate gives, as the measurement names them (measure/composition.py).
-PARTS = ("model_state_gb", "activations_gb")
+PARTS = (MODEL_STATE_TOTAL.key, ACTIVATIONS.key)
 
 
 def bridge_estimate(config: Any, num_microbatches: int | None) -> dict[str, float] | None:

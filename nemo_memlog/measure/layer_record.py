@@ -106,7 +106,7 @@ def _checked(path: Path) -> dict:
     """The record in ``path``; ValueError naming the file when it is not one this reader can use.
     Reads regular files only (a FIFO named like a record would wait forever, /dev/zero never ends),
     at most MAX_BYTES."""
-    from ..offline.bounded import Refused, load_json, read_regular
+    from ..bounded import Refused, load_json, read_regular
 
     try:
         record = load_json(read_regular(path, MAX_BYTES))

@@ -8,13 +8,14 @@ from typing import Any
 
 from torch import nn
 
+from .. import parts
 from . import composition
 from .activations import Measurement, chunks_of
 
 #: A stage's figures the per-layer record carries, where this rank has them.
 RECORDED_STAGE_KEYS = (
-    *composition.NAMES,
-    *composition.DERIVED,
+    *parts.MODEL_STATE_KEYS,
+    *parts.STEP_KEYS,
     "peak_allocated_gb",
     "peak_reserved_gb",
     "device_other_gb",

@@ -13,9 +13,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import advice
+from .. import advice, parts
 from ..measure import layer_record
-from .tables import part_name, size_text
+from ..parts import label_of
+from .tables import size_text
 
 #: The files that make a folder a record folder.
 PATTERN = "rank-*.layers.json"
@@ -86,7 +87,7 @@ _WHOLE_FACTS["microbatch_group_size_per_vp_stage"] = (1, 1 << 16)
 _TEXT_FACTS = ("recompute", "schedule", "optimizer")
 #: The largest GB figure taken as measured (a petabyte): beyond it a figure is garbage.
 MAX_GB = 1e6
-_LAYER_FIGURES: tuple[str, ...] = ("params_gb", "grads_gb", "optimizer_state_gb", "activations_per_microbatch_gb")
+_LAYER_FIGURES: tuple[str, ...] = (*parts.MODEL_STATE_PARTS, parts.ACTIVATIONS_PER_MICROBATCH.key)
 _LAYER_FIGURES += ("input_per_microbatch_gb",)
 
 
@@ -356,7 +357,7 @@ def as_text(advised: Advice) -> str:
     for name in advice.PARTS:
         if all(o.now.get(name) is None for o in outcomes):
             continue
-        label = part_name(name, run.gpu)
+        label = label_of(name, run.gpu)
         cells = [f"{gb_cell(o.now.get(name))} -> {gb_cell(o.predicted.get(name))}" for o in outcomes]
         lines.append(f"{label:<24}" + "".join(f"{c:>22}" for c in cells))
     rows = (

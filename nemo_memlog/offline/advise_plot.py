@@ -9,13 +9,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..advice import PARTS
+from ..parts import label_of
 from .plotting import integer_ticks, new_figure, save
-from .tables import part_name, size_scale, size_text
+from .tables import size_scale, size_text
 
 if TYPE_CHECKING:
     from ..advice import Change, Outcome, Run
 
-#: part -> colour, bottom to top, as the composition PNG colours them; names: tables.part_name.
+#: part -> colour, bottom to top, as the composition PNG colours them; names: parts.label_of.
 COLOURS = {
     "params_gb": "tab:blue",
     "grads_gb": "tab:cyan",
@@ -42,7 +43,7 @@ def write_png(run: Run, changes: list[Change], outcomes: list[Outcome], path: st
     for offset, which in ((-0.2, "now"), (0.2, "predicted")):
         bottoms = [0.0] * len(outcomes)
         for name in PARTS:
-            label, colour = part_name(name, run.gpu), COLOURS[name]
+            label, colour = label_of(name, run.gpu), COLOURS[name]
             heights = [scale * (getattr(o, which).get(name) or 0.0) for o in outcomes]
             if not any(heights):
                 continue

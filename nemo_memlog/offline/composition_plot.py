@@ -15,22 +15,29 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import parts as _parts
+from ..parts import OUTSIDE_CPU, label_of
 from .plotting import new_figure, save
-from .tables import OUTSIDE_CPU, part_name, size_scale, size_text
+from .tables import size_scale, size_text
 
 if TYPE_CHECKING:
     from .events import MemoryRun
 
 #: (logged name, label, colour), bottom to top: on a GPU they add up to the peak reserved, then
 #: the memory outside the allocator. On CPU only the model state and activations are measured.
-PARTS = (
-    ("params_gb", part_name("params_gb", True), "tab:blue"),
-    ("grads_gb", part_name("grads_gb", True), "tab:cyan"),
-    ("optimizer_state_gb", part_name("optimizer_state_gb", True), "tab:purple"),
-    ("activations_gb", part_name("activations_gb", True), "tab:orange"),
-    ("temporaries_gb", part_name("temporaries_gb", True), "tab:pink"),
-    ("allocator_slack_gb", part_name("allocator_slack_gb", True), "tab:gray"),
-    ("device_other_gb", part_name("device_other_gb", True), "tab:olive"),
+DEVICE_OTHER = "device_other_gb"  # the outside part, as logged (parts.OUTSIDE)
+TEMPORARIES = _parts.TEMPORARIES.key
+PARTS = tuple(
+    (key, label_of(key, True), colour)
+    for key, colour in (
+        (_parts.PARAMS.key, "tab:blue"),
+        (_parts.GRADS.key, "tab:cyan"),
+        (_parts.OPTIMIZER_STATE.key, "tab:purple"),
+        (_parts.ACTIVATIONS.key, "tab:orange"),
+        (TEMPORARIES, "tab:pink"),
+        (_parts.ALLOCATOR_SLACK.key, "tab:gray"),
+        (DEVICE_OTHER, "tab:olive"),
+    )
 )
 #: CPU: the rest of the process's resident memory, up to the stage's peak host RSS (no allocator).
 REST = "rest_of_process_gb"
@@ -56,7 +63,7 @@ def stage_parts(run: MemoryRun) -> tuple[int | None, dict[int, dict[str, float]]
         parts[stage] = {}
         for name, _, _ in PARTS:
             parts[stage][name] = _at(run, name, stage, step)
-        if all(math.isnan(parts[stage][name]) for name in ("temporaries_gb", "device_other_gb")):
+        if all(math.isnan(parts[stage][name]) for name in (TEMPORARIES, DEVICE_OTHER)):
             peak = _at(run, REST_PEAK, stage, step)  # CPU: the rest of the process, up to the peak RSS
             measured = sum(v for v in parts[stage].values() if not math.isnan(v))
             parts[stage][REST] = max(peak - measured, 0.0) if not math.isnan(peak) else math.nan
@@ -106,7 +113,7 @@ def write_png(run: MemoryRun, path: str | Path, records: Any = None) -> Path:
     for name, label, colour in (*PARTS, (REST, OUTSIDE_CPU, "tab:olive")):
         values = [parts[stage].get(name, math.nan) for stage in stages]
         if all(math.isnan(v) for v in values):
-            if name != REST and (gpu or name != "device_other_gb"):  # CPU: the rest of the process has it
+            if name != REST and (gpu or name != DEVICE_OTHER):  # CPU: the rest of the process has it
                 missing.append(label)
             continue
         heights = [0.0 if math.isnan(v) else max(v, 0.0) * scale for v in values]

@@ -8,7 +8,8 @@ from collections import Counter
 
 from .. import advice
 from ..failure.records import PEER_LOSS
-from ..measure import composition, layer_record
+from ..measure import layer_record
+from ..parts import MODEL_STATE_KEYS, STEP_KEYS
 from .postmortem_state import Postmortem, RankState
 from .tables import OUTSIDE_GPU, clock, finite_number, gb_text, size_text, whole_number
 
@@ -112,7 +113,7 @@ def composition_clause(report: dict) -> str:
     )
 
 
-COMPOSITION = (*composition.NAMES, *composition.DERIVED, "device_other_gb")
+COMPOSITION = (*MODEL_STATE_KEYS, *STEP_KEYS, "device_other_gb")
 
 
 def _oom_iteration(state: RankState) -> str:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..bounded import read_regular
 from ..failure import records
-from .bounded import read_regular
 from .tables import finite_number
 
 #: recorder.py writes ``seq`` and ``kind`` first; where they are not, the slot is parsed instead.

@@ -13,6 +13,10 @@ import time
 from dataclasses import dataclass
 from itertools import groupby
 
+from ..parts import OUTSIDE_CPU as OUTSIDE_CPU
+from ..parts import OUTSIDE_GPU as OUTSIDE_GPU
+from ..units import size_text as size_text  # the units rule (a leaf: the advice formats through it too)
+
 # ---- tables -------------------------------------------------------------------------------
 
 
@@ -93,30 +97,6 @@ def unit(name: str) -> str | None:
     return None
 
 
-def size_text(gb: float | None, short: bool = False) -> str:
-    """The units rule: a size in GB as every output shows it, MB below 1 GB, GB from 1 GB.
-
-    "1.84 GB", "543 MB", "8.4 MB", "0.47 MB", "0 MB"; "-" for none. GB with two decimals; MB
-    whole from 10 MB, else two significant digits, so a small model's state never reads "0.00"
-    and no part below 10 MB is rounded away. ``report``, ``advise``, ``postmortem`` and their PNGs
-    all format sizes through here (advice.fmt too). ``short`` (a sentence): GB to two significant
-    digits, "61 GB", "1.3 GB"; MB as above."""
-    if gb is None or (isinstance(gb, float) and not math.isfinite(gb)):
-        return "-"
-    if abs(gb) >= 0.9995:  # what would round to "1000 MB" reads "1.00 GB"
-        if short:
-            return f"{gb:.0f} GB" if abs(gb) >= 9.95 else f"{gb:.1f} GB"
-        return f"{gb:.2f} GB"
-    mb = gb * 1000
-    if mb == 0:
-        return "0 MB"
-    if abs(mb) >= 10:
-        return f"{mb:.0f} MB"
-    if abs(mb) >= 0.01:
-        return f"{float(f'{mb:.2g}'):g} MB"
-    return f"{'-' if mb < 0 else ''}<0.01 MB"
-
-
 def size_scale(largest_gb: float) -> tuple[str, float]:
     """A picture's axis by the units rule: ("MB", 1000) when its largest size is under 1 GB, else ("GB", 1)."""
     return ("MB", 1000.0) if largest_gb < 1 else ("GB", 1.0)
@@ -147,29 +127,6 @@ def gb_text(value: float | None, scale: float = 1e9) -> str:
     if value is None:
         return "? GB"
     return size_text(value / scale, short=True)
-
-
-#: One name per part of a stage's memory, in every output (tables, PNGs, docs); the JSON keeps
-#: the key on the left. ``outside_gb`` / ``device_other_gb`` is what the measured parts leave
-#: of the stage's peak: on a GPU the device memory outside the caching allocator, on CPU the rest
-#: of the process's resident memory (interpreter, libraries, buffers).
-PART_NAMES = {
-    "params_gb": "parameters",
-    "grads_gb": "gradients",
-    "optimizer_state_gb": "optimizer state",
-    "activations_gb": "activations",
-    "temporaries_gb": "temporaries",
-    "allocator_slack_gb": "allocator slack",
-}
-OUTSIDE_GPU = "outside the allocator"
-OUTSIDE_CPU = "rest of the process"
-
-
-def part_name(key: str, gpu: bool) -> str:
-    """The one name of a part (``PART_NAMES``); ``outside_gb`` / ``device_other_gb`` by platform."""
-    if key in ("outside_gb", "device_other_gb", "rest_of_process_gb"):
-        return OUTSIDE_GPU if gpu else OUTSIDE_CPU
-    return PART_NAMES.get(key, key)
 
 
 def cell(value: object) -> str:

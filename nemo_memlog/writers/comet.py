@@ -32,7 +32,7 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from ..config import scrubbed
+from ..redaction import scrubbed
 from .base import writable_folder
 from .stages import StageHistory, artifact_name, figures
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import scrubbed
+from ..redaction import scrubbed
 from .base import writable_folder
 from .stages import StageHistory, artifact_name, figures
 

@@ -32,7 +32,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from .. import process_wide
-from ..config import scrubbed
+from ..redaction import scrubbed
 from .base import writable_folder
 from .stages import stage_values
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ..config import scrubbed
+from ..redaction import scrubbed
 from .base import writable_folder
 from .stages import PREFIX, StageHistory
 
