@@ -33,7 +33,18 @@ from typing import NamedTuple
 
 @dataclass
 class GatheredMemory:
-    """Every rank's report, lined up. Ranks are positions in the group (pp stage for a PP group)."""
+    """Every rank's report, lined up by key; what ``gather_memory`` returns.
+
+    Ranks are positions in the group (the pipeline stage, for a PP group).
+
+    Attributes:
+        keys: the agreed keys, in order.
+        per_rank: ``per_rank[r][i]`` is rank r's value of ``keys[i]``; None where missing.
+            ints stay ints, floats stay floats.
+        maximum: key -> the max over ranks (a float where any rank sent a float); keys
+            every rank lacks are absent.
+        peak_rank: key -> the rank holding that max (the lowest on ties).
+    """
 
     keys: tuple[str, ...]
     per_rank: list[list]  # per_rank[r][i]: rank r's value of keys[i], None where missing

@@ -88,16 +88,45 @@ def training_log(
 ) -> dict | None:
     """Log pipeline-wide memory (and ``metrics``) every ``tensorboard_log_interval`` iterations.
 
-    ``config`` is a LoggerConfig, any object with its field names, or a container with
-    ``.logger`` (Megatron-Bridge's ConfigContainer); its settings are read once per config
-    object (see the module docstring for which run a call belongs to). Returns the unified
-    dict on every rank on logging iterations, None otherwise. Only the writer rank (global
-    rank world_size - 1) hands it to ``writers`` (default: the fan-out built once from the
-    settings). See the README's metric table for the keys. ``model`` (a module or a list of
-    chunks) and ``optimizer``, read on logging iterations only, add what the memory is made of:
-    parameters, gradients, optimizer state, activations, allocator slack (docs/composition.md).
-    ``facts``: what the loop knows of the run (``micro_batch_size``, ``microbatches`` per
-    iteration, ``distributed_optimizer``...), recorded for ``nemo-memlog advise`` (docs/advise.md).
+    Call it on every rank at every iteration. Logging iterations are those where
+    ``log_memory_to_tensorboard`` is on and ``iteration % tensorboard_log_interval == 0``;
+    there every rank of the group enters one gather. Off them the call costs a lookup: no
+    collective, no allocation, no backend call. Calls with the same settings (and the same
+    ``writers``) share one run: one set of writers, one flight record (module docstring).
+
+    Args:
+        iteration: the training iteration, an int >= 0, the same on every rank.
+        config: a LoggerConfig, any object with its field names (Megatron-Bridge's
+            LoggerConfig), or a container whose ``.logger`` is one (its ConfigContainer).
+        pg_collection: megatron-core's process groups, for the pipeline group. Read at the
+            run's first logging step only.
+        pp_group: the pipeline-parallel group, where no ``pg_collection`` is given. Default:
+            megatron-core's parallel_state; without one, the whole world.
+        writers: where the writer rank (global rank world_size - 1) logs each step; flushed,
+            never closed, by us. Default: the backends the settings enable, built once.
+        metrics: the caller's own numbers, logged in the same dict at the same step, on
+            logging iterations only.
+        model: the stage's model (a module, or a list of chunks). Adds what the memory is
+            made of (docs/composition.md) and arms the activation meter on the iteration
+            before each logging one. Every rank passes it, or none.
+        optimizer: the optimizer (torch's, or Megatron's wrappers), for the optimizer state.
+        facts: what the loop knows of the run (``micro_batch_size``, ``microbatches`` per
+            iteration, ``distributed_optimizer``...), recorded for ``nemo-memlog advise``.
+
+    Returns:
+        The unified dict (the README's metric table) on every rank on logging iterations;
+        None otherwise.
+
+    Raises:
+        TypeError: ``config`` is no config; ``iteration`` is no int (checked when a config
+            object is first seen); ``metrics`` is no mapping; ``model`` or ``optimizer``
+            cannot be counted; ``facts`` is no mapping or has a name that is no string.
+        ValueError: a setting that cannot work (naming the field); a negative ``iteration``;
+            a fact that breaks its rule.
+        MemoryReduceError: the ranks disagree (keys, iteration, interval), or one did not
+            join within ``memory_reduce_timeout_s``. Every rank of the group raises alike.
+
+        A backend that fails (a full disk, a lost W&B connection) warns and never raises here.
     """
     key = id(config) if writers is None else (id(config), id(writers))
     entry = _open_runs.by_object.get(key)
@@ -165,17 +194,21 @@ def runs() -> tuple[MemoryMonitor, ...]:
 
 
 def close_writers() -> None:
-    """End every run training_log made, on this rank: end its flight record ("close"),
-    release its reduction state (channels and gloo twin), and drain and close the writers it
-    built (writers passed to training_log are flushed, not closed). The next training_log
-    call starts a new run. (Named for its first job: at exit and on SIGTERM the writers are
-    closed, and the records marked, anyway.)
+    """End every run training_log made on this rank; the next training_log call starts a new one.
 
-    Not a collective, but used like one: call it on every rank at the same point of the loop,
-    or on none. It communicates nothing itself; the new run's first logging step waits
-    (bounded, ``memory_reduce_timeout_s``) until every rank of its group has called it as often,
-    and raises MemoryReduceError naming the ranks that did not, instead of entering a collective
-    of a shape the others do not (which gloo answers by aborting the process)."""
+    Ends each run's flight record ("close"), releases its reduction state (channels and
+    gloo group), and drains and closes the writers it built (writers passed to training_log
+    are flushed, not closed). Not needed at exit: at interpreter exit and on SIGTERM the
+    writers are closed and the records marked anyway.
+
+    Not a collective, but used like one: call it on every rank at the same point of the
+    loop, or on none. It communicates nothing itself.
+
+    Raises:
+        Nothing itself. MemoryReduceError comes later, from the new run's first logging
+        step, when the ranks of its group have not all called it as often (after waiting
+        up to ``memory_reduce_timeout_s``, naming the ranks that did not).
+    """
     entries = list(_open_runs.entries)
     _open_runs.entries.clear()
     _open_runs.by_object.clear()

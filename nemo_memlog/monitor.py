@@ -1,20 +1,14 @@
-"""MemoryMonitor: one run's memory logging, built once from a config and the process groups.
+"""MemoryMonitor: one run's memory logging, its life and its step.
 
-It owns what a run keeps between logging steps: the settings (one ``config.Settings``,
-resolved once, when it is built), the group it reduces over, its ``reduce.Reduction`` (the
-channels and the gloo twin) and this rank's place in the job (resolved at the first logging
-step, when the groups surely exist), the flight recorder, the writers (writer rank only) and
-the once-only warnings (one ``WarnOnce``). ``close()`` releases them.
+A run is built once from a config and the process groups. It keeps its settings, its reduction
+state, its placement (placement.py: the group, the job's layout, the writer rank; resolved at the
+first logging step), the flight recorder, the writers (writer rank only) and its once-only
+warnings; ``close()`` releases them.
 
-``log(iteration)`` is the per-iteration entry point, called on every rank: off the logging
-iterations it returns None after two attribute reads and a modulo, with no collective, no
-allocation and no backend call. ``before_iteration(iteration, model)`` arms the activation meter
-(measure/activations.py) when ``iteration`` is a logging iteration: called at the end of the iteration
-before it (training_log) or at the framework's step start (the callbacks); the logging step
-reads and disarms it, and writes the per-layer record (measure/layer_record.py).
-
-``training_log()`` (hook.py) finds the monitor for its config's settings; a framework
-integration (integrations/bridge.py, integrations/lightning.py) holds one.
+``log(iteration)`` runs on every rank at every iteration: off the logging iterations it returns
+None after two attribute reads and a modulo, with no collective, no allocation and no backend
+call. A logging step reports, gathers, attributes, adds the advice (advice/) and hands one dict to
+the writers. ``before_iteration`` arms the activation meter for a logging iteration.
 """
 
 from __future__ import annotations
@@ -26,13 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from . import advice, attribution, megatron, memory
+from . import advice, attribution, memory
 from .config import checked_facts, resolve, secrets_of
 from .failure import peers
 from .measure import composition, estimate, layer_record, layer_rows, phase
 from .measure.activations import ActivationMeter
-from .payload import scalar
-from .reduce import Reduction, agree_on_restart, takes_part
+from .metrics import merged
+from .placement import Placement, place
+from .reduce import Reduction, takes_part
 from .warn import BACKEND_SETTINGS, WarnOnce, logging_off_message
 
 if TYPE_CHECKING:
@@ -42,7 +37,7 @@ if TYPE_CHECKING:
     from .writers.base import Writers
 
 #: The dashboard's one advice scalar: the largest micro-batch size predicted to fit on every stage.
-ADVICE_MAX_MICRO_BATCH = "memory/advice/max_micro_batch_size"
+ADVICE_MAX_MICRO_BATCH = advice.MAX_MICRO_BATCH
 
 
 class MemoryMonitor:
@@ -76,15 +71,12 @@ class MemoryMonitor:
         self.secrets = [*secrets_of(self.settings), *filter(None, [os.environ.get("COMET_API_KEY")])]
         self.warnings = WarnOnce(secrets=self.secrets)
         self.reduction = self._new_reduction()
-        self.group: Any = None  # resolved at placement
+        self.placement: Placement | None = None  # resolved at the first logging step (``place``)
         self.recorder: Any = None  # opened at placement, when the coordinates are known
         self.writers = writers
         self._owns_writers = writers is None
         self._groups = (pp_group, pg_collection)
         self.writer_rank = writer_rank
-        self._placed = False  # group, coordinates and writer rank resolved (first logging step)
-        self.world = self.settings.world_scope  # reduced over every rank (the scope, or no pipeline group known)
-        self._coordinates: list = []  # the world scope: where each position sits (gathered at placement)
         self.model_state = composition.ModelState()
         self.estimate: dict | None = None  # the framework's estimate (measure/estimate.py), set by an integration
         self.facts: dict = {}  # the run's facts for the per-layer record (measure/layer_record.py): as known
@@ -202,8 +194,7 @@ class MemoryMonitor:
         Raises TypeError, naming the argument, for a ``model`` or ``optimizer`` it cannot count."""
         if model is not None or optimizer is not None:
             composition.check_model_and_optimizer(model, optimizer)  # before any collective: every rank alike
-        if not self._placed:
-            self.place()
+        placement = self.placement or self.place()
         settings = self.settings
         report = self._report()
         measured = self.meter.finish() if self.meter.armed else None
@@ -222,92 +213,67 @@ class MemoryMonitor:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
         if self.recorder is not None:  # before the collective: a rank that dies in it has this step
             self.recorder.record(iteration, report)
-        if takes_part(report, self.group):
+        if takes_part(report, placement.group):
             gathered = self.reduction.gather(
                 report,
-                self.group,
+                placement.group,
                 iteration=iteration,
                 interval=self.interval,
                 timeout_s=settings.memory_reduce_timeout_s,
             )
         else:
             gathered = self.reduction.single_rank(report)
-        if self.world:
-            logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys, self._coordinates)
+        stage_of = placement.stage_of
+        if placement.world:
+            logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys, placement.coordinates)
         else:
             logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
         if self.estimate:  # the framework's estimate beside the measurement
-            stage_of = [where.pp_rank for where in self._coordinates] if self.world else None
             stage0 = attribution.stage_figures(gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, stage_of=stage_of)
             logged.update(estimate.derived(self.estimate, stage0))
-        run = self._advice_run(logged) if model is not None else None
-        if run is not None and run.micro_batch_size:  # the same arithmetic on every rank: one dict
-            best, _ = advice.max_micro_batch_size(run)
-            if best is not None:
-                logged[ADVICE_MAX_MICRO_BATCH] = best
-        unified = self._merge(metrics, logged)
-        if self.is_writer_rank:
+        run = self._advice_run(gathered, stage_of) if model is not None else None
+        logged.update(advice.step_metrics(run))  # the same arithmetic on every rank: one dict
+        unified = merged(metrics, logged, self.warn_once)
+        if placement.is_writer_rank:
             self._writers().log(unified, iteration)
-            self._warn_low_headroom(unified, run)
+            # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
+            # least can flip from step to step, and a warning per flip would be noise.
+            for kind, sentence in advice.headroom_warnings(unified, settings.memory_headroom_warn_fraction, run):
+                self.warn_once(("headroom", kind), sentence)
         return unified
 
-    def place(self) -> None:
-        """Resolve this rank's group and place in the job (``group``, ``is_writer_rank``) now,
-        instead of at the first logging step. Needs the process groups to exist, and every
-        rank to place itself at the same time (the gloo twin of the group is created here,
-        a collective over the whole world: see reduce.reduction_group).
+    @property
+    def group(self) -> Any:
+        """The group the run reduces over (its gloo twin where it has one); None until placed."""
+        return None if self.placement is None else self.placement.group
 
-        With the ``pp`` scope, a job of several ranks and no pipeline group known (no ``pp_group``,
-        no ``pg_collection``, megatron-core's parallel_state not initialised) is reduced over the
-        whole world, as the ``world`` scope (the exact rank of each max), with a note on the writer
-        rank, once, saying how to give the group: every rank decides alike, from the same inputs."""
-        settings = self.settings
-        pp_group, pg_collection = self._groups
-        distributed = dist.is_available() and dist.is_initialized()
-        if not distributed:
-            megatron.check_launch(self.warn_once)
-        pipeline = None if settings.world_scope else megatron.pipeline_group(pp_group, pg_collection)
-        no_group = pipeline is None and distributed and dist.get_world_size() > 1
-        self.world = settings.world_scope or no_group
-        if self.world:
-            self.group = dist.group.WORLD if distributed else None
-            coords = megatron.coordinates(pp_group, pg_collection)
-            mine = (dist.get_rank() if distributed else 0, coords["pp"], coords["tp"], coords["dp"])
-        else:
-            self.group = pipeline
-        # On NCCL jobs, by default, a gloo group of the same ranks: memory logging off the GPU stream.
-        if distributed:  # a run after close_writers(): every rank of the group restarted too
-            agree_on_restart(self.group or dist.group.WORLD, settings.memory_reduce_timeout_s)
-        self.group = self.reduction.group_for(
-            self.group,
-            backend=settings.memory_reduce_backend,
-            world_scope=self.world,
-            timeout_s=settings.memory_reduce_timeout_s,
-        )
-        if self.world:  # where each position sits, gathered once: the steps carry memory only
-            gathered = self.reduction.gather_ints(self.group, mine, settings.memory_reduce_timeout_s)
-            self._coordinates = [attribution.Coordinates(*where) for where in gathered]
-        self.is_writer_rank = not distributed or dist.get_rank() == self._writer_rank(dist.get_world_size())
-        if no_group and self.is_writer_rank:
-            self.warn_once(("no-pipeline-group",), megatron.NO_PIPELINE_GROUP.format(world=dist.get_world_size()))
-        self._layout = {
-            "rank": dist.get_rank() if distributed else 0,
-            "world_size": dist.get_world_size() if distributed else 1,
-            "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1),
-            **megatron.layout(pp_group, pg_collection),
-        }
+    @property
+    def is_writer_rank(self) -> bool:
+        """Whether this rank hands the steps to the writers; False until placed."""
+        return self.placement is not None and self.placement.is_writer_rank
+
+    def place(self) -> Placement:
+        """Resolve this rank's group and place in the job now, instead of at the first logging step,
+        and open its flight record. Every rank of the job calls it at the same time, with the
+        process groups in place (see ``placement.place``).
+
+        Raises:
+            ValueError: ``writer_rank`` is not a rank of this job.
+        """
+        self.placement = place(self.settings, self.reduction, self._groups, self.writer_rank, self.warn_once)
         if self.record_dir is not None and self.recorder is None:
             from .failure.recorder import open_recorder
 
+            pp_group, pg_collection = self._groups
             self.recorder = open_recorder(
                 self.record_dir,
                 pp_group=pp_group,
                 pg_collection=pg_collection,
                 report=self._oom_report,
-                record_history=settings.memory_record_history,
+                record_history=self.settings.memory_record_history,
                 warn=self.warnings,  # the run's one set of once-only warnings
             )
-        self._placed = True
+        return self.placement
 
     def _report(self) -> dict:
         """This rank's report now, as a logging step has it (for the recorder's OOM record)."""
@@ -324,19 +290,18 @@ class MemoryMonitor:
         """This rank's per-layer record (measure/layer_record.py), beside its flight record. Never raises."""
         try:
             self._measured_steps += 1  # nemo-memlog fit ends a probe once every rank has two (offline/fit.py)
-            record = {**self._layout, "iteration": iteration, "time": time.time(), "run": self.run_facts}
-            record.update(layer_rows.stage_and_rows(report, measured, model, optimizer, self._state))
-            assert self.record_dir is not None  # _write_layers runs only with a folder
-            layer_record.write(self.record_dir, {**record, "measured_steps": self._measured_steps})
+            assert self.record_dir is not None and self.placement is not None  # a placed run with a folder
+            record = layer_record.step_record(
+                self.placement.layout,
+                iteration=iteration,
+                time=time.time(),
+                facts=self.run_facts,
+                stage_and_rows=layer_rows.stage_and_rows(report, measured, model, optimizer, self._state),
+                measured_steps=self._measured_steps,
+            )
+            layer_record.write(self.record_dir, record)
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")
-
-    def _writer_rank(self, world_size: int) -> int:
-        if self.writer_rank is None:
-            return world_size - 1
-        if not 0 <= self.writer_rank < world_size:  # every rank raises alike: no collective has run yet
-            raise ValueError(f"writer_rank={self.writer_rank} is not a rank of this job (world size {world_size})")
-        return self.writer_rank
 
     def use_writers(self, writers: Writers) -> None:
         """Write to ``writers`` (opened by someone else: flushed at close, never closed)."""
@@ -357,38 +322,11 @@ class MemoryMonitor:
                 )
         return self.writers
 
-    def _merge(self, metrics: dict | None, logged: dict) -> dict:
-        """The caller's metrics (cleaned to plain numbers) plus ours, in one new dict."""
-        if not metrics:
-            return logged
-        unified = {}
-        for key, value in metrics.items():
-            clean, kind, problem = scalar(value)
-            if problem is not None:
-                self.warn_once(
-                    ("metric", key, problem), f"metrics[{key!r}]: {problem}" + ("" if kind else "; it is not logged")
-                )
-            if kind is None and clean is None:
-                continue  # not a number: warned above, nothing a scalar store could hold
-            unified[key] = value if kind is None else clean  # NaN stays NaN: a NaN loss is news
-        for key in logged.keys() & unified.keys():
-            self.warn_once(("clash", key), f"metrics[{key!r}] clashes with a memory metric; the memory value is logged")
-        unified.update(logged)
-        return unified
-
-    def _warn_low_headroom(self, unified: dict, run) -> None:
-        # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
-        # least can flip from step to step, and a warning per flip would be noise.
-        fraction = self.settings.memory_headroom_warn_fraction
-        for kind, _stage, sentence in attribution.low_headroom(unified, fraction):
-            if run is not None and (kind == "device") == run.gpu:  # what would restore it (advice/)
-                sentence += advice.fix_sentence(run, fraction)
-            self.warn_once(("headroom", kind), sentence)
-
-    def _advice_run(self, logged: dict):
-        """advice.Run of this step (per-stage parts, the run's facts), or None where they were not logged."""
+    def _advice_run(self, gathered: Any, stage_of: list[int] | None) -> advice.Run | None:
+        """advice.Run of this step (per-stage parts, the run's facts), or None where they were not measured."""
+        assert self.placement is not None
         try:
-            return advice.run_from_unified(logged, self.run_facts, self._layout)
+            return advice.run_from_gathered(gathered, self.run_facts, self.placement.layout, stage_of=stage_of)
         except (TypeError, ValueError):  # a value that is not a number where a part should be
             return None
 
@@ -446,5 +384,4 @@ class MemoryMonitor:
         Never raises."""
         self.reduction.close()
         self.reduction = self._new_reduction()
-        self.group = None
-        self._placed = False
+        self.placement = None

@@ -89,6 +89,7 @@ def advise_json(folder, *changes, capacity=None) -> tuple[int, dict | None]:
     return code, json.loads(out.getvalue()) if code == 0 else None
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     "change", ["micro_batch_size=16", "microbatches=1", "layers_per_stage=3,1", "distributed_optimizer=true"]
 )
@@ -107,6 +108,7 @@ def test_the_prediction_against_a_rerun_with_the_change(runs, change):
     print(change, [(s, p, f"{(g - w) / w:+.1%}") for s, p, g, w in errors if w])
 
 
+@pytest.mark.processes
 def test_the_json_contract_and_the_largest_micro_batch_size_that_fits(runs):
     code, today = advise_json(runs["base"], capacity=10.0)
     assert code == 0 and [row["stage"] for row in today["stages"]] == [0, 1]
@@ -124,6 +126,7 @@ def test_the_json_contract_and_the_largest_micro_batch_size_that_fits(runs):
     assert doubled["fits"] is False and [row["fits"] for row in doubled["stages"]].count(False) >= 1
 
 
+@pytest.mark.processes
 def test_refusals_say_what_is_missing(runs, pp4, tmp_path, capsys):
     assert main(["advise", str(runs["base"]), "--what-if", "recompute=selective"]) == 2
     assert "Megatron-Bridge 0.6+" in capsys.readouterr().err
@@ -161,6 +164,7 @@ def flat_job(folder: str) -> None:
         close_writers()
 
 
+@pytest.mark.processes
 def test_full_recompute_keeps_each_layers_input(runs):
     code, predicted = advise_json(runs["base"], "recompute=full")
     assert code == 0
@@ -169,6 +173,7 @@ def test_full_recompute_keeps_each_layers_input(runs):
         assert row["predicted"]["activations_gb"] * 1e9 == pytest.approx(held * 2 * 8 * WIDTH * 4, rel=0.01)
 
 
+@pytest.mark.processes
 def test_the_picture_and_the_text(runs, capsys):
     assert main(["advise", str(runs["base"]), "--what-if", "micro_batch_size=x2", "--capacity-gb", "10"]) == 0
     text = capsys.readouterr().out
@@ -178,6 +183,7 @@ def test_the_picture_and_the_text(runs, capsys):
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.processes
 def test_the_oom_post_mortem_names_the_changes_that_would_have_fit(runs, tmp_path):
     """A CUDA OOM on rank 0 (simulated records, written by the real recorder) beside a real run's
     per-layer record (DP 2, micro-batch 8, 4 microbatches): the post-mortem names what would have fit."""
@@ -213,6 +219,7 @@ def test_the_oom_post_mortem_names_the_changes_that_would_have_fit(runs, tmp_pat
     assert "expandable_segments=true" not in result["sentence"]  # 81.6 - 1.5 = 80.1: still over
 
 
+@pytest.mark.processes
 def test_the_low_headroom_sentence_names_the_smallest_change_that_restores_it(runs):
     """On a real run's records: a capacity whose free share is just under the warning's, and which
     the distributed optimizer alone restores (the first on the list that does, checked by predicting)."""
@@ -229,8 +236,9 @@ def test_the_low_headroom_sentence_names_the_smallest_change_that_restores_it(ru
     assert "No change" in advice.fix_sentence(advice.Run(**{**run.__dict__, "capacity_gb": 0.5 * worst}), 0.1)
 
 
-def warn_job(folder: str) -> list[str]:
-    """A real run whose warning fraction makes the host warning fire: its advice sentence follows."""
+def warn_job(folder: str, per_stage_keys: list[str] | None = None) -> list[str]:
+    """A real run whose warning fraction makes the host warning fire: its advice sentence follows.
+    ``per_stage_keys``: the run's memory_per_stage_keys (default: the settings' default)."""
     from nemo_memlog import LoggerConfig, close_writers, training_log
 
     model = blocks(2)
@@ -242,6 +250,8 @@ def warn_job(folder: str) -> list[str]:
         memory_record_dir=folder,
         memory_headroom_warn_fraction=0.999,
     )
+    if per_stage_keys is not None:
+        cfg.memory_per_stage_keys = per_stage_keys
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for iteration in (1, 2):
@@ -252,6 +262,7 @@ def warn_job(folder: str) -> list[str]:
     return [str(w.message) for w in caught]
 
 
+@pytest.mark.processes
 def test_a_real_runs_warning_carries_the_advice_and_the_dashboard_its_largest_micro_batch(pp2dp2, tmp_path):
     from nemo_memlog.offline.events import load_run
 
@@ -261,6 +272,22 @@ def test_a_real_runs_warning_carries_the_advice_and_the_dashboard_its_largest_mi
     assert any("No change nemo-memlog advise predicts alone" in w for w in headroom), writer
     stored = load_run(tmp_path / "tb").get("advice/max_micro_batch_size")
     code, offline = advise_json(tmp_path)
+    assert code == 0 and stored is not None and stored.latest == offline["max_micro_batch_size"] >= 8
+
+
+@pytest.mark.processes
+def test_the_live_advice_reads_the_gathered_values_whatever_is_logged_per_stage(pp2dp2, tmp_path):
+    """A run that logs only the peaks per stage still gets the advice scalar and the warning's advice:
+    the advice reads each stage's parts from the gathered values, not from the logged key names."""
+    from nemo_memlog.offline.events import load_run
+
+    seen = pp2dp2.run_ok(warn_job, str(tmp_path), ["peak_*"])
+    run = load_run(tmp_path / "tb")
+    assert run.get("pp_stage_0/peak_host_rss_gb") is not None  # what it logs per stage
+    assert run.get("pp_stage_0/activations_gb") is None and run.get("pp_stage_0/params_gb") is None
+    assert any("No change nemo-memlog advise predicts alone" in w for w in seen[-1]), seen[-1]
+    stored = run.get("advice/max_micro_batch_size")
+    code, offline = advise_json(tmp_path)  # the per-layer records: every stage's parts, apart
     assert code == 0 and stored is not None and stored.latest == offline["max_micro_batch_size"] >= 8
 
 

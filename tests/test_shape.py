@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -280,6 +281,111 @@ def test_no_module_imports_another_in_a_circle():
         edges = [f"    {lines[a, b]}: {a} -> {b}" for a in component for b in sorted(graph[a] & members)]
         problems.append(f"  cycle among {', '.join(component)}:\n" + "\n".join(edges))
     assert not problems, "modules that import each other in a circle:\n" + "\n".join(problems)
+
+
+# ------------------------------------------------------------------------------------------
+# (a') layers that only look down (docs/architecture.md, "Layers")
+
+#: The package's layers, bottom to top, each by its modules (a name covers a package and all
+#: below it). A module imports from its own layer or those below it, never from one above.
+LAYERS = (
+    ("leaf", ("process_wide", "parts", "units", "bounded", "redaction", "commands", "warn")),
+    ("settings", ("config",)),
+    ("measurement and the failure path", ("memory", "host_limit", "megatron", "measure", "failure")),
+    ("reduction and writers", ("payload", "attribution", "metrics", "reduce", "writers")),
+    ("advice", ("advice",)),
+    ("the run", ("placement", "monitor", "hook")),
+    ("integrations and entry points", ("integrations", "bridge", "lightning", "cli", "")),
+)
+#: Apart from the layers: the offline commands (no torch; they read the layers' pure modules up to
+#: the advice, and only the entry points reach them) and the helpers of tests and scripts.
+OFFLINE, TESTING = f"{PACKAGE}.offline", f"{PACKAGE}.testing"
+OFFLINE_READS_UP_TO = "advice"
+ENTRY_POINTS = "integrations and entry points"
+
+
+def _within(name: str, prefix: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
+def layer_of(name: str) -> int | None:
+    """The index in LAYERS of module ``name``; None for a module apart (offline/, testing/)."""
+    if _within(name, OFFLINE) or _within(name, TESTING):
+        return None
+    found = [
+        index
+        for index, (_, members) in enumerate(LAYERS)
+        for member in members
+        if (name == PACKAGE if member == "" else _within(name, f"{PACKAGE}.{member}"))
+    ]
+    assert len(found) == 1, f"{name} belongs to {len(found)} layers of LAYERS: place it in exactly one"
+    return found[0]
+
+
+def _import_edges():
+    for name, module in modules().items():
+        for imported in imports(name):
+            for target in package_targets(imported):
+                if target != name:
+                    yield module, name, target, imported.node
+
+
+def _layer_problem(name: str, target: str) -> str | None:
+    """What is wrong with module ``name`` importing module ``target``, or None."""
+    names = [title for title, _ in LAYERS]
+    if _within(name, TESTING):
+        return None
+    if _within(target, TESTING):
+        return "the package imports its test helpers"
+    source, wanted = layer_of(name), layer_of(target)
+    if _within(name, OFFLINE):
+        if wanted is not None and wanted > names.index(OFFLINE_READS_UP_TO):
+            return f"the offline commands read up to the {OFFLINE_READS_UP_TO} layer; {target} is in {names[wanted]!r}"
+        return None
+    if _within(target, OFFLINE):
+        return None if names[source] == ENTRY_POINTS else "only the entry points import the offline commands"
+    if wanted > source:
+        return f"upward: {names[source]!r} -> {names[wanted]!r}"
+    return None
+
+
+def test_every_module_sits_in_one_layer():
+    """A new module is placed in LAYERS (and docs/architecture.md), or apart, before it lands."""
+    for name in modules():
+        layer_of(name)
+
+
+def test_no_import_runs_upward_through_the_layers():
+    """Imports inside functions count too (they run when called); ``if TYPE_CHECKING:`` ones do not."""
+    problems = []
+    for module, name, target, node in _import_edges():
+        problem = _layer_problem(name, target)
+        if problem:
+            problems.append(f"  {module.where(node)}: {name} -> {target} ({problem})")
+    assert not problems, "imports against the layers (tests/test_shape.py LAYERS):\n" + "\n".join(sorted(set(problems)))
+
+
+def test_the_layers_catch_an_import_upward_and_into_the_offline_commands():
+    """The rule itself, on made-up edges: it can fail."""
+    assert _layer_problem(f"{PACKAGE}.warn", f"{PACKAGE}.config") == "upward: 'leaf' -> 'settings'"
+    assert _layer_problem(f"{PACKAGE}.measure.phase", f"{PACKAGE}.monitor").startswith("upward")
+    assert _layer_problem(f"{PACKAGE}.advice.model", f"{PACKAGE}.offline.tables") is not None
+    assert _layer_problem(f"{PACKAGE}.offline.report", f"{PACKAGE}.monitor") is not None
+    assert _layer_problem(f"{PACKAGE}.monitor", f"{PACKAGE}.testing.cluster") is not None
+    assert _layer_problem(f"{PACKAGE}.monitor", f"{PACKAGE}.memory") is None
+    assert _layer_problem(f"{PACKAGE}.cli", f"{PACKAGE}.offline.cli") is None
+
+
+def test_the_layers_are_written_in_the_architecture_page():
+    """docs/architecture.md lists the same layers, bottom to top, each with its modules."""
+    page = (PACKAGE_DIR.parent / "docs" / "architecture.md").read_text()
+    section = page.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    rows = [" ".join(item.split()) for item in re.split(r"\n(?=\d+\. )", section) if re.match(r"\d+\. ", item)]
+    assert len(rows) == len(LAYERS), rows
+    for row, (title, members) in zip(rows, LAYERS):
+        assert f"**{title}**" in row, (row, title)
+        for member in filter(None, members):
+            assert f"`{member}" in row, (row, member)
 
 
 # ------------------------------------------------------------------------------------------

@@ -13,9 +13,37 @@ raises ``Refused`` saying what is missing.
 Four modules: ``model`` (the words), ``predict`` (the arithmetic of a change, and the largest
 micro-batch size that fits), ``search`` (the changes that fit, cheapest first), ``live`` (the
 advice read from a logging step and at an OOM).
+
+Known limitations:
+
+- A micro-batch change scales activations linearly with the micro-batch size, and the
+  temporaries in proportion too (or by F**p, p from two runs at two sizes: ``growth_between``).
+- Allocator slack (fragmentation) is held as measured, except under ``expandable_segments``,
+  which sets it to 0 (what the allocator's rounding keeps is not predicted).
+- Microbatches in flight follow Megatron's 1F1B and interleaved warm-up rules; other schedules
+  (zero-bubble, combined 1F1B) are refused when stated, and a measured count the rule does not
+  give is refused.
+- Full recompute keeps each layer's measured input only; its working set during the backward is
+  not predicted (temporaries held as measured). Selective recompute needs Bridge 0.6+'s ratio.
+- Layer moves carry whole layers with their measured parts, one model chunk per stage only.
+- A storage every microbatch shares (a cached rotary table) is scaled with the microbatches in flight.
+- Memory outside the model's forward that grows with the batch (a loss on the logits) is not
+  modelled apart: it scales where it lies in the temporaries (GPU; CPU with a measured idle
+  size), else it is held constant.
+- What the measurement does not see (measure/activations.py, measure/composition.py) is not
+  predicted either. Tensor or context parallel changes, CPU offload and MoE imbalance: not offered.
 """
 
-from .live import PREFIX, fix_sentence, oom_run, run_from_unified, stage_parts, would_have_fit
+from .live import (
+    MAX_MICRO_BATCH,
+    fix_sentence,
+    headroom_warnings,
+    oom_run,
+    run_from_gathered,
+    stage_parts,
+    step_metrics,
+    would_have_fit,
+)
 from .model import (
     CHANGES,
     MODEL_STATE,
@@ -46,7 +74,7 @@ __all__ = [
     "MODEL_STATE",
     "Outcome",
     "PARTS",
-    "PREFIX",
+    "MAX_MICRO_BATCH",
     "Refused",
     "Run",
     "Stage",
@@ -59,7 +87,9 @@ __all__ = [
     "peak",
     "predict",
     "schedule_name",
-    "run_from_unified",
+    "run_from_gathered",
+    "headroom_warnings",
+    "step_metrics",
     "smallest_fix",
     "stage_parts",
     "with_model_state",

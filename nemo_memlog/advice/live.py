@@ -1,41 +1,49 @@
-"""The advice read from a run as it logs (a logging step's unified dict, the low-headroom warning)
-and at a CUDA OOM (the post-mortem's one-stage run)."""
+"""The advice read from a run as it logs (a logging step's gathered values, the low-headroom
+warning) and at a CUDA OOM (the post-mortem's one-stage run)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..attribution import GatheredMemory, low_headroom, stage_value
+from ..parts import ACTIVATIONS, ALLOCATOR_SLACK, IN_FLIGHT, OUTSIDE, PARAMS, TEMPORARIES
 from .model import MODEL_STATE, Run, Stage, fmt, parse
-from .predict import Refused, predict, smallest_fix
+from .predict import Refused, max_micro_batch_size, predict, smallest_fix
 
-# ---- live: from a logging step's unified dict ------------------------------------------------
+# ---- live: from a logging step's gathered values ----------------------------------------------
 
-PREFIX = "memory/"
+#: The dashboard's one advice scalar: the largest micro-batch size predicted to fit on every stage.
+MAX_MICRO_BATCH = "memory/advice/max_micro_batch_size"
 
 
 def stage_parts(figure: Callable[[str], Any], gpu: bool) -> dict:
-    """One stage's parts (PARTS) from its figures as logged: ``figure(name)`` is a logged name's
-    value, or None. GPU: temporaries, slack and the memory outside the allocator as measured; CPU:
-    the rest of the process's peak resident memory, split where its idle size was measured
-    (``host_idle_rss_gb``, measure/host_idle.py) into ``outside_gb`` (idle, beyond the model state)
-    and ``temporaries_gb`` (the working set of the microbatch computed at the peak), else all
-    ``outside_gb``. A figure that is absent or NaN counts as 0."""
-    parts = {name: _gb(figure(name)) for name in (*MODEL_STATE, "activations_gb")}
+    """One stage's parts (``parts.ADVISED_KEYS``) from its figures as measured.
+
+    GPU: temporaries, slack and the memory outside the allocator as measured. CPU: the rest of the
+    process's peak resident memory, split where its idle size was measured (``host_idle_rss_gb``)
+    into ``outside_gb`` (idle, beyond the model state) and ``temporaries_gb`` (the working set of
+    the microbatch computed at the peak), else all ``outside_gb``.
+
+    Args:
+        figure: a figure's value by its name, or None; absent or NaN counts as 0.
+        gpu: whether the stage measured a CUDA device.
+    """
+    parts = {name: _gb(figure(name)) for name in (*MODEL_STATE, ACTIVATIONS.key)}
     if gpu:
-        parts["temporaries_gb"] = _gb(figure("temporaries_gb"))
-        parts["allocator_slack_gb"] = _gb(figure("allocator_slack_gb"))
-        parts["outside_gb"] = _gb(figure("device_other_gb"))
+        parts[TEMPORARIES.key] = _gb(figure(TEMPORARIES.key))
+        parts[ALLOCATOR_SLACK.key] = _gb(figure(ALLOCATOR_SLACK.key))
+        parts[OUTSIDE.key] = _gb(figure("device_other_gb"))
     else:
         rest = max(_gb(figure("peak_host_rss_gb")) - sum(parts.values()), 0.0)
         idle = _gb(figure("host_idle_rss_gb"))
         if idle:  # the idle size beyond the model state stays; what the microbatch adds grows with it
             outside = min(max(idle - sum(parts[name] for name in MODEL_STATE), 0.0), rest)
-            parts["temporaries_gb"] = rest - outside
-            parts["outside_gb"] = outside
+            parts[TEMPORARIES.key] = rest - outside
+            parts[OUTSIDE.key] = outside
         else:
-            parts["outside_gb"] = rest
+            parts[OUTSIDE.key] = rest
     return parts
 
 
@@ -43,28 +51,54 @@ def _gb(value) -> float:
     return float(value) if isinstance(value, (int, float)) and value == value else 0.0
 
 
-def _figure(unified: dict, row: str, name: str) -> Any:
-    return unified.get(row + name)
+def run_from_gathered(
+    gathered: GatheredMemory, facts: dict, layout: dict, *, stage_of: Sequence[int] | None = None
+) -> Run | None:
+    """The run as one logging step gathered it: each stage's parts, whatever is logged per stage.
 
+    Args:
+        gathered: the step's values, every rank's, lined up (``attribution.GatheredMemory``).
+        facts: the run's facts (micro-batch size, microbatches, ...).
+        layout: the job's sizes (``pp_size``, ``dp_size``, ``local_world_size``).
+        stage_of: with every rank gathered (the world scope), the pipeline stage of each position;
+            a stage's figure is then the largest over its ranks.
 
-def run_from_unified(unified: dict, facts: dict, layout: dict) -> Run | None:
-    """The run as one logging step's unified dict shows it (per-stage keys, no layers), with the
-    run's ``facts`` and ``layout`` (pp/dp sizes, local_world_size); None where activations or the
-    per-stage parts were not logged."""
-    stages, gpu = [], PREFIX + "peak_reserved_gb" in unified
+    Returns:
+        The ``Run``, or None where a stage has no measured activations or parameters.
+    """
+    maximum = gathered.maximum
+    stages, gpu = [], "peak_reserved_gb" in maximum
     for stage in range(int(layout.get("pp_size", 1))):
-        row = f"{PREFIX}pp_stage_{stage}/"
-        if row + "activations_gb" not in unified or row + "params_gb" not in unified:
+        figures = functools.partial(stage_value, gathered, stage, stage_of=stage_of)
+        if figures(ACTIVATIONS.key) is None or figures(PARAMS.key) is None:
             return None
-        parts = stage_parts(functools.partial(_figure, unified, row), gpu)
-        in_flight = unified.get(row + "microbatches_in_flight")
-        stages.append(Stage(stage, parts, int(in_flight) if in_flight is not None else None))
+        in_flight = figures(IN_FLIGHT.key)
+        stages.append(Stage(stage, stage_parts(figures, gpu), int(in_flight) if in_flight is not None else None))
     if gpu:
-        capacity = unified.get(PREFIX + "device_total_gb")
+        capacity = maximum.get("device_total_gb")
     else:
-        total = unified.get(PREFIX + "host_limit_gb") or unified.get(PREFIX + "host_total_gb")
+        total = maximum.get("host_limit_gb") or maximum.get("host_total_gb")
         capacity = total / max(int(layout.get("local_world_size", 1)), 1) if total else None
     return Run.of(stages, layout, facts, gpu=gpu, capacity_gb=capacity)
+
+
+def step_metrics(run: Run | None) -> dict:
+    """The advice a logging step logs: ``MAX_MICRO_BATCH`` where the run states its micro-batch size."""
+    if run is None or not run.micro_batch_size:
+        return {}
+    best, _ = max_micro_batch_size(run)
+    return {} if best is None else {MAX_MICRO_BATCH: best}
+
+
+def headroom_warnings(unified: dict, fraction: float, run: Run | None) -> list[tuple[str, str]]:
+    """(kind, sentence) for each headroom below ``fraction`` of capacity (``attribution.low_headroom``),
+    with the smallest change that would restore it where ``run`` measured that kind of memory."""
+    found = []
+    for kind, _stage, sentence in low_headroom(unified, fraction):
+        if run is not None and (kind == "device") == run.gpu:
+            sentence += fix_sentence(run, fraction)
+        found.append((kind, sentence))
+    return found
 
 
 def fix_sentence(run: Run, fraction: float) -> str:

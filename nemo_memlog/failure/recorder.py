@@ -82,19 +82,31 @@ _opened: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 
 
 class FlightRecorder:
-    """This rank's flight record under ``directory`` (created if needed).
+    """This rank's flight record, ``<directory>/rank-<global rank>.memrec``, for ``nemo-memlog postmortem``.
 
-    ``pp_group`` / ``pg_collection`` give the coordinates written in the header (megatron-core's
-    parallel_state where initialised, else 0). ``report`` builds the report an OOM record holds
-    (default: report_memory() + capacity_report()). ``record_history`` turns on the CUDA
-    allocator's alloc/free history, so an OOM snapshot holds traces (at its cost: docs/postmortem.md).
-    Never raises for I/O: an unwritable folder warns once and the recorder records nothing.
+    Opens the file at its full, fixed size, starts a liveness thread (a beat about once a
+    second) and, with CUDA, an OOM observer. ``record(iteration, report)`` writes one step;
+    ``close()`` marks the end. No collective, ever.
 
-    For tests and simulations (defaults are what a run wants): ``identity``, the header's
-    who-am-I (identity.identity()'s keys; default: computed from the groups); ``clock``, a
-    ``time.time``-like callable for every time written; ``liveness=False``, no liveness
-    thread (write beats with ``write_liveness``); ``warn``, the WarnOnce its warnings go
-    through (default: its own).
+    Args:
+        directory: the folder (created if needed).
+        pp_group: the pipeline group, for the coordinates in the header (default:
+            megatron-core's parallel_state where initialised, else 0).
+        pg_collection: megatron-core's process groups, the same use.
+        report: builds the report an OOM record holds (default: ``report_memory()`` +
+            ``capacity_report()``).
+        record_history: record the CUDA allocator's alloc/free history, so that an OOM
+            snapshot holds stack traces; costs time at every allocation (docs/postmortem.md).
+        slots, slot_bytes: the ring of step records: how many, and the size of each.
+        liveness_period_s: seconds between liveness beats.
+        identity: the header's who-am-I (identity.identity()'s keys; default: from the groups).
+        clock: a ``time.time``-like callable for every time written.
+        liveness: False: no liveness thread (for tests: write beats with ``write_liveness``).
+        warn: the WarnOnce its warnings go through (default: its own).
+
+    Raises:
+        Nothing for I/O: a folder that cannot be written warns once and the recorder records
+        nothing; an I/O error later warns once and stops recording.
     """
 
     def __init__(

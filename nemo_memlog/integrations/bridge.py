@@ -76,7 +76,22 @@ _holding: set[MemoryLogCallback] = set()
 
 
 class MemoryLogCallback(Callback):
-    """Pipeline-wide memory in the recipe's own dashboards. Register it on every rank."""
+    """Pipeline-wide memory in a Megatron-Bridge recipe's own dashboards. Register it on every rank.
+
+    ``log_memory_to_tensorboard``, ``tensorboard_log_interval`` and ``memory_keys`` come from
+    the recipe's ``cfg.logger``; with its flag off the callback does nothing. It writes into
+    the loggers Bridge opened, at Bridge's step, and opens none of its own.
+
+    Args:
+        **settings: nemo_memlog's own LoggerConfig fields whose names start with ``memory_``
+            (``memory_reduce_timeout_s``, ``memory_record_dir``...), other than ``memory_keys``.
+
+    Raises:
+        ValueError: an unknown setting name (here); a setting value that cannot work, naming
+            the field (at ``on_train_start``).
+        MemoryReduceError: at a logging step, the ranks disagree or one did not join within
+            ``memory_reduce_timeout_s``.
+    """
 
     def __init__(self, **settings: Any):
         self.settings = checked_settings(

@@ -84,11 +84,23 @@ class MemoryLogCallback(*_callback_bases()):
     """Job-wide memory peak, and where it lives, in the trainer's own loggers. Register it
     on every rank (as ``Trainer(callbacks=[...])`` does).
 
-    Keyword arguments are LoggerConfig's fields of the same names (``SETTINGS``), with two
-    defaults of its own: ``log_memory_to_tensorboard=True`` (False: no collective, nothing
-    logged), and ``tensorboard_log_interval=None``, meaning Lightning's ``log_every_n_steps``
-    (an int counts optimizer steps the same way). ``memory_reduce_scope`` unset: "pp" when
-    megatron-core's parallel_state is initialised at ``on_train_start``, else "world".
+    Writes through every logger of ``trainer.loggers`` on global rank 0, at the step Lightning
+    logs its own metrics of the batch; opens no logger of its own (none: it warns and logs nothing).
+
+    Args:
+        **settings: LoggerConfig's fields of the same names (``SETTINGS``: the ``memory_*``
+            fields, ``log_memory_to_tensorboard``, ``tensorboard_log_interval``, ``memory_keys``);
+            None means the default. Defaults of its own: ``log_memory_to_tensorboard=True``
+            (False: no collective, nothing logged); ``tensorboard_log_interval``: Lightning's
+            ``log_every_n_steps`` (an int counts optimizer steps the same way);
+            ``memory_reduce_scope``: "pp" when megatron-core's parallel_state is initialised at
+            ``on_train_start``, else "world".
+
+    Raises:
+        ValueError: an unknown setting name, such as a writer setting (here); a setting value
+            that cannot work, naming the field (at ``on_train_start``).
+        MemoryReduceError: at a logging step, the ranks disagree or one did not join within
+            ``memory_reduce_timeout_s``.
     """
 
     def __init__(self, **settings: Any):

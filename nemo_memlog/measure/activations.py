@@ -25,6 +25,23 @@ non-reentrant region) wins for its region, whose recomputed tensors are indeed n
 the region's inputs, saved outside it, are seen. Megatron's reentrant recompute saves only its
 inputs, and they are seen. Nothing here is a collective; nothing raises into training (a hook
 that fails counts nothing more and leaves training as it was).
+
+Known limitations:
+
+- CPU offload contexts inside a layer (Megatron's / Transformer Engine's CPU offloading
+  context): the innermost saved-tensor hooks win, so the tensors saved under them are not seen.
+- Tensors saved outside a chunk's forward are not counted: a loss computed on the model's
+  output outside it (Megatron's loss_func). The optimizer saves nothing for backward; its
+  working memory is in ``temporaries_gb``.
+- CUDA graphs: tensors a replayed graph keeps for its backward stay in the graph's memory pool,
+  not in autograd's saved tensors, so no hook sees them (on a GPU: in ``temporaries_gb``).
+- Delayed weight gradients (Megatron's ``delay_wgrad_compute``, overlapped wgrad): what a layer
+  keeps past the backward for a later weight-gradient GEMM is counted only until autograd releases it.
+- FP8 wrapper tensors (Transformer Engine's Float8Tensor and kin): counted by the storage
+  ``untyped_storage()`` returns (TE's row-wise FP8 data where it returns one: not the transpose /
+  column-wise copy or the scales); without one, at the wrapper's nominal size (numel x its
+  high-precision dtype), once per wrapper. Parameters without one: nothing measured, a warning.
+- A forward with saved-tensor hooks disabled (``disable_saved_tensors_hooks``) is not measured.
 """
 
 from __future__ import annotations

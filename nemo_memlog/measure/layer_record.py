@@ -54,6 +54,30 @@ def rank_of(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
+def step_record(
+    layout: Mapping[str, Any],
+    *,
+    iteration: int,
+    time: float,
+    facts: Mapping[str, Any],
+    stage_and_rows: Mapping[str, Any],
+    measured_steps: int,
+) -> dict:
+    """One measured logging step's record, as ``write`` takes it.
+
+    Args:
+        layout: the job's sizes and this rank's place (rank, world_size, pp/tp/dp ranks and sizes).
+        iteration: the logging iteration.
+        time: its unix time.
+        facts: the run's facts, as known.
+        stage_and_rows: ``{"stage": {...}, "layers": [...]}`` (measure/layer_rows.stage_and_rows).
+        measured_steps: this rank's measured logging steps so far, this one included.
+    """
+    record = {**layout, "iteration": iteration, "time": time, "run": dict(facts), **stage_and_rows}
+    record["measured_steps"] = measured_steps
+    return record
+
+
 def write(folder: str | os.PathLike[str], record: dict) -> Path:
     """Write ``record`` (its ``rank`` names the file) into ``folder``, atomically; returns the path."""
     folder = Path(folder)

@@ -6,10 +6,10 @@ so that its memory peaks are logged under its name and a rank that dies inside i
 
 For each phase, on this rank:
 
-- Peaks over the phase alone: the host's peak RSS and the CUDA allocator's peak allocated and
-  reserved bytes. Entering and leaving read the peak counters and reset them
-  (``memory.fold_peaks``), which keeps what it resets, so the logging interval's own peak_*
-  lose nothing.
+- Peaks over the phase alone: the host's peak RSS and, with ``memory_peak_window="interval"``
+  only, the CUDA allocator's peak allocated and reserved bytes. Entering and leaving read the
+  peak counters and reset them (``memory.fold_peaks``), which keeps what it resets, so the
+  logging interval's own peak_* lose nothing.
 - Logged at the next logging step, inside its one gather (no collective of its own), as
   ``memory/phase/<name>/peak_host_rss_gb``, ``.../peak_allocated_gb``, ``.../peak_reserved_gb``
   (CUDA) and ``.../seconds``: max over stages, ``memory/peak_stage/phase/<name>/...`` naming the
@@ -115,9 +115,26 @@ def check_name(name: str) -> str:
 
 @contextlib.contextmanager
 def memory_phase(name: str, *, iteration: int | None = None) -> Iterator[None]:
-    """Measure and record the ``with`` block as phase ``name`` (see the module docstring).
-    ``iteration``: the training iteration it belongs to, for the flight record (default: the
-    last one a flight recorder of this process recorded)."""
+    """Measure and record the ``with`` block as memory phase ``name``, on this rank.
+
+    At the next logging step the phase's peaks over the block alone are logged, max over
+    stages, as ``memory/phase/<name>/peak_host_rss_gb``, ``.../peak_allocated_gb`` and
+    ``.../peak_reserved_gb`` (GB), and ``.../seconds``. The CUDA peaks need CUDA in use and
+    ``memory_peak_window="interval"``: under the default "run" window the process's CUDA peak
+    counters are left alone. The start and end go into every open flight record of this
+    process. Phases nest; a phase run several times between two logging steps gives its
+    largest values. No collective.
+
+    Args:
+        name: a lower-case identifier of at most 40 characters (``checkpoint_save``, ``eval``).
+        iteration: the training iteration the phase belongs to, for the flight record
+            (default: the last one a flight recorder of this process recorded).
+
+    Raises:
+        ValueError: ``name`` is not such an identifier (at entry, before the block runs).
+            Nothing else: a failure to read the peaks warns once and the phase goes on
+            unmeasured; exceptions from the block pass through.
+    """
     check_name(name)
     phase = enter(name, iteration)
     try:

@@ -18,18 +18,29 @@ DEFAULT_TIMEOUT_S = default_of("memory_reduce_timeout_s")
 def reduce_max_memory_across_pp_group(
     memory_report: dict, pp_group: dist.ProcessGroup | None, *, timeout_s: float | None = DEFAULT_TIMEOUT_S
 ) -> dict:
-    """Per-key MAX of ``memory_report`` across ``pp_group``, on every rank of the group.
+    """Return the per-key maximum of ``memory_report`` over ``pp_group``, on every rank of it.
 
-    Megatron-Bridge's contract, kept: returns ``memory_report`` itself, with no
-    collective, when it is empty, when torch.distributed is unavailable or not
-    initialised, or when the group is None, has size 1, or has no callable ``size``.
-    Never mutates its input. ints come back as ints (exact in the int64 range), floats
-    as floats; a key every rank lacks is dropped. Runs on gloo (CPU tensor) and NCCL
-    (current CUDA device) alike.
+    Megatron-Bridge's function, same contract. A collective: every rank of the group calls
+    it with the same keys. Runs on gloo and NCCL groups alike.
 
-    Ranks that pass different keys all raise MemoryReduceError naming the keys. A rank
-    that takes one of the no-op paths above while the others reduce leaves them waiting:
-    they raise MemoryReduceError after ``timeout_s`` (None: wait forever).
+    Args:
+        memory_report: this rank's ``{name: number}`` (``report_memory()``'s). Not mutated.
+            NaN or None marks a value this rank lacks; a value that is not a number warns
+            once and counts as lacking.
+        pp_group: the group to reduce over.
+        timeout_s: how long to wait for the other ranks (default: LoggerConfig's
+            ``memory_reduce_timeout_s`` default); None waits forever.
+
+    Returns:
+        A new dict: ints stay ints (exact in the int64 range), floats stay floats; a key
+        every rank lacks is dropped. ``memory_report`` itself, with no collective, when it
+        is empty, torch.distributed is unavailable or not initialised, or ``pp_group`` is
+        None, has size 1 or has no callable ``size``.
+
+    Raises:
+        MemoryReduceError: the ranks pass different keys (every rank raises, naming them),
+            or some rank did not join within ``timeout_s`` or left (a rank that took a no-op
+            path above while the others reduce leaves them to this).
     """
     if pp_group is None or not takes_part(memory_report, pp_group):
         return memory_report
@@ -58,15 +69,28 @@ def gather_memory(
     interval: int | None = None,
     timeout_s: float | None = None,
 ) -> GatheredMemory:
-    """Gather every rank's report over ``group`` in one collective and line them up.
+    """Gather every rank's report over ``group`` and line the reports up by key.
 
-    ``iteration``, when given, must be the same on every rank, or every rank raises
-    MemoryReduceError naming each rank's iteration; ``interval`` (this rank's
-    tensorboard_log_interval, when given) lets that error say when the ranks' intervals
-    differ rather than that a rank skipped a call. ``timeout_s`` bounds the wait for
-    the other ranks; past it the ranks that joined raise MemoryReduceError.
-    Call only when ``takes_part`` is true. The key-set handshake runs on the first call
-    per group (the free functions' ``Reduction`` keeps each group's agreed layout).
+    A collective: every rank of ``group`` calls it. Call it only where ``takes_part`` is
+    true (torch.distributed initialised, a group of more than one rank, a non-empty report).
+
+    Args:
+        memory_report: this rank's ``{name: number}``. Every rank passes the same keys, in
+            the same order; keys starting with ``phase/`` may differ between ranks. NaN or
+            None marks a value this rank lacks; a value that is not a number warns once and
+            counts as lacking.
+        group: the process group to gather over.
+        iteration: when given, must be the same on every rank.
+        interval: this rank's ``tensorboard_log_interval``, when given: the iteration
+            error then says when the ranks' intervals differ.
+        timeout_s: how long to wait for the other ranks; None (the default) waits forever.
+
+    Returns:
+        A GatheredMemory: each rank's values, the per-key maximum and the rank holding it.
+
+    Raises:
+        MemoryReduceError: the ranks' keys or iterations differ (every rank raises alike,
+            naming them), or some rank did not join within ``timeout_s`` or left.
     """
     return PROCESS.shared.gather(memory_report, group, iteration=iteration, interval=interval, timeout_s=timeout_s)
 

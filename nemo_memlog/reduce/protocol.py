@@ -17,7 +17,10 @@ from ..config.validation import REDUCE_EXCHANGES
 
 
 class MemoryReduceError(RuntimeError):
-    """Ranks of the group disagree (keys, iteration) or one did not join in time."""
+    """A memory reduction failed: the ranks disagree (keys, iteration), or one did not join in time.
+
+    A RuntimeError; its message names the group and says what to change.
+    """
 
 
 #: Keys a rank may report while others do not: a memory phase (measure/phase.py) only some stages ran.

@@ -33,15 +33,28 @@ from .inline import InlineFanOut
 
 
 def build_writers(config: Any, *, run_config: Any = None) -> Writers:
-    """The writers for every backend ``config`` enables (possibly none): a ``ThreadFanOut``,
-    or with ``writer_mode="process"`` a ``ProcessFanOut`` (same methods).
+    """Open the writers for every backend ``config`` enables (possibly none).
 
-    ``config`` is a Settings or anything ``config.resolve`` takes (a LoggerConfig, an object
-    with its field names, a container with ``.logger``). ``run_config`` (default: ``config``)
-    is recorded once per backend as hyperparameters, with secrets redacted and the resolved
-    ``memory_peak_window`` added. Backends open lazily, in their own threads (of the writer
-    process, in process mode). Closed at interpreter exit and on SIGTERM (process_wide.py).
-    No backend configured: an empty ThreadFanOut, and no process.
+    Backends open lazily, each in a thread of its own (of the writer process, with
+    ``writer_mode="process"``). The writers are closed at interpreter exit and on SIGTERM.
+
+    Args:
+        config: a LoggerConfig, an object with its field names, a container whose
+            ``.logger`` is one, or a resolved Settings.
+        run_config: recorded once per backend as hyperparameters, secrets redacted, with the
+            resolved ``memory_peak_window`` added (default: ``config``).
+
+    Returns:
+        Writers (``log(metrics, step)``, ``flush()``, ``close()``): a ThreadFanOut, or a
+        ProcessFanOut with ``writer_mode="process"``. No backend enabled: an empty
+        ThreadFanOut, and no process.
+
+    Raises:
+        TypeError: ``config`` is no config.
+        ValueError: a setting that cannot work, naming the field.
+
+        A writer process that cannot start warns (RuntimeWarning) and the backends write
+        from threads instead; a backend that fails later warns and never raises.
     """
     settings = resolve(config)  # a Settings is used as it is: checked once, where it was resolved
     run_config = config if run_config is None else run_config
