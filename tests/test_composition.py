@@ -138,6 +138,7 @@ def log_stage_models(tensorboard_dir):
     return logged
 
 
+@pytest.mark.processes
 def test_every_stage_its_own_breakdown_the_max_and_its_stage(pp4, tmp_path):
     results = pp4.run_ok(log_stage_models, str(tmp_path / "tb"))
     logged = results[0]
@@ -214,6 +215,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.processes
 def test_megatrons_real_ddp_grad_buffer_is_the_gradients_counted_once():
     """megatron-core 0.19's DistributedDataParallel over a GPTModel, built on CPU: every
     param.main_grad is a view into its grad buffer, which is counted once at its whole size."""
@@ -235,3 +237,32 @@ def test_megatrons_real_ddp_grad_buffer_is_the_gradients_counted_once():
     assert seen["views"]
     assert seen["state"]["params_gb"] == seen["param_bytes"] / GB
     assert seen["state"]["grads_gb"] == seen["grad_buffer_bytes"] / GB
+
+
+class _Wrapper(torch.Tensor):
+    """A wrapper tensor subclass (as FP8's Float8Tensor is one): its storage has no data pointer."""
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype, device=data.device)
+
+    def __init__(self, data):
+        self.inner = data
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_map
+
+        unwrapped = func(*tree_map(lambda t: t.inner if isinstance(t, _Wrapper) else t, args), **(kwargs or {}))
+        return tree_map(lambda t: _Wrapper(t) if type(t) is torch.Tensor else t, unwrapped)
+
+
+def test_a_wrapper_tensor_parameter_is_counted_at_its_size_not_raised_into_training():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    model[0].weight = torch.nn.Parameter(_Wrapper(torch.randn(32, 64)), requires_grad=False)
+    with pytest.raises(RuntimeError):  # what the count read before: a storage without data
+        model[0].weight.untyped_storage().data_ptr()
+    state = report_model_state(model, None)
+    expected = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9  # counted apart
+    assert state["params_gb"] == pytest.approx(expected, rel=1e-12)
+    assert ModelState().report(model, None)["params_gb"] == pytest.approx(expected, rel=1e-12)

@@ -388,6 +388,37 @@ def test_the_layers_are_written_in_the_architecture_page():
             assert f"`{member}" in row, (row, member)
 
 
+def _part_keys() -> frozenset[str]:
+    """Every part's key, and the names the outside part goes by, read from parts.py's source."""
+    tree = modules()[f"{PACKAGE}.parts"].tree
+    keys = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Part" and node.args:
+            keys.add(ast.literal_eval(node.args[0]))
+        elif isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "OUTSIDE_KEYS":
+            keys.update(ast.literal_eval(node.value))
+    return frozenset(keys)
+
+
+def test_the_memory_parts_are_listed_only_in_parts_py():
+    """A collection written out with two or more part keys (a tuple, list, set, or a dict's keys)
+    outside parts.py is a second definition of the parts: build it from parts.py instead."""
+    keys = _part_keys()
+    assert {"params_gb", "temporaries_gb", "outside_gb", "device_other_gb"} <= keys, keys
+    problems = []
+    for module in modules().values():
+        if module.relative == "parts.py":
+            continue
+        for node in ast.walk(module.tree):
+            items = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+            if not isinstance(node, (ast.Tuple, ast.List, ast.Set, ast.Dict)) or items is None:
+                continue
+            named = {item.value for item in items if isinstance(item, ast.Constant) and item.value in keys}
+            if len(named) >= 2:
+                problems.append(f"  {module.where(node)}: {sorted(named)}")
+    assert not problems, "memory parts listed outside nemo_memlog/parts.py:\n" + "\n".join(problems)
+
+
 # ------------------------------------------------------------------------------------------
 # (b) a backend's library only in its own writer module
 

@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from . import host_idle
-from .composition import modules_of
+from .composition import modules_of, storage_of
 
 GB = 1e9
 #: The ``kind`` of a layer in the record: a transformer layer, Megatron's embedding and output
@@ -244,21 +244,12 @@ def _model_storages(chunks) -> set:
     for chunk in chunks:
         for tensor in (*nn.Module.parameters(chunk), *nn.Module.buffers(chunk)):
             if tensor.device.type != "meta":
-                keys.add(tensor.untyped_storage().data_ptr())
+                keys.add(storage_of(tensor)[0])
     return keys
 
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _storage(tensor) -> tuple[int, int]:
-    """(key, bytes) of the storage under ``tensor``: its address and whole size."""
-    try:
-        storage = tensor.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError, TypeError):  # no storage (sparse, some subclasses)
-        return id(tensor), tensor.numel() * tensor.element_size()
 
 
 class _Micro:
@@ -357,7 +348,7 @@ class _Session:
         added = 0
         for value in values:
             if isinstance(value, torch.Tensor):
-                key, nbytes = _storage(value)
+                key, nbytes = storage_of(value)
                 if key not in micro.inputs_seen and key not in self.excluded:
                     micro.inputs_seen.add(key)
                     added += nbytes
@@ -376,7 +367,7 @@ class _Session:
         if micro is None:
             return _Held(packed, unpack, None, None)
         try:  # the count never fails a forward: a tensor it cannot read is not counted
-            key, nbytes = _storage(tensor)
+            key, nbytes = storage_of(tensor)
             if nbytes == 0 or key in self.excluded:
                 return _Held(packed, unpack, None, None)
             self.hold(micro, key, nbytes)
@@ -421,7 +412,7 @@ class _Session:
     def grad_accumulated(self, param) -> None:
         grad = param.grad
         if grad is not None:
-            key, nbytes = _storage(grad)
+            key, nbytes = storage_of(grad)
             self.grads[id(param)] = (key, nbytes, grad.numel() * grad.element_size())
 
     def measurement(self) -> Measurement | None:

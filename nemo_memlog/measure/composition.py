@@ -48,7 +48,8 @@ Known limitations:
   that are not tensors (nested lists or dicts of tensors) are not counted.
 - FP8 wrapper tensors (Transformer Engine's Float8Tensor and kin): counted by the storage
   ``untyped_storage()`` returns, the FP8 data only where TE returns it (not the transpose /
-  column-wise copy or the scales); a wrapper without a readable storage raises RuntimeError.
+  column-wise copy or the scales); a wrapper without a readable storage at its nominal size
+  (numel x element size), once per wrapper.
 - ``temporaries_gb`` is what is left of the peak: it takes in whatever the activation meter
   does not see (CPU offload contexts, CUDA graph pools, delayed weight gradients, saves outside
   the forward: measure/activations.py) and is floored at 0 where the parts' maxima do not coincide.
@@ -126,8 +127,6 @@ def report_model_state(model: nn.Module | Sequence[nn.Module] | None, optimizer:
     Raises:
         AttributeError: ``model`` is not a module or a list of modules (this function does
             not check its arguments; training_log does, raising TypeError).
-        RuntimeError: from torch, for a tensor whose storage cannot be read (a tensor
-            subclass without one).
     """
     return _count(modules_of(model), optimizer)
 
@@ -214,9 +213,7 @@ def layer_state(
                     if isinstance(values, dict):
                         optimizer_bytes += sum(_nbytes(v) for v in values.values())
         mapped += optimizer_bytes / GB
-        out.append(
-            {"params_gb": param_bytes / GB, "grads_gb": grad_bytes / GB, "optimizer_state_gb": optimizer_bytes / GB}
-        )
+        out.append(dict(zip(parts.MODEL_STATE_PARTS, (param_bytes / GB, grad_bytes / GB, optimizer_bytes / GB))))
     unmapped = (stage or {}).get("optimizer_state_gb", 0.0) - mapped
     total_params = sum(entry["params_gb"] for entry in out)
     if unmapped > 1e-12 and total_params:
@@ -228,7 +225,7 @@ def layer_state(
 def _grad_bytes(param) -> int:
     """``param.grad`` and Megatron's ``param.main_grad``, once where they are the same memory (its
     optimizers set ``grad = main_grad`` for fp32 parameters)."""
-    grads = {t.data_ptr(): _nbytes(t) for t in (param.grad, getattr(param, "main_grad", None)) if t is not None}
+    grads = {_address(t): _nbytes(t) for t in (param.grad, getattr(param, "main_grad", None)) if t is not None}
     return sum(grads.values())
 
 
@@ -240,8 +237,26 @@ def _parameters(module) -> list:
     return list(nn.Module.parameters(module))
 
 
+def storage_of(tensor: Any) -> tuple[int, int]:
+    """(key, bytes) of the storage under ``tensor``: its address and whole size. A tensor whose
+    storage cannot be read (sparse, a wrapper subclass such as FP8's) is keyed by itself, at its
+    nominal size (numel x element size): counted, never raised into training."""
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
 def _nbytes(tensor) -> int:
     return tensor.numel() * tensor.element_size() if tensor is not None and hasattr(tensor, "element_size") else 0
+
+
+def _address(tensor) -> int:
+    try:
+        return tensor.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass: no data of its own
+        return id(tensor)
 
 
 def _master_of(optimizers: list) -> dict:
@@ -331,12 +346,11 @@ def _count(modules: list, optimizer) -> dict[str, float]:
             device = tensor.device
         if tensor.device != device:
             return  # elsewhere (offloaded): not this device's memory
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key in seen or storage.nbytes() == 0:
+        key = storage_of(tensor)
+        if key in seen or key[1] == 0:
             return
         seen.add(key)
-        totals[category] += storage.nbytes()
+        totals[category] += key[1]
 
     params = [p for m in modules for p in _parameters(m)]
     for param in params:

@@ -49,8 +49,8 @@ def bridge_estimate(config: Any, num_microbatches: int | None) -> dict[str, floa
         return None
     activation = estimate.activation
     return {
-        "model_state_gb": estimate.weight_and_optimizer_bytes / GB,
-        "activations_gb": math.nan if activation is None else activation.memory_bytes / GB,
+        MODEL_STATE_TOTAL.key: estimate.weight_and_optimizer_bytes / GB,
+        ACTIVATIONS.key: math.nan if activation is None else activation.memory_bytes / GB,
     }
 
 

@@ -10,22 +10,13 @@ from typing import TYPE_CHECKING
 
 from ..advice import PARTS
 from ..parts import label_of
-from .plotting import integer_ticks, new_figure, save
+from .plotting import PART_COLOURS, integer_ticks, new_figure, save
 from .tables import size_scale, size_text
 
 if TYPE_CHECKING:
     from ..advice import Change, Outcome, Run
 
-#: part -> colour, bottom to top, as the composition PNG colours them; names: parts.label_of.
-COLOURS = {
-    "params_gb": "tab:blue",
-    "grads_gb": "tab:cyan",
-    "optimizer_state_gb": "tab:purple",
-    "activations_gb": "tab:orange",
-    "temporaries_gb": "tab:pink",
-    "allocator_slack_gb": "tab:gray",
-    "outside_gb": "tab:olive",
-}
+COLOURS = PART_COLOURS  # bottom to top, as the composition PNG colours them
 
 
 def write_png(run: Run, changes: list[Change], outcomes: list[Outcome], path: str | Path) -> Path:

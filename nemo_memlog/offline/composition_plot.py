@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import parts as _parts
 from ..parts import OUTSIDE_CPU, label_of
-from .plotting import new_figure, save
+from .plotting import PART_COLOURS, new_figure, save
 from .tables import size_scale, size_text
 
 if TYPE_CHECKING:
@@ -28,17 +28,9 @@ if TYPE_CHECKING:
 DEVICE_OTHER = "device_other_gb"  # the outside part, as logged (parts.OUTSIDE)
 TEMPORARIES = _parts.TEMPORARIES.key
 PARTS = tuple(
-    (key, label_of(key, True), colour)
-    for key, colour in (
-        (_parts.PARAMS.key, "tab:blue"),
-        (_parts.GRADS.key, "tab:cyan"),
-        (_parts.OPTIMIZER_STATE.key, "tab:purple"),
-        (_parts.ACTIVATIONS.key, "tab:orange"),
-        (TEMPORARIES, "tab:pink"),
-        (_parts.ALLOCATOR_SLACK.key, "tab:gray"),
-        (DEVICE_OTHER, "tab:olive"),
-    )
-)
+    (key, label_of(key, True), PART_COLOURS[key])
+    for key in (*_parts.MODEL_STATE_PARTS, _parts.ACTIVATIONS.key, TEMPORARIES, _parts.ALLOCATOR_SLACK.key)
+) + ((DEVICE_OTHER, label_of(DEVICE_OTHER, True), PART_COLOURS[_parts.OUTSIDE.key]),)
 #: CPU: the rest of the process's resident memory, up to the stage's peak host RSS (no allocator).
 REST = "rest_of_process_gb"
 REST_PEAK = "peak_host_rss_gb"

@@ -10,10 +10,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .. import parts
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.axis import Axis
     from matplotlib.figure import Figure
+
+
+#: Each part of a stage's peak -> its colour, the same in every picture (names: parts.label_of).
+PART_COLOURS = {
+    parts.PARAMS.key: "tab:blue",
+    parts.GRADS.key: "tab:cyan",
+    parts.OPTIMIZER_STATE.key: "tab:purple",
+    parts.ACTIVATIONS.key: "tab:orange",
+    parts.TEMPORARIES.key: "tab:pink",
+    parts.ALLOCATOR_SLACK.key: "tab:gray",
+    parts.OUTSIDE.key: "tab:olive",
+}
 
 
 def new_figure(width: float, height: float) -> Figure:
