@@ -41,13 +41,23 @@ ADVICE_MAX_MICRO_BATCH = advice.MAX_MICRO_BATCH
 
 
 class MemoryMonitor:
-    """Per-run memory logging. ``config``: anything ``config.resolve`` reads (a LoggerConfig,
-    Megatron-Bridge's config or its ``.logger``, a Settings); raises as it does for a setting
-    that cannot work. ``run_config`` (default: ``config``) is what the writers record as the
-    run's configuration. ``writers`` (anything with ``log(metrics, step)``) default to the
-    fan-out built from the settings on the writer rank, at the first logging step.
-    ``writer_rank``: the global rank that writes (None: the last, where Megatron logs;
-    a framework whose loggers live elsewhere, such as Lightning's on rank 0, names its own)."""
+    """One run's memory logging, on every rank of the job.
+
+    Args:
+        config: anything ``config.resolve`` reads: a LoggerConfig, Megatron-Bridge's config or its
+            ``.logger``, a Settings.
+        pg_collection: megatron-core's process-group collection, where the job has one.
+        pp_group: the pipeline-parallel group to reduce over (default: found from ``pg_collection``
+            or megatron-core's parallel_state; without one, the whole world).
+        writers: anything with ``log(metrics, step)``; default: the fan-out built from the
+            settings on the writer rank, at the first logging step.
+        writer_rank: the global rank that writes; None: the last, where Megatron logs (a framework
+            whose loggers live elsewhere, such as Lightning's on rank 0, names its own).
+        run_config: what the writers record as the run's configuration (default: ``config``).
+
+    Raises:
+        ValueError, TypeError: a setting that cannot work, naming the field and what to change.
+    """
 
     def __init__(
         self,
