@@ -70,9 +70,10 @@ test: lint $(STAMP03)
 	@echo "megatron-core's own stack again, against megatron-core 0.16.1 (the interleaved schedule and bf16 scenarios):"
 	$(VENV03)/bin/python -m pytest -q tests/test_megatron.py -k "interleaved or bf16"
 
-# The tests that start no process (no gloo cluster, torchrun or writer process): seconds, not minutes.
+# The tests that start no process (no gloo cluster, torchrun, writer process or subprocess) and need
+# no GPU: seconds, not minutes. Each test says which lane it is in by its own markers (pyproject.toml).
 test-fast: lint
-	$(PY) -m pytest -q -m "not processes" tests
+	$(PY) -m pytest -q -m "not processes and not gpu" tests
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py

@@ -1,4 +1,10 @@
 import contextlib
+import ctypes.util
+import functools
+import os
+import platform
+import sys
+import sysconfig
 
 import pytest
 
@@ -45,58 +51,141 @@ def pp4():
         yield cluster
 
 
-#: Fixtures that start processes (a gloo cluster, torchrun, the demo, a Lightning job).
-LAUNCHING_FIXTURES = {
-    "bridge_alone",
-    "demo",
-    "flag_off",
-    "job",
-    "killed",
-    "pp2",
-    "pp2dp2",
-    "pp2dp2_bridge",
-    "pp4",
-    "preempted",
-    "runs",
-    "stage2_holds_most",
-    "started",
-    "torn_down",
-    "two_runs",
-    "under_a_limit",
-    "with_callback",
-    "with_phases",
-}
-#: Modules whose tests start processes themselves (torchrun, a writer process, a Cluster of their own).
-LAUNCHING_MODULES = {
-    "test_bench_smoke",
-    "test_bridge",
-    "test_demo",
-    "test_lightning",
-    "test_misuse",
-    "test_no_group",
-    "test_postmortem_e2e",
-    "test_readme",
-    "test_sigterm",
-    "test_teardown",
-    "test_process",
-    "test_isolation",
-    "test_folders",
-    "test_reduction_group",
-    "test_hook",
-    "test_reduce",
-    "test_recorder",
-    "test_phase",
-    "test_peak_window",
-    "test_host_limit",
-    "test_composition",
-    "test_megatron",
-    "test_fit",
-}
+#: The audit events (PEP 578) that starting a process raises: ``subprocess`` (and so torchrun and
+#: every ``subprocess.run``), ``os.fork`` (multiprocessing's fork context), ``os.system`` and the
+#: rest. Multiprocessing's spawn and forkserver contexts start theirs through
+#: ``_posixsubprocess.fork_exec``, which raises none: ``_watch_multiprocessing`` wraps those paths.
+PROCESS_EVENTS = frozenset(
+    {"subprocess.Popen", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system"}
+)
+_MARK_HINT = "without @pytest.mark.processes: mark it (make test-fast runs unmarked tests)"
 
 
-def pytest_collection_modifyitems(config, items):
-    """Mark the tests that start processes: ``make test-fast`` runs the others (``-m "not processes"``)."""
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if module in LAUNCHING_MODULES or LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.processes)
+class _Lanes:
+    """The test in a phase now (setup, call or teardown), whether it may start processes, and the
+    first process it started without leave."""
+
+    item: pytest.Item | None = None
+    allowed = True  # outside a test phase (collection, session start and end) nothing is checked
+    event: str | None = None
+    unmarked: dict[str, str] = {}  # this session's failures: nodeid -> the event, for the summary
+
+
+#: Where a library runs a short helper command of its own, for whichever test is the first to need
+#: it (the answer is kept for the rest of the process): ctypes.util.find_library runs ldconfig
+#: (torch's and the backends' libraries look theirs up), platform runs ``uname -p`` (MLflow's telemetry
+#: asks), W&B runs git to name the program's repository. Not the processes the lanes are about.
+HELPER_COMMANDS = (
+    ctypes.util.__file__,
+    platform.__file__,
+    os.path.join("wandb", "sdk", "lib", "gitlib.py"),
+)
+
+
+def _started(event: str) -> None:
+    # Called from inside the operation that starts the process, in whatever thread starts it:
+    # only note it here (an exception would break the start); the phase's wrapper fails the test.
+    if not _Lanes.allowed and _Lanes.event is None:
+        where = _caller()
+        if where is not None:
+            _Lanes.event = f"{event} from {where}"
+
+
+def _caller() -> str | None:
+    """Where the process was asked for (the innermost frame outside the standard library and this
+    file), or None where it is a library's helper command (``HELPER_COMMANDS``)."""
+    stdlib, found = sysconfig.get_paths()["stdlib"], None
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.endswith(HELPER_COMMANDS):
+            return None
+        if found is None and not name.startswith(stdlib) and name != __file__ and not name.startswith("<"):
+            found = f"{name}:{frame.f_lineno}"
+        frame = frame.f_back
+    return found or "?"
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event in PROCESS_EVENTS:
+        _started(event)
+
+
+def _watch_multiprocessing() -> None:
+    """Multiprocessing's own process starts, which raise no audit event under spawn or forkserver:
+    every ``Process.start`` (and so ``torch.multiprocessing.spawn``), and the helper processes it
+    starts through ``util.spawnv_passfds`` (a spawned child, the forkserver, the resource tracker)."""
+    import multiprocessing.process
+    import multiprocessing.util
+
+    start = multiprocessing.process.BaseProcess.start
+    spawnv_passfds = multiprocessing.util.spawnv_passfds
+
+    @functools.wraps(start)
+    def watched_start(self):
+        _started("multiprocessing.Process.start")
+        return start(self)
+
+    @functools.wraps(spawnv_passfds)
+    def watched_spawnv_passfds(*args, **kwargs):
+        _started("multiprocessing.util.spawnv_passfds")
+        return spawnv_passfds(*args, **kwargs)
+
+    multiprocessing.process.BaseProcess.start = watched_start
+    multiprocessing.util.spawnv_passfds = watched_spawnv_passfds
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    # An audit hook cannot be taken away again: one per process, even if pytest runs again in it.
+    if not getattr(sys, "_nemo_memlog_lanes_watched", False):
+        sys.addaudithook(_audit)
+        _watch_multiprocessing()
+        sys._nemo_memlog_lanes_watched = True  # type: ignore[attr-defined]
+    _Lanes.unmarked = {}
+
+
+def _watched(item: pytest.Item):
+    """One phase of one test, watched: a test without the ``processes`` marker that starts a process
+    in it fails there, naming the first way it did. A marked test is never touched."""
+    _Lanes.item, _Lanes.allowed, _Lanes.event = item, item.get_closest_marker("processes") is not None, None
+    try:
+        result = yield
+    except (KeyboardInterrupt, SystemExit, pytest.exit.Exception):
+        _Lanes.item, _Lanes.allowed, _Lanes.event = None, True, None
+        raise
+    except BaseException:  # the phase failed or skipped: still told, in place of its own outcome
+        _fail_if_started(item)
+        raise
+    _fail_if_started(item)
+    return result
+
+
+def _fail_if_started(item: pytest.Item) -> None:
+    event = _Lanes.event
+    _Lanes.item, _Lanes.allowed, _Lanes.event = None, True, None
+    if event is not None:
+        _Lanes.unmarked.setdefault(item.nodeid, event)
+        pytest.fail(f"{item.nodeid} started a process ({event}) {_MARK_HINT}", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    return (yield from _watched(item))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _Lanes.unmarked:
+        terminalreporter.section("tests that started a process without @pytest.mark.processes")
+        for nodeid, event in _Lanes.unmarked.items():
+            terminalreporter.line(f"{nodeid}: {event}")

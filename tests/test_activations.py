@@ -240,6 +240,7 @@ def stage_job(tensorboard_dir, record_dir, mode):
     return {"logged": logged, "per_microbatch": per_microbatch, "param_bytes": param_bytes, "stage": stage}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("mode", ["plain", "checkpoint", "chunks"])
 def test_every_stage_its_activations_in_flight_and_per_microbatch(pp2dp2, tmp_path, mode):
     results = pp2dp2.run_ok(stage_job, str(tmp_path / "tb"), str(tmp_path / "records"), mode)

@@ -8,7 +8,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from nemo_memlog.testing.collectives import GATHER
+
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[1]
 #: A smoke run takes well under a minute here; a loaded 2-core machine may take twice that. A

@@ -36,6 +36,8 @@ from nemo_memlog.testing.cluster import Cluster
 from nemo_memlog.testing.collectives import GATHER
 from tests.bridge_readback import mlflow_experiments, mlflow_runs, tensorboard_events, wandb_run
 
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
+
 CALLBACK = {"memory_reduce_scope": "pp", "memory_per_stage_keys": ["peak_*"], "memory_reduce_timeout_s": 60}
 LOGGING_STEPS = [2, 4, 6]
 ALL_STEPS = [1, 2, 3, 4, 5, 6]

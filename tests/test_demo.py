@@ -76,6 +76,8 @@ def printed_run_folder(stdout: str) -> Path:
     return Path(match)
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_memory_and_caller_metrics_logged_at_exactly_the_logging_steps(demo):
     _, _, scalars = demo
     # (A phase's series are logged at the logging steps after it ran only: see the checkpoint test.)
@@ -85,6 +87,8 @@ def test_memory_and_caller_metrics_logged_at_exactly_the_logging_steps(demo):
         assert sorted(scalars[tag]) == LOGGED_STEPS, tag
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_pipeline_peak_is_the_max_of_the_stage_peaks(demo):
     _, _, scalars = demo
     for step in LOGGED_STEPS:
@@ -93,6 +97,8 @@ def test_pipeline_peak_is_the_max_of_the_stage_peaks(demo):
         assert scalars[f"memory/peak_stage/{PEAK}"][step] == stages.index(max(stages))
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_first_stage_holds_more_than_the_last(demo):
     # 1F1B: the first stage keeps 4 microbatches' activations alive, the last stage 1.
     _, _, scalars = demo
@@ -100,6 +106,8 @@ def test_first_stage_holds_more_than_the_last(demo):
     assert scalars[f"memory/pp_stage_0/{PEAK}"][step] > scalars[f"memory/pp_stage_{STAGES - 1}/{PEAK}"][step]
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_activations_measured_on_every_stage_held_for_the_microbatches_in_flight(demo):
     """1F1B measured, not assumed: stage s holds PP - s microbatches at once, and stages 1 and 2
     (the same blocks) keep the same bytes per microbatch, so their activations stand 3 : 2."""
@@ -115,6 +123,8 @@ def test_activations_measured_on_every_stage_held_for_the_microbatches_in_flight
         assert scalars["memory/peak_stage/activations_gb"][step] == 0
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_the_checkpoint_save_is_a_memory_phase_logged_with_its_peak_and_stage(demo):
     """train.save_every=4 (the default): each stage saves at iteration 4 inside memory_phase."""
     _, run, scalars = demo
@@ -125,6 +135,8 @@ def test_the_checkpoint_save_is_a_memory_phase_logged_with_its_peak_and_stage(de
     assert len(list((run / "checkpoints" / "iter-00004").glob("stage-*-dp-*.pt"))) == STAGES
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_the_demo_passes_its_model_and_the_report_draws_each_stages_composition(demo, tmp_path, capsys):
     """Stage 0 holds the embedding, the last stage the output layer: their model state is larger."""
     from nemo_memlog.cli import main
@@ -141,6 +153,8 @@ def test_the_demo_passes_its_model_and_the_report_draws_each_stages_composition(
     assert (tmp_path / "r_composition.png").stat().st_size > 10_000
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_megatrons_stack_trains_through_the_named_stand_ins(demo):
     """The stand-ins are named once, at start; the job's facts (for advise) are Megatron's 1F1B job's."""
     from nemo_memlog.measure import layer_record
@@ -155,6 +169,8 @@ def test_megatrons_stack_trains_through_the_named_stand_ins(demo):
         assert record["run"]["distributed_optimizer"] is False and record["layers"], rank
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_the_interleaved_schedule_runs_with_parallel_vpp(tmp_path):
     result = run_demo(
         f"run.root={tmp_path}",
@@ -172,11 +188,15 @@ def test_the_interleaved_schedule_runs_with_parallel_vpp(tmp_path):
     assert "Peak host RSS per pipeline stage at iteration 2" in result.stdout
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_loss_falls_below_chance(demo):
     _, _, scalars = demo
     assert scalars["loss"][LOGGED_STEPS[-1]] < math.log(VOCAB)
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_the_table_and_the_dashboard_command_are_printed(demo):
     result, _, scalars = demo
     stdout = result.stdout
@@ -188,6 +208,8 @@ def test_the_table_and_the_dashboard_command_are_printed(demo):
     assert "tensorboard --logdir " in stdout
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_the_report_names_the_interval_window_recorded_with_the_run_config(demo, capsys):
     from nemo_memlog.cli import main
 
@@ -209,6 +231,8 @@ def test_an_unknown_override_is_refused_before_any_process_starts(monkeypatch, c
     assert "'iterz' not in 'TrainConfig'" in capsys.readouterr().err
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_a_secret_on_the_command_line_is_written_nowhere(demo):
     result, run, _ = demo
     written = [path for path in run.rglob("*") if path.is_file()]
@@ -252,6 +276,8 @@ def command_after(stdout: str, heading: str) -> list[str]:
     return commands
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_each_run_writes_into_a_folder_of_its_own(two_runs):
     root, first_stdout, second = two_runs
     folders = sorted(path for path in root.iterdir() if path.is_dir())
@@ -261,6 +287,8 @@ def test_each_run_writes_into_a_folder_of_its_own(two_runs):
         assert len(main_run_events(folder)) == 1, folder
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_the_printed_report_command_works_as_printed_and_shows_one_run(two_runs):
     _, _, second = two_runs
     (command,) = command_after(second.stdout, "Per-stage table and PNG of this run:")
@@ -272,6 +300,8 @@ def test_the_printed_report_command_works_as_printed_and_shows_one_run(two_runs)
     assert "resumed" not in report.stdout and "NOTE" not in report.stdout
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_report_on_the_folder_of_both_runs_shows_the_newest_and_names_the_other(two_runs, capsys):
     from nemo_memlog.cli import main
 
@@ -289,6 +319,8 @@ def test_report_on_the_folder_of_both_runs_shows_the_newest_and_names_the_other(
     assert "steps 2..4 (2 logged)" in out and "peak window: interval (" in out and "NOTE" not in out
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_the_dashboard_commands_are_printed_with_working_paths_and_the_account_note(two_runs):
     _, _, second = two_runs
     run = printed_run_folder(second.stdout)
@@ -314,6 +346,8 @@ def run_as_printed(command: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_every_printed_command_runs_as_printed(demo):
     """The in-run note (rank 0, stderr), the closing lines' report and post-mortem commands."""
     result, run, _ = demo
@@ -330,6 +364,8 @@ def test_every_printed_command_runs_as_printed(demo):
     assert "no failure: all 4 ranks recorded a clean end (4 closed by the run)" in done.stdout
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_the_failure_demo_kills_a_stage_and_its_post_mortem_tells_one_story(tmp_path):
     result = run_demo(
         f"run.root={tmp_path}",
@@ -352,6 +388,8 @@ def test_the_failure_demo_kills_a_stage_and_its_post_mortem_tells_one_story(tmp_
     assert "cannot tell" not in text and "from outside" not in text
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_no_backend_info_lines_in_the_output(two_runs):
     _, _, second = two_runs
     output = second.stdout + second.stderr
@@ -367,6 +405,8 @@ def demo_script(monkeypatch):
     return demo
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_an_existing_run_name_is_refused_before_any_process_starts(two_runs, demo_script, monkeypatch, capsys):
     root, first_stdout, _ = two_runs
     name = printed_run_folder(first_stdout).name

@@ -99,6 +99,8 @@ def truth(peaks: dict, limit: float) -> int | None:
     return max(fitting) if fitting else None
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_fit_finds_the_largest_size_that_fits_megatrons_job_within_three_launches(sweep, tmp_path):
     peaks, _ = sweep
     capacity = (max(peaks[4]) + max(peaks[8])) / 2  # between two candidates' measured peaks
@@ -129,6 +131,8 @@ def demo(root: Path, size="{micro_batch_size}") -> list[str]:
     return [*TORCHRUN, "scripts/demo.py", *keys, "train.iters=3", "train.save_every=0"]
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_fit_finds_the_largest_size_that_fits_the_demo(tmp_path):
     """The demo swept at the two sizes around the capacity (the sizes below fit, above do not:
     a stage's peak grows with the size), then fit from a smaller start."""
@@ -149,6 +153,8 @@ def test_fit_finds_the_largest_size_that_fits_the_demo(tmp_path):
     assert not left_behind(str(tmp_path))
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_fit_steps_down_when_the_kernel_kills_the_confirming_probe(sweep, tmp_path):
     """The job's memory cgroup ends the larger size for real; fit was told more capacity than the
     cgroup gives, so it predicts that size fits, launches it, sees it die, and steps down."""
@@ -175,6 +181,8 @@ def test_fit_steps_down_when_the_kernel_kills_the_confirming_probe(sweep, tmp_pa
     print("fit under the cgroup:", statuses, out["seconds"], "s")
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, -9)])
 def test_fit_interrupted_during_a_probe_leaves_nothing_running(tmp_path, signum, code):
     """Ctrl-C and SIGTERM: fit ends the probe's processes itself. SIGKILL: the kernel tells the probe's
@@ -209,6 +217,8 @@ def test_fit_interrupted_during_a_probe_leaves_nothing_running(tmp_path, signum,
         assert not left_behind(marker)
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_nothing_fits_exits_2_and_names_what_would(tmp_path):
     """Long sequences: the activations are most of the peak, so recompute would fit where no size does."""
     long = ["--hidden", "128", "--heads", "8", "--seq", "1024", "--layers", "2", "--global-batch", "2"]
@@ -242,6 +252,8 @@ def test_nothing_fits_exits_2_and_names_what_would(tmp_path):
     assert not left_behind(str(tmp_path))
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_a_command_that_keeps_its_microbatches_not_its_global_batch_is_named(tmp_path):
     """The demo without train.global_batch_size keeps 4 microbatches whatever the size: the second
     probe's global batch differs from the first's, and fit says what to give the command."""
@@ -252,6 +264,7 @@ def test_a_command_that_keeps_its_microbatches_not_its_global_batch_is_named(tmp
     assert not left_behind(str(tmp_path))
 
 
+@pytest.mark.processes
 def test_fit_refuses_a_command_without_the_placeholder(tmp_path):
     code, _, text = fit("--", sys.executable, "-c", "pass")
     assert code == 2 and "{micro_batch_size}" in text

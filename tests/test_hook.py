@@ -52,6 +52,7 @@ def stage2_holds_most(pp4):
     pp4.run_ok(release_ballast)
 
 
+@pytest.mark.processes
 def test_pipeline_max_and_attribution_on_every_rank(pp4, stage2_holds_most):
     results = pp4.run_ok(log_iterations, [1, 2, 3, 4], tensorboard_log_interval=2)
     unified = {}
@@ -94,6 +95,7 @@ def log_with(container_kind):
         return training_log(10, cfg, pp_group=ps.get_pipeline_model_parallel_group())
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["container", "pg_collection", "pp_group"])
 def test_config_and_group_sources(pp2dp2, kind):
     results = pp2dp2.run_ok(log_with, kind)
@@ -105,6 +107,7 @@ def test_config_and_group_sources(pp2dp2, kind):
     assert results[1]["memory/peak_host_rss_gb"] == results[3]["memory/peak_host_rss_gb"]
 
 
+@pytest.mark.processes
 def test_megatron_process_group_collection(pp2dp2):
     results = pp2dp2.run_ok(log_with_megatron_collection)
     for logged in results:
@@ -120,6 +123,7 @@ def log_with_megatron_collection():
         return training_log(1, cfg, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
+@pytest.mark.processes
 def test_world_scope_names_rank_stage_and_dp(pp2dp2):
     pp2dp2.run_ok(hold_ballast, {2})
     try:
@@ -167,6 +171,7 @@ def skip_or_log(skipping_rank, timeout_s, **config):
         return training_log(7, cfg)
 
 
+@pytest.mark.processes
 def test_a_rank_that_skips_a_logging_call_times_out_cleanly():
     with Cluster(world=2, pp=2) as cluster:
         cluster.run_ok(log_with, "pp_group")  # first call: the handshake has happened
@@ -203,6 +208,7 @@ def test_caller_metrics_bad_input_is_named_and_numbers_are_kept():
         assert name in text, f"{name} must be named in a warning"
 
 
+@pytest.mark.processes
 def test_low_headroom_warning_names_the_stage_on_the_writer_rank_only(pp4):
     # Asking for 99.9% free makes any real machine "low": the warning path runs for real.
     results = pp4.run_ok(log_iterations, [1, 2], memory_headroom_warn_fraction=0.999)
@@ -244,6 +250,7 @@ def test_the_flag_off_stays_a_silent_no_op():
             assert all(training_log(iteration, config) is None for iteration in range(1, 4))
 
 
+@pytest.mark.processes
 def test_a_config_rebuilt_at_every_call_with_equal_settings_reuses_one_run(tmp_path):
     from nemo_memlog import close_writers
     from nemo_memlog.hook import run_of, runs

@@ -79,6 +79,8 @@ def as_stored(backend: str, value: float) -> float:
 # --- every backend: steps, attribution, one run, Lightning's series -------------------------------
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_memory_at_lightnings_own_steps_in_one_run(job, backend):
     fit = job["main"]
@@ -100,6 +102,8 @@ def test_memory_at_lightnings_own_steps_in_one_run(job, backend):
         assert [s for s, _ in stored[name]] == LOGGING_STEPS, f"{backend} {name}: once at each of Lightning's steps"
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_max_is_the_ballast_ranks_own_peak_and_its_rank_is_logged_beside_it(job, backend):
     fit = job["main"]
@@ -119,6 +123,8 @@ def test_the_max_is_the_ballast_ranks_own_peak_and_its_rank_is_logged_beside_it(
     )
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_a_clean_end_leaves_every_ranks_flight_record_closed(job):
     """on_train_end ends the flight record itself (the garbage collector ran before the job's
     exit): the post-mortem of a clean fit finds every rank closed, and no failure."""
@@ -138,6 +144,8 @@ def test_a_clean_end_leaves_every_ranks_flight_record_closed(job):
     assert all(r["run"]["micro_batch_size"] == 4 and r["run"]["microbatches"] == 1 for r in records), records
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lightnings_own_series_unchanged(job, backend):
     fit = job["main"]
@@ -158,6 +166,8 @@ def test_lightnings_own_series_unchanged(job, backend):
 # --- the contract with the loop: collectives ------------------------------------------------------
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_one_gather_per_logging_step_on_every_rank_and_none_elsewhere(job):
     fit = job["main"]
     for rank in range(fit.world):
@@ -175,6 +185,8 @@ def test_one_gather_per_logging_step_on_every_rank_and_none_elsewhere(job):
             assert event["step"] == event["global_step"] - 1, "_batches_that_stepped is global_step - 1 here"
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_flag_off_zero_collectives_and_no_memory_anywhere(job):
     if "off" not in job:
         pytest.skip("the flag-off fit runs in the world-2 job")
@@ -189,6 +201,8 @@ def test_flag_off_zero_collectives_and_no_memory_anywhere(job):
 # --- pytorch_lightning, and the pipeline path ------------------------------------------------------
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_pytorch_lightning_trainer_with_its_own_interval(job):
     if "pl" not in job:
         pytest.skip("the pytorch_lightning fit runs in the world-2 job")
@@ -205,6 +219,8 @@ def test_pytorch_lightning_trainer_with_its_own_interval(job):
         assert gathers == own_steps, rank
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_gradient_accumulation_logs_once_per_step_on_the_optimizer_stepping_batch(job):
     if "accumulate" not in job:
         pytest.skip("the accumulation fit runs in the world-2 job")
@@ -221,6 +237,8 @@ def test_gradient_accumulation_logs_once_per_step_on_the_optimizer_stepping_batc
         assert fit.within_peak(PEAK_RANK[2], step, value)
 
 
+@pytest.mark.processes
+@pytest.mark.slow
 def test_pipeline_group_when_megatron_parallel_state_is_initialised(job):
     if "pp" not in job:
         pytest.skip("the PP fit runs in the world-4 job")
@@ -317,6 +335,7 @@ def _writer_flags(writer_rank, record_dir):
     return monitor.is_writer_rank
 
 
+@pytest.mark.processes
 def test_the_monitor_writes_on_the_writer_rank_it_is_given(pp2dp2, tmp_path):
     def flags(writer_rank):
         return pp2dp2.run_ok(_writer_flags, writer_rank, str(tmp_path / f"records_{writer_rank}"))

@@ -17,6 +17,8 @@ from nemo_memlog.offline import advise
 from nemo_memlog.testing import megatron_cpu
 from nemo_memlog.testing.cluster import Cluster
 
+pytestmark = pytest.mark.processes
+
 BASE = megatron_cpu.JobSpec()  # PP 2 x DP 2, 4 layers, micro-batch size 2, 4 microbatches, 1F1B
 SCENARIOS = {
     "base": BASE,

@@ -23,6 +23,8 @@ import time
 import warnings
 from pathlib import Path
 
+import pytest
+
 TIMEOUT_S = 60.0
 
 
@@ -101,6 +103,7 @@ def launch(scenario: str, out: Path) -> dict[int, dict]:
     return run_ranks(__file__, [scenario, out], out)
 
 
+@pytest.mark.processes
 def test_torchrun_without_a_process_group_is_refused_with_the_fix(tmp_path):
     seen = launch("no_group", tmp_path)
     assert sorted(seen) == [0, 1]
@@ -111,6 +114,7 @@ def test_torchrun_without_a_process_group_is_refused_with_the_fix(tmp_path):
         assert "Call torch.distributed.init_process_group()" in error and "before the first training_log" in error
 
 
+@pytest.mark.processes
 def test_a_peer_that_left_is_named_as_such_not_as_a_timeout(tmp_path):
     seen = launch("one_rank", tmp_path)
     assert sorted(seen) == [1]
@@ -122,6 +126,7 @@ def test_a_peer_that_left_is_named_as_such_not_as_a_timeout(tmp_path):
     assert "nemo-memlog postmortem" in error
 
 
+@pytest.mark.processes
 def test_ranks_with_different_logging_intervals_are_told_so_not_that_a_call_was_skipped(tmp_path):
     seen = launch("intervals", tmp_path)
     assert sorted(seen) == [0, 1]
@@ -248,6 +253,7 @@ def close_on_rank_zero_only():
     return dist.get_rank(), outcome
 
 
+@pytest.mark.processes
 def test_close_writers_on_one_rank_is_named_not_a_crash():
     """gloo aborted the process (C++ terminate) when one rank restarted alone; now that rank is
     told what to do and its peer's wait is bounded. (A cluster of its own: a collective one rank

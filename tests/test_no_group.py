@@ -17,6 +17,10 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 BALLAST_BYTES = 300 * 10**6
 ITERATIONS = 3
 

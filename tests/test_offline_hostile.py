@@ -168,6 +168,7 @@ def test_a_hostile_record_slot_is_named_and_the_rank_still_reported(tmp_path, bo
     assert code in (0, 1) and "FIRST FAILURE" in text
 
 
+@pytest.mark.processes
 def test_a_closed_pipe_ends_quietly(tmp_path):
     closed_run(tmp_path, pp=2)
     process = subprocess.Popen(

@@ -12,6 +12,8 @@ import pytest
 from nemo_memlog import LoggerConfig, close_writers, training_log
 from nemo_memlog.offline.report import format_report, load_run
 
+pytestmark = pytest.mark.processes
+
 BALLAST_MB = 200
 BALLAST_STAGE = 1
 PEAK = "peak_host_rss_gb"

@@ -119,6 +119,7 @@ def phases_on_some_stages(tensorboard_dir):
     return logged
 
 
+@pytest.mark.processes
 def test_a_phase_some_stages_ran_is_logged_with_its_stage_and_lines_up(pp4, tmp_path):
     results = pp4.run_ok(phases_on_some_stages, str(tmp_path / "tb"))
     first, second, third = results[0]
@@ -187,6 +188,7 @@ def beat_in_phase(root: str, name: str) -> bool:
     return False
 
 
+@pytest.mark.processes
 def test_a_rank_killed_inside_a_phase_died_during_it_at_the_cgroup_limit(tmp_path):
     from nemo_memlog.testing import cgroups
     from nemo_memlog.testing.torchrun import run, tail, torchrun_env

@@ -439,6 +439,7 @@ def test_report_command_mentions_the_post_mortem(tmp_path):
     )
 
 
+@pytest.mark.processes
 def test_the_command_imports_no_torch(tmp_path):
     ranks = closed_after(layout(pp=2, tp=1, dp=1), 10.0)
     ranks[0].stopped, ranks[0].end = T0, None
@@ -474,6 +475,7 @@ def test_ranks_that_all_stopped_together_are_called_a_stop_from_outside(tmp_path
     )
 
 
+@pytest.mark.processes
 def test_the_benchmark_still_runs():
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_postmortem.py"), "--smoke"],

@@ -85,6 +85,7 @@ def test_the_readme_marks_both_usage_snippets():
     assert all(command.startswith("torchrun ") for _, command in scripts.values())
 
 
+@pytest.mark.processes
 def test_path_2_training_log_as_pasted(tmp_path):
     run_pasted("train.py", tmp_path)
     logged = scalars(tmp_path / "runs" / "mine" / "tensorboard")
@@ -105,6 +106,7 @@ def test_path_2_training_log_as_pasted(tmp_path):
     assert not any(tag.startswith("memory/") and "reserved" in tag for tag in logged)  # no CUDA: left out
 
 
+@pytest.mark.processes
 def test_path_3_helpers_as_pasted(tmp_path):
     run_pasted("helpers.py", tmp_path)
     logged = scalars(tmp_path / "runs" / "helpers")
@@ -114,6 +116,7 @@ def test_path_3_helpers_as_pasted(tmp_path):
     assert all(0.05 < value < 64 for value in logged["mem/peak_host_rss_gb"].values())
 
 
+@pytest.mark.processes
 def test_the_cuda_peaks_without_cuda_are_nan_in_a_report_and_dropped_by_the_reduction(pp4):
     # What the README says of peak["peak_reserved_gb"] on CPU, on a real 4-rank group.
     report, reduced = pp4.run(_report_and_reduced)[0]
@@ -140,6 +143,7 @@ def test_docs_has_runnable_snippets():
     assert {("postmortem.md", "record.py"), ("configuration.md", "logger_config.py")} <= names
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("doc, name", DOC_SCRIPTS, ids=[f"{doc.name}:{name}" for doc, name in DOC_SCRIPTS])
 def test_docs_snippet_as_pasted(doc, name, tmp_path):
     result = run_pasted(name, tmp_path, doc)

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -46,7 +47,9 @@ def full_report():
 
 
 def test_records_header_and_ring_read_back(tmp_path):
+    before = set(threading.enumerate())
     recorder = FlightRecorder(tmp_path, liveness_period_s=0.05)
+    (beating,) = [t for t in threading.enumerate() if t not in before and t.name == "nemo_memlog-liveness"]
     report = full_report()
     for iteration in range(1, 41):
         recorder.record(iteration * 10, report)
@@ -71,8 +74,11 @@ def test_records_header_and_ring_read_back(tmp_path):
     recorder.close()
     _, after, ended = read_back(recorder.path)
     assert ended[-1]["kind"] == "end" and ended[-1]["reason"] == "close" and ended[-1]["iteration"] == 400
-    time.sleep(0.2)
-    assert read_back(recorder.path)[1]["beats"] == after["beats"]  # the thread stopped at close
+    # The thread stopped at close: it ends (a generous bound for a loaded machine; close itself
+    # waits for it), and nothing beat between close's return and its end.
+    beating.join(timeout=30)
+    assert not beating.is_alive()
+    assert read_back(recorder.path)[1]["beats"] == after["beats"]
 
 
 def test_what_tests_pass_instead_of_patching(tmp_path):
@@ -315,6 +321,7 @@ EXIT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.processes
 def test_every_exit_path_leaves_its_end_marker(tmp_path):
     expected = {
         "close": (0, "close"),

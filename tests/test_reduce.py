@@ -74,6 +74,7 @@ def _expected_max(results, group_ranks):
     }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("grid", ["pp2dp2", "pp4"])
 def test_max_on_every_rank_of_each_pp_group(grid, request):
     cluster = request.getfixturevalue(grid)
@@ -117,6 +118,7 @@ def reduce_with_missing():
     return stage, result, [str(w.message) for w in caught]
 
 
+@pytest.mark.processes
 def test_missing_and_bad_values_do_not_skip_the_collective(pp4):
     results = pp4.run_ok(reduce_with_missing)
     for stage, result, messages in results:
@@ -143,6 +145,7 @@ def reduce_mismatched(kind):
     reduce_max_memory_across_pp_group(report, _pp_group())
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", ["extra", "order"])
 def test_mismatched_keys_raise_on_every_rank(pp2dp2, kind):
     results = pp2dp2.run(reduce_mismatched, kind)
@@ -162,6 +165,7 @@ def reduce_changing_keys():
     return out
 
 
+@pytest.mark.processes
 def test_key_set_changing_on_every_rank_is_agreed_again(pp4):
     for result in pp4.run_ok(reduce_changing_keys):
         assert result == [{"a": 0.0, "b": 1.0}, {"a": 0.0, "b": 1.0, "c": 2.0, "d": 3.0}, {"a": 0.0}]
@@ -172,6 +176,7 @@ def gather_at(iteration_by_stage):
     return gather_memory({"x": 1.0}, _pp_group(), iteration=iteration_by_stage[stage])
 
 
+@pytest.mark.processes
 def test_iteration_disagreement_raises_on_every_rank(pp2dp2):
     results = pp2dp2.run(gather_at, {0: 10, 1: 11})
     for result in results:
@@ -185,6 +190,7 @@ def gather_attribution():
     return gathered.keys, gathered.per_rank, gathered.maximum, gathered.peak_rank
 
 
+@pytest.mark.processes
 def test_gather_lines_up_every_stage(pp4):
     for keys, per_rank, maximum, peak_rank in pp4.run_ok(gather_attribution):
         assert keys == ("peak", "count")
@@ -206,6 +212,7 @@ def noop_paths():
     return same, calls
 
 
+@pytest.mark.processes
 def test_noop_paths_issue_no_collective(pp2dp2):
     for same, calls in pp2dp2.run_ok(noop_paths):
         assert same == [True, True, True, True]
@@ -266,6 +273,7 @@ def change_keys_in_steady_state(kind):
     return stage, [reduce_outcome(keys, stage, call) for call, keys in enumerate(plan)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("kind", sorted(CHANGES))
 @pytest.mark.parametrize("grid", ["pp2dp2", "pp4"])
 def test_key_set_changed_on_some_ranks_raises_everywhere_then_recovers(grid, kind, request):
@@ -304,6 +312,7 @@ def reduce_random_key_sets(seed, calls):
     return (rank, stage), drawn, outcomes
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("grid", ["pp2dp2", "pp4"])
 def test_random_key_sets_never_crash_and_agreeing_calls_are_right(grid, request):
     cluster = request.getfixturevalue(grid)
@@ -344,6 +353,7 @@ def skip_on_one_rank(skip):
         return "raised", str(error), __import__("time").monotonic() - start
 
 
+@pytest.mark.processes
 def test_a_rank_that_takes_a_noop_path_alone_makes_the_others_raise_not_hang():
     from nemo_memlog import LoggerConfig
 
@@ -380,6 +390,7 @@ def log_with_exchange(exchange_by_stage):
         run.close()
 
 
+@pytest.mark.processes
 def test_the_exchange_is_a_setting_and_ranks_that_differ_raise_before_either_collective(pp4):
     """memory_reduce_exchange picks the steady-state collective, and the handshake agrees on it: ranks
     set differently all raise, naming the setting, instead of entering collectives that do not match."""
@@ -417,6 +428,7 @@ def _late_rank(root: str, late_rank: int, late_s: float) -> dict:
     return {"logged": logged is not None, "warnings": [str(w.message) for w in seen if "has waited" in str(w.message)]}
 
 
+@pytest.mark.processes
 def test_a_long_wait_is_said_while_it_goes_on_naming_the_late_rank_then_completes(tmp_path):
     with Cluster(world=2, pp=2) as cluster:
         results = cluster.run_ok(_late_rank, str(tmp_path), 1, 4.0, timeout=120)

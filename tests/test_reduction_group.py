@@ -44,6 +44,7 @@ def log_twice(**config):
     }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("scope", ["pp", "world"])
 def test_gloo_twin_has_the_groups_ranks_and_carries_the_one_gather(pp2dp2, scope):
     results = pp2dp2.run_ok(log_twice, memory_reduce_backend="gloo", memory_reduce_scope=scope)
@@ -57,6 +58,7 @@ def test_gloo_twin_has_the_groups_ranks_and_carries_the_one_gather(pp2dp2, scope
         )
 
 
+@pytest.mark.processes
 def test_auto_on_a_gloo_job_gathers_over_the_group_itself(pp2dp2):
     for result in pp2dp2.run_ok(log_twice, memory_reduce_backend="auto"):
         assert result["is_target"] and result["calls"] == [GATHER]
@@ -131,6 +133,7 @@ def helper_after_placement():
     )
 
 
+@pytest.mark.processes
 def test_bridge_helper_keeps_its_contract_and_rides_the_twin(pp2dp2):
     results = pp2dp2.run_ok(helper_after_placement)
     for rank, (reduced, twin_used, group_used, group_after_close) in enumerate(results):
@@ -174,12 +177,14 @@ def channels_across_close():
     return before, after
 
 
+@pytest.mark.processes
 def test_a_closed_run_releases_its_channels_and_destroys_its_twin(pp2dp2):
     for before, after in pp2dp2.run_ok(channels_across_close):
         assert before == {"channels": True, "found": True, "backend": "gloo"}
         assert after == {"channels": [], "found": None, "destroyed": True, "group": None}
 
 
+@pytest.mark.processes
 def test_a_rank_that_never_places_makes_the_others_raise_not_hang():
     with Cluster(world=2, pp=2) as cluster:
         # skip_or_log: every rank but 1 logs its first step, so places itself (and gathers the groups)

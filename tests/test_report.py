@@ -166,6 +166,7 @@ def test_cli_does_not_import_torch_itself():
         assert "import torch" not in source and "from torch" not in source, module.name
 
 
+@pytest.mark.processes
 def test_console_script(run_dir, tmp_path):
     script = Path(sys.executable).parent / "nemo-memlog"
     done = subprocess.run(

@@ -16,6 +16,8 @@ from nemo_memlog.testing import torchrun
 from nemo_memlog.testing.wait import wait_for
 from tests.readback import main_run_events, stored_steps, wandb_finished
 
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -21,6 +21,8 @@ from nemo_memlog.testing import cgroups, torchrun
 from nemo_memlog.testing.wait import wait_for
 from tests.readback import stored_steps, tensorboard_steps
 
+pytestmark = [pytest.mark.processes, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB_LIMIT = 16_000_000_000  # roomy: this cgroup is the job's boundary, not a memory limit under test
 

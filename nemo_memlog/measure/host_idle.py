@@ -18,7 +18,6 @@ project's CPU runs the result was within 1-3% of the resident size after ``mallo
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 
@@ -36,7 +35,7 @@ class _MallInfo2(ctypes.Structure):
 def _mallinfo2():
     """glibc's mallinfo2, or None where the C library has none."""
     try:
-        function = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+        function = ctypes.CDLL(None).mallinfo2  # the process's own symbols: libc's, with no ldconfig run
     except (OSError, AttributeError):
         return None
     function.restype = _MallInfo2

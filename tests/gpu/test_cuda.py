@@ -18,7 +18,7 @@ from nemo_memlog.testing.collectives import GATHER, count_collectives
 from tests.gpu import needs_cuda
 from tests.gpu.fresh import run_alone
 
-pytestmark = needs_cuda
+pytestmark = [needs_cuda, pytest.mark.gpu, pytest.mark.processes]
 
 GB = 1e9
 QUEUED_S = 0.5  # GPU work queued before a logging step: far more than a logging step takes

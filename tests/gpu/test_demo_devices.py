@@ -1,12 +1,13 @@
 """scripts/demo.py where CUDA is present: a GPU per process when the node has enough, else the
 stages on CPU with a one-line note (NCCL refuses two ranks on one GPU). Skipped without CUDA."""
 
+import pytest
 import torch
 
 from tests.gpu import needs_cuda
 from tests.test_demo import run_demo
 
-pytestmark = needs_cuda
+pytestmark = [needs_cuda, pytest.mark.gpu, pytest.mark.processes]
 
 
 def test_the_demo_runs_whatever_the_number_of_gpus(tmp_path):

@@ -17,7 +17,11 @@ from tests.lightning_readback import runs, series
 
 LOGGING_STEPS = [1, 3, 5, 7]  # 8 steps, log_every_n_steps=2: Lightning's own steps
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu)")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (tests/gpu)"),
+    pytest.mark.gpu,
+    pytest.mark.processes,
+]
 
 CUDA_BALLAST_MB = 512
 CUDA_KEYS = [

@@ -12,7 +12,11 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.gpu,
+    pytest.mark.processes,
+]
 
 SPEC = dict(pp=1, layers=4, hidden=1024, heads=16, seq=1024, vocab=8192, micro_batch_size=2, microbatches=2)
 

@@ -20,7 +20,11 @@ import torch
 
 from nemo_memlog.failure import records
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.gpu,
+    pytest.mark.processes,
+]
 ROOT = Path(__file__).resolve().parents[2]
 
 OOM_SCRIPT = textwrap.dedent("""

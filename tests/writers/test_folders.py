@@ -14,6 +14,8 @@ import pytest
 from nemo_memlog import LoggerConfig
 from nemo_memlog.writers import build_writers
 
+pytestmark = pytest.mark.processes
+
 BUDGET_S = 25.0  # the default writer_close_timeout_s: what a close held up by a backend would take
 EXIT_BOUND_S = 10.0  # a backend that cannot write holds the exit at most this long after the last logging call
 

@@ -32,7 +32,7 @@ def fresh_wandb():
     wandb.teardown()
 
 
-@pytest.mark.parametrize("writer_mode", ["process", "thread"])
+@pytest.mark.parametrize("writer_mode", [pytest.param("process", marks=pytest.mark.processes), "thread"])
 def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wandb, writer_mode):
     # W&B online with no API key: wandb.init raises for real (no network needed to fail).
     monkeypatch.setenv("WANDB_MODE", "online")
@@ -88,7 +88,7 @@ def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wa
     assert sorted(steps) == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("writer_mode", ["process", "thread"])
+@pytest.mark.parametrize("writer_mode", [pytest.param("process", marks=pytest.mark.processes), "thread"])
 def test_full_buffer_drops_oldest_and_counts(tmp_path, monkeypatch, fresh_wandb, writer_mode):
     # W&B online with no API key: it fails for real, and a retry might cure it, so steps are kept
     monkeypatch.setenv("WANDB_MODE", "online")
@@ -149,6 +149,7 @@ class MlflowServer:
             self.proc.wait()
 
 
+@pytest.mark.processes
 def test_mlflow_server_killed_and_restarted_loses_nothing(tmp_path, monkeypatch):
     # Fail fast per attempt: our BufferedBackend does the retrying, with backoff, from its buffer.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")

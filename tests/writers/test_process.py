@@ -16,6 +16,8 @@ import time
 import warnings
 from pathlib import Path
 
+import pytest
+
 from nemo_memlog import LoggerConfig, build_writers
 from nemo_memlog.testing import torchrun
 from nemo_memlog.testing.wait import wait_for
@@ -101,6 +103,7 @@ def _run_trainers(runs: dict) -> dict:
     return results
 
 
+@pytest.mark.processes
 def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_path):
     """Two ranks under torchrun; the writer rank's training process is SIGKILLed mid-run."""
     run, close_s = tmp_path / "killed", 20
@@ -153,6 +156,7 @@ def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_p
     assert writer_exit_s < close_s, "the writer process must end on its own within writer_close_timeout_s"
 
 
+@pytest.mark.processes
 def test_the_writer_rank_holds_no_backend_memory(tmp_path):
     """Host RSS of the trainer after 20 logged steps, all written to the four backends."""
     memory = _run_trainers({mode: (tmp_path / mode, "--mode", mode) for mode in ("off", "process", "thread")})
@@ -166,6 +170,7 @@ def test_the_writer_rank_holds_no_backend_memory(tmp_path):
     assert not _alive(memory["process"]["writer_pid"]), "closing reaps the writer process"
 
 
+@pytest.mark.processes
 def test_a_dead_trainer_and_a_hung_backend_leave_no_writer_process_behind(tmp_path):
     """os._exit in the trainer while MLflow's server never answers: TensorBoard still gets
     closed, the writer process ends within writer_close_timeout_s, and its warnings still
@@ -209,6 +214,7 @@ def test_a_dead_trainer_and_a_hung_backend_leave_no_writer_process_behind(tmp_pa
     assert "nemo_memlog: mlflow backend: did not finish closing in time" in (tmp_path / "stderr").read_text()
 
 
+@pytest.mark.processes
 def test_no_secret_in_the_writer_process_command_line_or_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("COMET_API_KEY", SECRET)
     monkeypatch.setenv("DEPLOY_NOTE", f"the key is {SECRET}")  # a secret under a harmless name
@@ -237,6 +243,7 @@ def test_secret_variables_go_through_the_socket():
     assert private == {"WANDB_API_KEY": "k1", "MLFLOW_TRACKING_TOKEN": "k2", "NOTE": f"x{SECRET}y"}
 
 
+@pytest.mark.processes
 def test_a_stopped_or_killed_writer_process_never_holds_up_training(tmp_path, monkeypatch):
     monkeypatch.setattr(parent, "SEND_BUFFER", 64 * 1024)  # a small socket fills in fewer steps
     cfg = LoggerConfig(tensorboard_dir=str(tmp_path / "tb"), writer_buffer_steps=10)
@@ -280,6 +287,7 @@ def test_a_stopped_or_killed_writer_process_never_holds_up_training(tmp_path, mo
     assert fanout.dropped == dropped_here + 5 and close_s < CLOSE_TIMEOUT_S / 2, close_s
 
 
+@pytest.mark.processes
 def test_where_no_process_can_start_the_backends_run_in_threads(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))  # starting it fails for real
     with warnings.catch_warnings(record=True) as caught:

@@ -119,6 +119,7 @@ def offline_wandb(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.processes
 def test_wandb_logs_one_custom_chart_per_stage_metric_at_close(offline_wandb):
     from tests.bridge_readback import wandb_run
 
@@ -150,6 +151,7 @@ def test_wandb_logs_one_custom_chart_per_stage_metric_at_close(offline_wandb):
             assert lines[label] == [(step, pytest.approx(stage_value(step, stage, tag))) for step in steps]
 
 
+@pytest.mark.processes
 def test_wandb_one_stage_logs_no_chart(offline_wandb):
     from tests.bridge_readback import wandb_run
 

@@ -43,6 +43,7 @@ def test_enabled_only_with_a_project():
     assert not wandb_writer.enabled(LACKING_FIELDS)
 
 
+@pytest.mark.processes
 def test_summary_keeps_ints_and_non_finite_values(run):
     _, seen = run
     summary = seen["summary"]
@@ -52,12 +53,14 @@ def test_summary_keeps_ints_and_non_finite_values(run):
     assert summary["memory/inf_gb"] == math.inf and summary["memory/neg_inf_gb"] == -math.inf
 
 
+@pytest.mark.processes
 def test_config_is_the_redacted_params(run):
     _, seen = run
     assert seen["config"]["comet_api_key"] == REDACTED
     assert seen["config"]["wandb_project"] == "memlog-test"
 
 
+@pytest.mark.processes
 def test_history_on_disk_has_every_metric_at_its_step(run):
     root, _ = run
     (log,) = (root / "runs" / "wandb").glob("offline-run-*/run-*.wandb")
@@ -84,6 +87,7 @@ def test_history_on_disk_has_every_metric_at_its_step(run):
     assert run_record.display_name == "pp-run" and run_record.project == "memlog-test"
 
 
+@pytest.mark.processes
 def test_no_environment_capture_and_no_secret_anywhere(run):
     root, seen = run
     files = [p for p in root.rglob("*") if p.is_file()]
