@@ -36,9 +36,6 @@ if TYPE_CHECKING:
 
     from .writers.base import Writers
 
-#: The dashboard's one advice scalar: the largest micro-batch size predicted to fit on every stage.
-ADVICE_MAX_MICRO_BATCH = advice.MAX_MICRO_BATCH
-
 
 class MemoryMonitor:
     """One run's memory logging, on every rank of the job.
@@ -233,15 +230,16 @@ class MemoryMonitor:
             )
         else:
             gathered = self.reduction.single_rank(report)
-        stage_of = placement.stage_of
         if placement.world:
             logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys, placement.coordinates)
         else:
             logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
         if self.estimate:  # the framework's estimate beside the measurement
-            stage0 = attribution.stage_figures(gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, stage_of=stage_of)
+            stage0 = attribution.stage_figures(
+                gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, stage_of=placement.stage_of
+            )
             logged.update(estimate.derived(self.estimate, stage0))
-        run = self._advice_run(gathered, stage_of) if model is not None else None
+        run = self._advice_run(gathered, placement) if model is not None else None
         logged.update(advice.step_metrics(run))  # the same arithmetic on every rank: one dict
         unified = merged(metrics, logged, self.warn_once)
         if placement.is_writer_rank:
@@ -332,11 +330,10 @@ class MemoryMonitor:
                 )
         return self.writers
 
-    def _advice_run(self, gathered: Any, stage_of: list[int] | None) -> advice.Run | None:
+    def _advice_run(self, gathered: Any, placement: Placement) -> advice.Run | None:
         """advice.Run of this step (per-stage parts, the run's facts), or None where they were not measured."""
-        assert self.placement is not None
         try:
-            return advice.run_from_gathered(gathered, self.run_facts, self.placement.layout, stage_of=stage_of)
+            return advice.run_from_gathered(gathered, self.run_facts, placement.layout, stage_of=placement.stage_of)
         except (TypeError, ValueError):  # a value that is not a number where a part should be
             return None
 

@@ -9,9 +9,9 @@ from collections import Counter
 from .. import advice
 from ..failure.records import PEER_LOSS
 from ..measure import layer_record
-from ..parts import MODEL_STATE_KEYS, STEP_KEYS
+from ..parts import MODEL_STATE_KEYS, OUTSIDE_GPU, STEP_KEYS
 from .postmortem_state import Postmortem, RankState
-from .tables import OUTSIDE_GPU, clock, finite_number, gb_text, size_text, whole_number
+from .tables import clock, finite_number, gb_text, size_text, whole_number
 
 FRAGMENTATION_FIX = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 #: A clean end's reason (the recorder's word) in words.

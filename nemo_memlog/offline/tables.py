@@ -13,8 +13,6 @@ import time
 from dataclasses import dataclass
 from itertools import groupby
 
-from ..parts import OUTSIDE_CPU as OUTSIDE_CPU
-from ..parts import OUTSIDE_GPU as OUTSIDE_GPU
 from ..units import size_text as size_text  # the units rule (a leaf: the advice formats through it too)
 
 # ---- tables -------------------------------------------------------------------------------
