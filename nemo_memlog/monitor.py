@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -86,6 +86,8 @@ class MemoryMonitor:
         self.writer_rank = writer_rank
         self.model_state = composition.ModelState()
         self.estimate: dict | None = None  # the framework's estimate (measure/estimate.py), set by an integration
+        # An integration's own names for logged figures (Megatron-LM's mem-*), from each logged step's dict.
+        self.derived: Callable[[dict], dict] | None = None
         self.facts: dict = {}  # the run's facts for the per-layer record (measure/layer_record.py): as known
         self.meter = ActivationMeter()  # armed on logging iterations only
         self._state: dict | None = None  # the last model state counted (for the OOM record)
@@ -241,6 +243,8 @@ class MemoryMonitor:
             logged.update(estimate.derived(self.estimate, stage0))
         run = self._advice_run(gathered, placement) if model is not None else None
         logged.update(advice.step_metrics(run))  # the same arithmetic on every rank: one dict
+        if self.derived is not None:
+            logged.update(self.derived(logged))
         unified = merged(metrics, logged, self.warn_once)
         if placement.is_writer_rank:
             self._writers().log(unified, iteration)

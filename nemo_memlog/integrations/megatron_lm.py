@@ -1,0 +1,342 @@
+"""Megatron-LM's own training loop (``megatron.training``: ``pretrain`` -> ``train`` -> ``train_step``
+-> ``training_log``, shipped in the megatron-core wheel from 0.17): ``install()``.
+
+    from nemo_memlog import megatron_lm
+    megatron_lm.install()                    # every rank, before pretrain(...)
+    pretrain(config, datasets_provider, model_type, forward_step, ...)
+
+or, with no edit of the script, ``nemo-memlog run -- torchrun ... pretrain_gpt.py ...``.
+
+Thin by design: it translates the loop's calls, steps, groups and open writers into a
+MemoryMonitor, and nothing in the core imports this module.
+
+- Switched by Megatron-LM's own flags: ``--log-memory-to-tensorboard`` on, every
+  ``--tensorboard-log-interval``. Without the flag nothing happens: no collective, no record, no
+  series, no thread (each wrapped call reads one attribute and calls through).
+- The way in: Megatron-LM 0.19 has no callback API, so ``install()`` rebinds five functions of
+  ``megatron.training.training`` that ``pretrain()`` and ``train()`` look up at call time
+  (``WRAPPED``), each a call through to the original around one event of ``MemoryLogCallback``.
+  A loop that lacks one fails at ``install()`` (``MegatronLMError``, naming it and the version).
+- Steps: ``training_log(..., iteration)`` runs on every rank at every iteration, after
+  ``train_step``, and writes ``lm loss`` at ``iteration`` when it is a multiple of
+  ``--tensorboard-log-interval``. Memory is gated by the same rule and logged at the same step.
+  ``train_step(..., iteration=i)`` runs iteration ``i + 1``: its activations are measured when
+  ``i + 1`` logs.
+- Writers: on the last rank, the monitor writes into Megatron-LM's own SummaryWriter and W&B run
+  (``get_tensorboard_writer()``, ``get_wandb_writer()``), on the training thread, right after
+  Megatron-LM logs the same step; it opens none of its own (the stage runs are folders under
+  Megatron-LM's, as for every adopted SummaryWriter).
+- Megatron-LM's ``mem-*`` scalars are taken over: its ``training_log`` writes four from
+  ``torch.cuda.memory_stats()`` on the last rank alone. While it runs, its flag reads off (its
+  only reader is that block); the same four names are then written by the monitor with the
+  pipeline's max (``MEM_SERIES``), and not at all where no rank has device statistics (on CPU).
+  Its console memory lines (``report_memory``) are untouched.
+- Facts from Megatron-LM's args: micro-batch size, microbatches, global batch, distributed
+  optimizer, recompute, schedule (interleaved with virtual pipeline stages).
+- Memory phases: ``checkpoint_save`` around ``save_checkpoint_and_time`` and ``eval`` around
+  ``evaluate_and_print_results``, on every rank.
+- Flight records: beside ``--tensorboard-dir`` (``memory_records``), else ``--wandb-save-dir``,
+  else the working directory; ``memory_record_dir=`` in ``install()`` picks another folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+import math
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve_fields
+from ..measure import phase
+from ..memory import DEFAULT_MEMORY_KEYS, GB
+from ..monitor import MemoryMonitor
+
+#: The functions of megatron.training.training that install() rebinds, each looked up at call time.
+WRAPPED = ("train", "train_step", "training_log", "save_checkpoint_and_time", "evaluate_and_print_results")
+#: The keyword arguments: nemo_memlog's own settings (Megatron-LM's flags give the rest).
+OWN_SETTINGS = tuple(
+    f.name for f in dataclasses.fields(LoggerConfig) if f.name.startswith("memory_") and f.name != "memory_keys"
+)
+#: Megatron-LM's memory scalars -> (our key, whether a byte count): the pipeline's max under its names.
+MEM_SERIES = {
+    "mem-reserved-bytes": ("current_reserved_gb", True),
+    "mem-allocated-bytes": ("current_allocated_gb", True),
+    "mem-max-allocated-bytes": ("peak_allocated_gb", True),
+    "mem-allocated-count": ("current_allocation_count", False),
+}
+#: What a logging step reads from torch.cuda.memory_stats(): ours, and the one mem-* count we lack.
+MEMORY_KEYS = {**DEFAULT_MEMORY_KEYS, "allocation.all.current": "current_allocation_count"}
+log = logging.getLogger("nemo_memlog")
+
+
+class MegatronLMError(RuntimeError):
+    """This megatron-core's Megatron-LM loop lacks what install() wraps: the message names it and the version."""
+
+
+class MemoryLogCallback:
+    """Pipeline-wide memory in Megatron-LM's own dashboards, one object per process: its methods are
+    the loop's events, fired by the functions ``install()`` rebinds (on every rank).
+
+    Args:
+        **settings: nemo_memlog's own LoggerConfig fields whose names start with ``memory_``
+            (``memory_record_dir``, ``memory_reduce_timeout_s``...), other than ``memory_keys``.
+
+    Raises:
+        ValueError: an unknown setting, or a value that cannot work, naming the field.
+    """
+
+    def __init__(self, **settings: Any):
+        self.settings = checked_settings(
+            "megatron_lm.install",
+            settings,
+            OWN_SETTINGS,
+            " (--log-memory-to-tensorboard and --tensorboard-log-interval come from Megatron-LM's flags)",
+        )
+        self.monitor: MemoryMonitor | None = None
+        self._model: Any = None
+        self._optimizer: Any = None
+        self._phases = phase.Slots()
+
+    def on_train_start(self, model: Any, optimizer: Any) -> None:
+        """``train()`` starts: with Megatron-LM's memory flag on, the run opens (every rank)."""
+        from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
+
+        args = get_args()
+        self._model, self._optimizer = model, optimizer
+        if not args.log_memory_to_tensorboard or self.monitor is not None:
+            return
+        folder = self.settings.get("memory_record_dir") or memory_record_dir(
+            SimpleNamespace(
+                log_memory_to_tensorboard=True,
+                memory_record_dir=None,
+                tensorboard_dir=args.tensorboard_dir,
+                wandb_save_dir=getattr(args, "wandb_save_dir", None),
+            )
+        )
+        settings = resolve_fields(
+            log_memory_to_tensorboard=True,
+            tensorboard_log_interval=args.tensorboard_log_interval,
+            memory_keys=MEMORY_KEYS,
+            **{**self.settings, "memory_record_dir": folder},
+        )
+        monitor = MemoryMonitor(settings, run_config=_run_config(args))
+        monitor.place()
+        if monitor.is_writer_rank:
+            from ..writers import adopt_writers
+
+            monitor.use_writers(adopt_writers([get_tensorboard_writer(), get_wandb_writer()]))
+        monitor.derived = megatron_lm_series
+        monitor.state_facts(**facts(args))
+        self.monitor = monitor
+
+    def on_train_step_start(self, iteration: int) -> None:
+        """Iteration ``iteration`` starts: measure its activations when it logs."""
+        if self.monitor is not None and self._model is not None:
+            self.monitor.before_iteration(iteration, self._model)
+
+    def on_log(self, iteration: int) -> None:
+        """``training_log`` of ``iteration`` has run (every rank): memory at the same step."""
+        if self.monitor is not None:
+            self.monitor.log(iteration, model=self._model, optimizer=self._optimizer)
+
+    def on_save_checkpoint_start(self, iteration: int | None) -> None:
+        if self.monitor is not None:
+            self._phases.enter("checkpoint_save", iteration)
+
+    def on_save_checkpoint_end(self) -> None:
+        self._phases.leave("checkpoint_save")
+
+    def on_eval_start(self, iteration: int | None) -> None:
+        if self.monitor is not None:
+            self._phases.enter("eval", iteration)
+
+    def on_eval_end(self) -> None:
+        self._phases.leave("eval")
+
+    def on_train_end(self) -> None:
+        """``train()`` returned or exits (``sys.exit`` on its should_exit path): end the flight
+        record, release the run's gloo group and flush Megatron-LM's writers (never closed: they
+        are its own). Never raises."""
+        self._phases.leave_all()
+        monitor, self.monitor = self.monitor, None
+        self._model = self._optimizer = None
+        if monitor is not None:
+            try:
+                monitor.close()
+            except Exception as error:  # noqa: BLE001 -- the end of training is not ours to fail
+                log.warning("nemo_memlog: closing the memory run failed: %r", error)
+
+
+def megatron_lm_series(logged: dict) -> dict:
+    """Megatron-LM's four ``mem-*`` scalars from a logged step: each the pipeline's max (bytes as
+    ints), and absent where no rank had the statistic (a CPU-only job)."""
+    out: dict[str, int] = {}
+    for name, (key, in_bytes) in MEM_SERIES.items():
+        value = logged.get("memory/" + key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[name] = round(value * GB) if in_bytes else int(value)
+    return out
+
+
+def facts(args: Any) -> dict:
+    """The run's facts as Megatron-LM's args state them (None where the loop does not know one)."""
+    try:
+        from megatron.core.num_microbatches_calculator import get_num_microbatches
+
+        microbatches = get_num_microbatches()
+    except Exception:  # noqa: BLE001 -- a calculator not set up: no per-microbatch figure
+        microbatches = None
+    vpp = getattr(args, "virtual_pipeline_model_parallel_size", None)
+    return {
+        "micro_batch_size": args.micro_batch_size,
+        "microbatches": microbatches,
+        "global_batch_size": args.global_batch_size,
+        "distributed_optimizer": bool(getattr(args, "use_distributed_optimizer", False)),
+        "recompute": getattr(args, "recompute_granularity", None) or "none",
+        "schedule": "interleaved" if vpp else "1f1b",
+        "framework": "megatron-lm",
+    }
+
+
+def _run_config(args: Any) -> dict:
+    """What the writers record as the run's configuration: Megatron-LM's args that are plain values
+    (secrets redacted by the writers)."""
+    return {name: value for name, value in vars(args).items() if isinstance(value, (bool, int, float, str))}
+
+
+# ---- the way in: rebinding -------------------------------------------------------------------
+
+_installed: MemoryLogCallback | None = None
+
+
+def install(**settings: Any) -> MemoryLogCallback:
+    """Log pipeline-wide memory from Megatron-LM's own loop: call on every rank before ``pretrain``.
+
+    Installing again returns the callback installed first (its settings stand; different ones
+    are logged as ignored).
+
+    Args:
+        **settings: nemo_memlog's own settings (``memory_record_dir``, ``memory_reduce_timeout_s``...).
+
+    Returns:
+        The MemoryLogCallback the rebound functions drive.
+
+    Raises:
+        MegatronLMError: no ``megatron.training.training``, or it lacks a function install() wraps.
+        ValueError: an unknown setting, or one that cannot work.
+    """
+    global _installed
+    if _installed is not None:
+        if settings and settings != _installed.settings:
+            log.warning("nemo_memlog: megatron_lm.install() again with other settings: the first install's stand")
+        return _installed
+    training = _loop()
+    callback = MemoryLogCallback(**settings)
+    for name, wrap in _WRAPPERS.items():
+        original = getattr(training, name)
+        wrapped = functools.wraps(original)(wrap(original, inspect.signature(original), callback))
+        setattr(training, name, wrapped)
+    _installed = callback
+    return callback
+
+
+def _loop():
+    """megatron.training.training, with every function install() wraps, else MegatronLMError."""
+    try:
+        from importlib.metadata import version
+
+        found = version("megatron-core")
+    except Exception:  # noqa: BLE001 -- megatron from a source tree
+        found = "unknown"
+    try:
+        import megatron.training.training as training
+    except ImportError as error:
+        raise MegatronLMError(
+            f"megatron_lm.install(): megatron-core {found} has no Megatron-LM training loop "
+            f"(megatron.training.training: {error}); it ships in megatron-core 0.17 and later"
+        ) from None
+    for name in WRAPPED:
+        if not callable(getattr(training, name, None)):
+            raise MegatronLMError(
+                f"megatron_lm.install(): megatron.training.training.{name} is missing in megatron-core {found}; "
+                f"nemo_memlog wraps {', '.join(WRAPPED)}"
+            )
+    return training
+
+
+def _argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str) -> Any:
+    try:
+        return signature.bind_partial(*args, **kwargs).arguments.get(name)
+    except TypeError:
+        return None
+
+
+def _train(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+    def train(*args: Any, **kwargs: Any) -> Any:
+        model = _argument(signature, args, kwargs, "model")
+        callback.on_train_start(model, _argument(signature, args, kwargs, "optimizer"))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            callback.on_train_end()
+
+    return train
+
+
+def _train_step(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+    def train_step(*args: Any, **kwargs: Any) -> Any:
+        if callback.monitor is not None:
+            iteration = _argument(signature, args, kwargs, "iteration")
+            if isinstance(iteration, int):
+                callback.on_train_step_start(iteration + 1)  # train() counts the iteration after it ran
+        return original(*args, **kwargs)
+
+    return train_step
+
+
+def _training_log(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        if callback.monitor is None:
+            return original(*args, **kwargs)
+        from megatron.training.global_vars import get_args
+
+        megatron_args = get_args()
+        flag = megatron_args.log_memory_to_tensorboard
+        megatron_args.log_memory_to_tensorboard = False  # its mem-* from the last rank alone: ours replace them
+        try:
+            result = original(*args, **kwargs)
+        finally:
+            megatron_args.log_memory_to_tensorboard = flag
+        callback.on_log(_argument(signature, args, kwargs, "iteration"))
+        return result
+
+    return training_log
+
+
+def _phase(start: str, end: str) -> Callable:
+    def wrap(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+        def phased(*args: Any, **kwargs: Any) -> Any:
+            if callback.monitor is None:
+                return original(*args, **kwargs)
+            getattr(callback, start)(_argument(signature, args, kwargs, "iteration"))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                getattr(callback, end)()
+
+        return phased
+
+    return wrap
+
+
+_WRAPPERS = {
+    "train": _train,
+    "train_step": _train_step,
+    "training_log": _training_log,
+    "save_checkpoint_and_time": _phase("on_save_checkpoint_start", "on_save_checkpoint_end"),
+    "evaluate_and_print_results": _phase("on_eval_start", "on_eval_end"),
+}

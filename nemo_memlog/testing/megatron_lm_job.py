@@ -1,0 +1,146 @@
+"""A GPT pretraining script of the project's own, trained by Megatron-LM's own loop
+(``megatron.training.pretrain``: ``train`` -> ``train_step`` -> ``training_log``), on CPU under
+torchrun. It needs torchrun (one process per rank) and takes Megatron-LM's own flags:
+
+    python -m torch.distributed.run --nproc-per-node 2 -m nemo_memlog.testing.megatron_lm_job \\
+        --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 \\
+        --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 \\
+        --train-iters 4 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 \\
+        --eval-interval 100 --tensorboard-dir DIR --log-memory-to-tensorboard \\
+        --distributed-backend gloo --transformer-impl local --no-persist-layer-norm \\
+        --no-gradient-accumulation-fusion [--nemo-memlog]
+
+Its own pieces, as a user's pretrain script has them: a model provider (megatron-core's
+``GPTModel`` on the local layer spec), a forward step with its loss, and the data provider over
+Megatron's ``MockGPTDataset``. ``--nemo-memlog`` calls ``nemo_memlog.megatron_lm.install()``
+before ``pretrain``, as a user's script does; without it the script is Megatron-LM alone (or
+instrumented from outside, by ``nemo-memlog run``). On a CPU-only machine the stand-ins of
+megatron_lm_stand_ins are installed first.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+
+USAGE_NOTE = "(needs torchrun: one process per rank; run with --help for Megatron-LM's flags)"
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
+    """megatron-core's GPTModel on the local layer spec, as Megatron-LM's args describe it."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+def _batch(data_iterator, vp_stage):
+    """This stage's microbatch: tokens and position ids on the first stage, labels and the loss
+    mask on the last (a middle stage reads nothing)."""
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+    batch = next(data_iterator)
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
+
+
+def loss_func(loss_mask, output_tensor):
+    """The summed loss over unmasked tokens, their count, and ``lm loss`` for Megatron-LM's log."""
+    import torch
+
+    losses = output_tensor.view(-1).float()
+    loss_mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * loss_mask)
+    tokens = loss_mask.sum().clone().detach().to(torch.int)
+    return loss, tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), tokens.view(1)])}
+
+
+def forward_step(data_iterator, model):
+    """One microbatch forward: Megatron-LM's forward_step_func contract."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    tokens, labels, loss_mask, attention_mask, position_ids = _batch(
+        data_iterator, get_attr_wrapped_model(model, "vp_stage")
+    )
+    output = model(tokens, position_ids, attention_mask, labels=labels)
+    return output, partial(loss_func, loss_mask)
+
+
+def datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """Megatron's MockGPTDataset for train, validation and test, built on the first and last stages."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+    from megatron.training import get_args
+    from megatron.training.utils import is_first_or_last_pipeline_stage
+
+    args = get_args()
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        split=args.split,
+        tokenizer=build_tokenizer(args),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=True,
+    )
+    return BlendedMegatronDatasetBuilder(
+        MockGPTDataset, train_val_test_num_samples, lambda: is_first_or_last_pipeline_stage(vp_stage), config
+    ).build()
+
+
+def _own_flags(parser):
+    group = parser.add_argument_group("megatron_lm_job")
+    group.add_argument("--nemo-memlog", action="store_true", help="nemo_memlog.megatron_lm.install() before pretrain")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    import os
+
+    if "--help" not in argv and "-h" not in argv and "LOCAL_RANK" not in os.environ:
+        print(f"megatron_lm_job: {USAGE_NOTE}", file=sys.stderr)
+        return 2
+    from . import megatron_lm_stand_ins
+
+    megatron_lm_stand_ins.install()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    sys.argv = [sys.argv[0], *argv]
+    datasets_provider.is_distributed = True  # every rank builds its own (Megatron-LM's convention)
+    args = parse_and_validate_args(extra_args_provider=_own_flags)
+    if args.nemo_memlog:
+        from nemo_memlog import megatron_lm
+
+        megatron_lm.install()
+    import warnings
+
+    with warnings.catch_warnings():  # "use a ModelConfig instead of a model provider": ours is one on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        config = pretrain_cfg_container_from_args(args)
+    pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
