@@ -24,7 +24,7 @@ import importlib
 import sys
 import types
 
-from .megatron_stand_ins import STAND_INS, StandInError, _cpu_torch, _need
+from .megatron_stand_ins import STAND_INS, StandInError, _cpu_device, _cpu_torch, _need
 
 #: Each stand-in beyond megatron_stand_ins.STAND_INS and why it exists.
 LM_STAND_INS = {
@@ -120,7 +120,7 @@ def _loop_torch():
 
     def maker(real):
         def made(*args, device=None, **kwargs):
-            return real(*args, device="cpu" if device is not None and str(device).startswith("cuda") else device, **kwargs)
+            return real(*args, device=_cpu_device(device), **kwargs)
 
         return made
 
