@@ -49,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     _postmortem_parser(commands)
     _advise_parser(commands)
     _fit_parser(commands)
+    commands.add_parser(  # listed here; main() hands its arguments to run.main unparsed (they are COMMAND's)
+        "run",
+        help="run COMMAND with memory logging added to every Python process it starts (Megatron-LM, "
+        "Megatron-Bridge, Lightning), no code change: nemo-memlog run [--set key=value ...] -- COMMAND",
+    )
     return parser
 
 
@@ -220,6 +225,11 @@ def _gigabytes(text: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 on success, 2 on a usage error or a run directory that cannot be read; 141 when
     the output's reader closed the pipe (quietly: the rest of the output goes nowhere)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"]:  # COMMAND's own options must reach it untouched
+        from . import run
+
+        return run.main(argv[1:])
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage message
