@@ -109,7 +109,59 @@ def datasets_provider(train_val_test_num_samples, vp_stage=None):
 def _own_flags(parser):
     group = parser.add_argument_group("megatron_lm_job")
     group.add_argument("--nemo-memlog", action="store_true", help="nemo_memlog.megatron_lm.install() before pretrain")
+    group.add_argument(
+        "--count-apart",
+        default=None,
+        metavar="DIR",
+        help="write DIR/rank-<r>.json: the activations autograd saved in each iteration (megatron_cpu's "
+        "SavedTensorCount around train_step), Megatron's own in-flight count, and the losses",
+    )
     return parser
+
+
+def count_apart(folder: str) -> None:
+    """Wrap Megatron-LM's ``train_step`` (looked up at call time, as nemo_memlog's own wrapper is)
+    in a count made apart from nemo_memlog: every tensor autograd saves during the step, outermost,
+    so nemo_memlog's meter nests inside it. After each step this rank's figures go to
+    ``folder/rank-<r>.json``: ``saved_peak_bytes`` per iteration, ``expected_in_flight`` from Megatron's
+    own warm-up count, and the stage's coordinates."""
+    import json
+    import os
+
+    import megatron.training.training as training
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.training import get_args
+
+    from .megatron_cpu import SavedTensorCount
+
+    original = training.train_step
+    figures: dict = {"saved_peak_bytes": {}}
+
+    def train_step(forward_step_func, data_iterator, model, *args, iteration=None, **kwargs):
+        count = SavedTensorCount(model)
+        with count():
+            result = original(forward_step_func, data_iterator, model, *args, iteration=iteration, **kwargs)
+        megatron_args = get_args()
+        pp, vpp = megatron_args.pipeline_model_parallel_size, megatron_args.virtual_pipeline_model_parallel_size
+        group = getattr(megatron_args, "microbatch_group_size_per_vp_stage", None) or pp  # the config's default
+        total, all_warmup, warmup = schedules.get_pp_rank_microbatches(
+            get_num_microbatches(), vpp or 1, group if vpp else 1
+        )[:3]
+        figures.update(
+            rank=dist.get_rank(),
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            expected_in_flight=total if all_warmup else warmup + 1,
+        )
+        figures["saved_peak_bytes"][str((iteration or 0) + 1)] = count.peak_bytes
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"rank-{dist.get_rank()}.json"), "w") as out:
+            json.dump(figures, out)
+        return result
+
+    training.train_step = train_step
 
 
 def main(argv: list[str]) -> int:
@@ -133,6 +185,8 @@ def main(argv: list[str]) -> int:
         from nemo_memlog import megatron_lm
 
         megatron_lm.install()
+    if args.count_apart:
+        count_apart(args.count_apart)
     import warnings
 
     with warnings.catch_warnings():  # "use a ModelConfig instead of a model provider": ours is one on purpose

@@ -73,6 +73,19 @@ _installed = False
 _core = None  # megatron_stand_ins.cpu_stand_ins(), entered for the process
 
 
+def has_loop() -> bool:
+    """Whether this megatron-core ships Megatron-LM's loop (megatron/training/training.py), without importing it."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("megatron.core")
+    return (
+        spec is not None
+        and spec.origin is not None
+        and (Path(spec.origin).parents[1] / "training" / "training.py").is_file()
+    )
+
+
 def summary() -> str:
     """The stand-ins in one line."""
     return "Megatron-LM's loop on CPU, with stand-ins: " + "; ".join([*STAND_INS.values(), *LM_STAND_INS.values()])

@@ -29,9 +29,13 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: tests/ and scripts
 DEFAULT_TIMEOUT_S = 240.0
 
 
-def torchrun_command(script, *args, nproc: int = 2, monitor_interval: float | None = None) -> list[str]:
-    """torchrun's command line: ``nproc`` ranks of ``script args...``, on a free master port."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+def torchrun_command(
+    script, *args, nproc: int = 2, monitor_interval: float | None = None, prefix: Iterable[str] = ()
+) -> list[str]:
+    """torchrun's command line: ``nproc`` ranks of ``script args...``, on a free master port, after
+    ``prefix`` (a launcher of launchers: ``nemo-memlog run --``). ``script`` may be ``-m`` and a
+    module name its first argument."""
+    command = [*prefix, sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
     command += ["--master-port", str(free_port())]
     if monitor_interval is not None:  # how often torchrun polls its ranks, in seconds
         command += ["--monitor-interval", f"{monitor_interval:g}"]
@@ -51,12 +55,13 @@ def start(
     monitor_interval: float | None = None,
     env: dict[str, str] | None = None,
     cgroup=None,
+    prefix: Iterable[str] = (),
     **popen,
 ) -> subprocess.Popen:
     """torchrun started and left running, in a session of its own (``os.killpg(proc.pid, ...)``
     reaches every rank), from the repository root; ``env`` adds to ``torchrun_env()``; ``popen``
     goes to Popen (stdout=, stderr=, text=). Pair it with ``kill_group`` in a ``finally``."""
-    command = torchrun_command(script, *args, nproc=nproc, monitor_interval=monitor_interval)
+    command = torchrun_command(script, *args, nproc=nproc, monitor_interval=monitor_interval, prefix=prefix)
     kwargs = {"cwd": ROOT, "env": torchrun_env(**(env or {})), "start_new_session": True, **popen}
     return cgroup.popen(command, **kwargs) if cgroup is not None else subprocess.Popen(command, **kwargs)
 
@@ -79,6 +84,7 @@ def run(
     env: dict[str, str] | None = None,
     cgroup=None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    prefix: Iterable[str] = (),
 ) -> subprocess.CompletedProcess:
     """torchrun run to its end, its stdout and stderr captured (text); any exit status is returned.
     Past ``timeout_s`` the whole session is SIGKILLed and the test fails with the output's tail."""
@@ -89,6 +95,7 @@ def run(
         monitor_interval=monitor_interval,
         env=env,
         cgroup=cgroup,
+        prefix=prefix,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -1,0 +1,177 @@
+"""nemo_memlog in Megatron-LM's own training loop (``megatron.training.pretrain`` -> ``train`` ->
+``train_step`` -> ``training_log``, from the megatron-core 0.19.2 wheel), PP 2 on CPU under torchrun,
+through both ways in: ``megatron_lm.install()`` in the script, and ``nemo-memlog run --`` around a
+launch nobody edited. The script is the project's own (nemo_memlog.testing.megatron_lm_job).
+
+Held against what is made apart: Megatron-LM's own ``lm loss`` without the flag; every tensor
+autograd saved, counted around ``train_step`` (the job's ``--count-apart``); Megatron's own warm-up
+count; each stage's own run. The 0.16.1 environment has no Megatron-LM loop: skipped there."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nemo_memlog.testing import megatron_lm_stand_ins, torchrun
+from tests import readback
+
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.slow,
+    pytest.mark.skipif(not megatron_lm_stand_ins.has_loop(), reason="Megatron-LM's loop ships in megatron-core 0.17+"),
+]
+
+JOB = ("-m", "nemo_memlog.testing.megatron_lm_job")
+RUN = (sys.executable, "-m", "nemo_memlog.cli", "run", "--")
+#: Megatron-LM's own flags: a 4-layer GPT, PP 2, 4 microbatches of 2, 4 iterations, on CPU.
+MODEL = (
+    *("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64"),
+    *("--num-attention-heads", "4", "--seq-length", "64", "--max-position-embeddings", "64"),
+    *("--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-4"),
+    *("--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--log-interval", "1"),
+    *("--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm"),
+    *("--no-gradient-accumulation-fusion", "--eval-interval", "100"),  # the loop divides by the interval
+)
+#: A checkpoint and an evaluation at iteration 2 (the last --eval-interval counts): the phases.
+PHASES = ("--save-interval", "2", "--ckpt-format", "torch", "--eval-interval", "2", "--eval-iters", "1")
+FLAG = "--log-memory-to-tensorboard"
+#: name -> (the launcher before torchrun, the job's flags beyond MODEL)
+RUNS = {
+    "run, without the flag": (RUN, (*PHASES, "wandb")),
+    "install, 1f1b": ((), (*PHASES, "wandb", FLAG, "--nemo-memlog")),
+    "run, interleaved": (RUN, (FLAG, "--num-layers-per-virtual-pipeline-stage", "1")),
+}
+WITH_FLAG = [name for name in RUNS if FLAG in RUNS[name][1]]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """``trained(name)``: run ``name`` of RUNS once, at its first use: its root folder."""
+    roots: dict = {}
+
+    def train(name: str) -> Path:
+        if name not in roots:
+            prefix, flags = RUNS[name]
+            root = tmp_path_factory.mktemp(name.replace(" ", "_").replace(",", ""))
+            own = ["--tensorboard-dir", root / "tb", "--count-apart", root / "apart"]
+            if "wandb" in flags:
+                own += ["--wandb-project", "memlog", "--wandb-exp-name", "e", "--wandb-save-dir", root / "wandb"]
+            if "--save-interval" in flags:
+                own += ["--save", root / "checkpoints"]
+            done = torchrun.run(
+                *JOB,
+                *MODEL,
+                *[flag for flag in flags if flag != "wandb"],
+                *own,
+                prefix=prefix,
+                env={"WANDB_MODE": "offline"},
+                timeout_s=300,
+            )
+            assert done.returncode == 0, f"{name}: torchrun exited with {done.returncode}:\n{torchrun.tail(done)}"
+            roots[name] = root
+        return roots[name]
+
+    return train
+
+
+def _wandb_rows(root: Path) -> dict[int, dict]:
+    """{step: every key W&B stored at it} from the one offline run under ``root``."""
+    logs = list((root / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(logs) == 1, logs  # one W&B run: Megatron-LM's own
+    rows: dict[int, dict] = {}
+    for record in readback.wandb_records(logs[0]):
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            rows.setdefault(int(items["_step"]), {}).update(items)
+    return rows
+
+
+def _stages(root: Path) -> dict[int, dict]:
+    """pp stage -> (its per-layer record's stage figures, the count made apart on its rank)."""
+    records = {}
+    for path in (root / "memory_records").glob("rank-*.layers.json"):
+        record = json.loads(path.read_text())
+        apart = json.loads((root / "apart" / f"rank-{record['rank']}.json").read_text())
+        records[record["pp_rank"]] = {**record, "apart": apart}
+    return records
+
+
+def test_losses_are_megatron_lms_own_and_without_the_flag_nothing_is_written(trained):
+    without, with_us = trained("run, without the flag"), trained("install, 1f1b")
+    runs = readback.tensorboard_runs(without / "tb")
+    assert list(runs) == ["."]  # Megatron-LM's run alone: no stage runs
+    assert not [tag for tag in runs["."] if tag.startswith(("memory/", "mem-"))]
+    assert not (without / "memory_records").exists()  # no flight record
+    assert not [key for row in _wandb_rows(without).values() for key in row if key.startswith("memory/")]
+    losses = runs["."]["lm loss"]
+    assert [step for step, _ in losses] == [1, 2, 3, 4]
+    assert readback.tensorboard_runs(with_us / "tb")["."]["lm loss"] == losses  # bit for bit
+
+
+@pytest.mark.parametrize("name", WITH_FLAG)
+def test_the_memory_series_are_at_the_steps_of_lm_loss_once_each_in_megatron_lms_own_run(trained, name):
+    root = trained(name)
+    runs = readback.tensorboard_runs(root / "tb")
+    assert sorted(runs) == [".", "pp_stage_0", "pp_stage_1"]  # Megatron-LM's run, and one run per stage
+    assert len(list((root / "tb").glob("events.out.tfevents.*"))) == 1  # no second main run
+    main = runs["."]
+    loss_steps = [step for step, _ in main["lm loss"]]
+    series = [tag for tag in main if tag.startswith("memory/") and "/phase/" not in tag]
+    for tag in ("memory/peak_host_rss_gb", "memory/activations_gb", "memory/microbatches_in_flight"):
+        assert tag in series
+    for tag in series:
+        assert [step for step, _ in main[tag]] == loss_steps, tag  # each once, at exactly those steps
+    assert not [tag for tag in main if tag.startswith("mem-")]  # no device statistics: none from one rank
+    if "wandb" in RUNS[name][1]:
+        rows = _wandb_rows(root)
+        for tag in series:
+            assert sorted(step for step, row in rows.items() if tag in row) == loss_steps, tag
+            assert sorted(step for step, row in rows.items() if "lm loss" in row) == loss_steps
+        assert not [key for row in rows.values() for key in row if key.startswith("mem-")]
+
+
+@pytest.mark.parametrize("name", WITH_FLAG)
+def test_the_max_is_the_max_of_the_stages_and_each_stage_run_holds_its_own(trained, name):
+    runs = readback.tensorboard_runs(trained(name) / "tb")
+    main = runs["."]
+    per_stage = sorted({tag.split("/", 2)[2] for tag in main if tag.startswith("memory/pp_stage_")})
+    assert "activations_gb" in per_stage and "peak_host_rss_gb" in per_stage
+    for key in per_stage:
+        stage_values = [dict(main[f"memory/pp_stage_{stage}/{key}"]) for stage in (0, 1)]
+        for step, value in main[f"memory/{key}"]:
+            assert value == max(values[step] for values in stage_values), (key, step)
+        for stage in (0, 1):
+            assert runs[f"pp_stage_{stage}"][f"memory/{key}"] == main[f"memory/pp_stage_{stage}/{key}"]
+
+
+@pytest.mark.parametrize("name", WITH_FLAG)
+def test_activations_and_in_flight_match_the_count_made_apart_and_megatrons_schedule(trained, name):
+    stages = _stages(trained(name))
+    assert sorted(stages) == [0, 1]
+    for stage, record in stages.items():
+        figures, apart = record["stage"], record["apart"]
+        counted = apart["saved_peak_bytes"][str(record["iteration"])]
+        assert figures["activations_gb"] == pytest.approx(counted / 1e9, rel=0.01), stage
+        assert figures["microbatches_in_flight"] == apart["expected_in_flight"], stage
+        facts = record["run"]
+        assert facts["framework"] == "megatron-lm" and facts["micro_batch_size"] == 2 and facts["microbatches"] == 4
+        assert facts["schedule"] == ("interleaved" if "interleaved" in name else "1f1b")
+    assert stages[0]["stage"]["activations_gb"] > stages[1]["stage"]["activations_gb"]  # the peak lives on stage 0
+
+
+def test_checkpoint_saves_and_evaluation_are_phases_and_the_offline_commands_read_the_run(trained):
+    root = trained("install, 1f1b")
+    main = readback.tensorboard_runs(root / "tb")["."]
+    for name in ("checkpoint_save", "eval"):
+        assert main[f"memory/phase/{name}/seconds"], name  # measured on the save and the evaluation at 2
+    cli = [sys.executable, "-m", "nemo_memlog.cli"]
+    advised = subprocess.run([*cli, "advise", root / "tb"], capture_output=True, text=True, timeout=120)
+    assert advised.returncode == 0, advised.stderr
+    assert "stage 0" in advised.stdout and "microbatches in flight" in advised.stdout
+    postmortem = subprocess.run([*cli, "postmortem", root], capture_output=True, text=True, timeout=120)
+    assert postmortem.returncode == 0, postmortem.stderr  # 0: no failure, every rank ended cleanly
+    assert "2 of 2 ranks read" in postmortem.stdout
