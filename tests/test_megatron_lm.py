@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_memlog.offline.rank_files import read_rank_file
 from nemo_memlog.testing import megatron_lm_stand_ins, torchrun
 from tests import readback
 
@@ -168,6 +169,10 @@ def test_checkpoint_saves_and_evaluation_are_phases_and_the_offline_commands_rea
     main = readback.tensorboard_runs(root / "tb")["."]
     for name in ("checkpoint_save", "eval"):
         assert main[f"memory/phase/{name}/seconds"], name  # measured on the save and the evaluation at 2
+    for path in (root / "memory_records").glob("rank-*.memrec"):  # what a post-mortem of a kill mid-save reads
+        phases = [(r["name"], r["event"], r["iteration"]) for r in read_rank_file(path).records if r["kind"] == "phase"]
+        assert ("checkpoint_save", "start", 2) in phases and ("checkpoint_save", "end", 2) in phases, path
+        assert ("eval", "start", 2) in phases, path
     cli = [sys.executable, "-m", "nemo_memlog.cli"]
     advised = subprocess.run([*cli, "advise", root / "tb"], capture_output=True, text=True, timeout=120)
     assert advised.returncode == 0, advised.stderr

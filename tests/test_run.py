@@ -84,16 +84,16 @@ def test_bridge_callbacks_get_ours_unless_present():
 
     from nemo_memlog.bridge import MemoryLogCallback
 
-    added = instrument._with_bridge_callback(None)
+    added = instrument.with_bridge_callback(None)
     assert [type(c) for c in added] == [MemoryLogCallback]
     own = MemoryLogCallback()
-    assert instrument._with_bridge_callback([own]) == [own]
+    assert instrument.with_bridge_callback([own]) == [own]
     manager = CallbackManager()
     manager.add(own)
-    assert instrument._with_bridge_callback(manager) is manager
+    assert instrument.with_bridge_callback(manager) is manager
     assert len(manager.list_callbacks("on_train_start")) == 1
     empty = CallbackManager()
-    instrument._with_bridge_callback(empty)
+    instrument.with_bridge_callback(empty)
     assert [type(f.__self__) for f in empty.list_callbacks("on_train_start")] == [MemoryLogCallback]
 
 
@@ -105,12 +105,12 @@ def megatron_lm_loop(monkeypatch):
 
     if not megatron_lm_stand_ins.has_loop():
         pytest.skip("Megatron-LM's loop ships in megatron-core 0.17+")
-    bridge_env._typing_override()
+    bridge_env.typing_override()
     import megatron.training.training as training
 
     for name in megatron_lm.WRAPPED:
         monkeypatch.setattr(training, name, getattr(training, name))
-    monkeypatch.setattr(megatron_lm, "_installed", None)
+    monkeypatch.setattr(megatron_lm, "_installed", {})
     return training
 
 
@@ -137,7 +137,7 @@ def test_a_loop_without_what_install_wraps_is_named_with_the_version(megatron_lm
         megatron_lm.MegatronLMError, match=f"train_step is missing in megatron-core {version('megatron-core')}"
     ):
         megatron_lm.install()
-    assert megatron_lm._installed is None
+    assert not megatron_lm._installed
 
 
 def test_mem_series_are_the_pipelines_max_in_megatron_lms_units():

@@ -295,7 +295,7 @@ LAYERS = (
     ("reduction and writers", ("payload", "attribution", "metrics", "reduce", "writers")),
     ("advice", ("advice",)),
     ("the run", ("placement", "monitor", "hook")),
-    ("integrations and entry points", ("integrations", "bridge", "lightning", "cli", "")),
+    ("integrations and entry points", ("integrations", "bridge", "lightning", "megatron_lm", "cli", "")),
 )
 #: Apart from the layers: the offline commands (no torch; they read the layers' pure modules up to
 #: the advice, and only the entry points reach them) and the helpers of tests and scripts.

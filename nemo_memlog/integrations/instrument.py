@@ -71,14 +71,14 @@ def _bridge(function_name: str) -> Callable[[Any], None]:
 
         @functools.wraps(original)
         def with_callback(config: Any, forward_step_func: Any, callbacks: Any = None, *args: Any, **kwargs: Any):
-            return original(config, forward_step_func, _with_bridge_callback(callbacks), *args, **kwargs)
+            return original(config, forward_step_func, with_bridge_callback(callbacks), *args, **kwargs)
 
         setattr(module, function_name, with_callback)
 
     return added
 
 
-def _with_bridge_callback(callbacks: Any) -> Any:
+def with_bridge_callback(callbacks: Any) -> Any:
     """``callbacks`` with the Bridge MemoryLogCallback in it, unless one is there (a list, None, or
     Bridge's CallbackManager)."""
     from . import bridge

@@ -210,7 +210,9 @@ def _run_config(args: Any) -> dict:
 
 # ---- the way in: rebinding -------------------------------------------------------------------
 
-_installed: MemoryLogCallback | None = None
+#: Per process, by nature: the one callback install() put into this process's Megatron-LM loop (a
+#: second install() returns it), under the key "callback".
+_installed: dict[str, MemoryLogCallback] = {}
 
 
 def install(**settings: Any) -> MemoryLogCallback:
@@ -229,18 +231,18 @@ def install(**settings: Any) -> MemoryLogCallback:
         MegatronLMError: no ``megatron.training.training``, or it lacks a function install() wraps.
         ValueError: an unknown setting, or one that cannot work.
     """
-    global _installed
-    if _installed is not None:
-        if settings and settings != _installed.settings:
+    installed = _installed.get("callback")
+    if installed is not None:
+        if settings and settings != installed.settings:
             log.warning("nemo_memlog: megatron_lm.install() again with other settings: the first install's stand")
-        return _installed
+        return installed
     training = _loop()
     callback = MemoryLogCallback(**settings)
     for name, wrap in _WRAPPERS.items():
         original = getattr(training, name)
         wrapped = functools.wraps(original)(wrap(original, inspect.signature(original), callback))
         setattr(training, name, wrapped)
-    _installed = callback
+    _installed["callback"] = callback
     return callback
 
 

@@ -62,7 +62,7 @@ def load() -> None:
     """Import Megatron-Bridge's training modules (idempotent)."""
     from nemo_memlog.writers.comet import import_comet_ml
 
-    _typing_override()
+    typing_override()
     import_comet_ml()
     for name in STAND_IN_MODULES:
         if name not in sys.modules:
@@ -74,7 +74,7 @@ def load() -> None:
     import megatron.bridge.training.utils.train_utils  # noqa: F401
 
 
-def _typing_override() -> None:
+def typing_override() -> None:
     import typing
 
     if not hasattr(typing, "override"):  # Python < 3.12
@@ -102,7 +102,7 @@ def host_memory_stats() -> dict[str, int]:
     return stats
 
 
-def _cpu_torch():
+def cpu_torch():
     import torch
 
     cuda = types.SimpleNamespace(
@@ -136,7 +136,7 @@ def cpu_redirects():
     load()
     modules = [sys.modules[name] for name in REDIRECTED_MODULES]
     originals = [module.torch for module in modules]
-    replacement = _cpu_torch()
+    replacement = cpu_torch()
     for module in modules:
         module.torch = replacement
     try:

@@ -24,7 +24,7 @@ import importlib
 import sys
 import types
 
-from .megatron_stand_ins import STAND_INS, StandInError, _cpu_device, _cpu_torch, _need
+from .megatron_stand_ins import STAND_INS, StandInError, cpu_device, cpu_torch, need
 
 #: Each stand-in beyond megatron_stand_ins.STAND_INS and why it exists.
 LM_STAND_INS = {
@@ -99,9 +99,9 @@ def install() -> None:
 
     if _installed or torch.cuda.is_available():
         return
-    from .bridge_env import _typing_override
+    from .bridge_env import typing_override
 
-    _typing_override()
+    typing_override()
     for name in LOOP_MODULES:
         try:
             importlib.import_module(name)
@@ -111,15 +111,15 @@ def install() -> None:
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
-    _need(dataset_utils, "compile_helpers")
+    need(dataset_utils, "compile_helpers")
     dataset_utils.compile_helpers = lambda: None
     _core_stand_ins()
     replacement = _loop_torch()
     for module in _megatron_modules():
         module.torch = replacement
-    no_cuda = functools.partial(_need(initialize, "initialize_megatron"), allow_no_cuda=True)
+    no_cuda = functools.partial(need(initialize, "initialize_megatron"), allow_no_cuda=True)
     initialize.initialize_megatron = training.initialize_megatron = no_cuda
-    initialize._initialize_distributed = _with_groups(_need(initialize, "_initialize_distributed"), replacement)
+    initialize._initialize_distributed = _with_groups(need(initialize, "_initialize_distributed"), replacement)
     torch.Tensor.cuda = _self_without_cuda(torch.Tensor.cuda)
     torch.nn.Module.cuda = _self_without_cuda(torch.nn.Module.cuda)
     _installed = True
@@ -129,11 +129,11 @@ def _loop_torch():
     """megatron_stand_ins's torch as Megatron's modules see it, with what the loop needs beyond it."""
     import torch
 
-    replacement = _cpu_torch()
+    replacement = cpu_torch()
 
     def maker(real):
         def made(*args, device=None, **kwargs):
-            return real(*args, device=_cpu_device(device), **kwargs)
+            return real(*args, device=cpu_device(device), **kwargs)
 
         return made
 

@@ -56,18 +56,18 @@ def summary() -> str:
     return "megatron-core on CPU, with stand-ins for its GPU assumptions: " + "; ".join(STAND_INS.values())
 
 
-def _cpu_device(device):
+def cpu_device(device):
     return "cpu" if device is not None and str(device).startswith("cuda") else device
 
 
-def _cpu_torch():
+def cpu_torch():
     import torch
 
     def maker(name):
         real = getattr(torch, name)
 
         def made(*args, device=None, **kwargs):
-            return real(*args, device=_cpu_device(device), **kwargs)
+            return real(*args, device=cpu_device(device), **kwargs)
 
         return made
 
@@ -113,7 +113,7 @@ def _modules(prefixes) -> list:
     return found
 
 
-def _need(module, name: str):
+def need(module, name: str):
     if not hasattr(module, name):
         raise StandInError(f"{module.__name__} has no {name}: the CPU stand-ins need it (megatron-core moved it?)")
     return getattr(module, name)
@@ -128,16 +128,16 @@ def cpu_stand_ins(on_cpu: bool = True):
     import megatron.core.tensor_parallel.random as rng
     import torch
 
-    _need(rng, "get_cuda_rng_tracker")
+    need(rng, "get_cuda_rng_tracker")
     for name in ("_set_cuda_rng_state",):
-        _need(rng, name)
+        need(rng, name)
     undo: list = []
 
     def swap(owner, name, value):
         undo.append((owner, name, getattr(owner, name)))
         setattr(owner, name, value)
 
-    replacement = _cpu_torch()
+    replacement = cpu_torch()
     for module in _modules(REDIRECTED):
         swap(module, "torch", replacement)
     tracker_class = type(rng.get_cuda_rng_tracker())
