@@ -116,7 +116,42 @@ def _own_flags(parser):
         help="write DIR/rank-<r>.json: the activations autograd saved in each iteration (megatron_cpu's "
         "SavedTensorCount around train_step), Megatron's own in-flight count, and the losses",
     )
+    group.add_argument(
+        "--device-stats",
+        default=None,
+        metavar="DIR",
+        help="write DIR/stats-<r>.json: this rank's torch.cuda.memory_stats() right after each training_log "
+        "(a GPU check of the mem-* series, read apart from nemo_memlog)",
+    )
     return parser
+
+
+def device_stats(folder: str) -> None:
+    """Wrap Megatron-LM's ``training_log`` (outermost, after nemo_memlog's own wrapper) to keep this rank's
+    ``torch.cuda.memory_stats()`` keys that Megatron-LM's ``mem-*`` scalars read, per iteration."""
+    import json
+    import os
+
+    import megatron.training.training as training
+    import torch
+    import torch.distributed as dist
+
+    from .megatron_lm_stand_ins import MEGATRON_LM_MEMORY_KEYS
+
+    original = training.training_log
+    seen: dict = {}
+
+    def training_log(*args, **kwargs):
+        result = original(*args, **kwargs)
+        iteration = args[3] if len(args) > 3 else kwargs["iteration"]
+        stats = torch.cuda.memory_stats()
+        seen[str(iteration)] = {key: stats.get(key) for key in MEGATRON_LM_MEMORY_KEYS}
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, f"stats-{dist.get_rank()}.json"), "w") as out:
+            json.dump(seen, out)
+        return result
+
+    training.training_log = training_log
 
 
 def count_apart(folder: str) -> None:
@@ -187,6 +222,8 @@ def main(argv: list[str]) -> int:
         megatron_lm.install()
     if args.count_apart:
         count_apart(args.count_apart)
+    if args.device_stats:
+        device_stats(args.device_stats)
     import warnings
 
     with warnings.catch_warnings():  # "use a ModelConfig instead of a model provider": ours is one on purpose
