@@ -78,7 +78,10 @@ def has_loop() -> bool:
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.find_spec("megatron.core")
+    try:
+        spec = importlib.util.find_spec("megatron.core")
+    except ImportError:  # no megatron at all
+        return False
     return (
         spec is not None
         and spec.origin is not None
