@@ -12,7 +12,7 @@ NullTokenizer --vocab-size N`` need no data). Each stand-in is listed in ``LM_ST
 reason. ``install()`` is for a whole training process and is not undone: the process is the job.
 It changes what Megatron's modules see, never what torch, torch.distributed or nemo_memlog see
 (except ``Tensor.cuda()``/``Module.cuda()``, which return their object while CUDA is unavailable).
-On a machine with CUDA it installs nothing. A megatron-core without the loop, or without a place a
+On a machine with CUDA it installs only the wheel's two (``typing_override``, ``compile_helpers``). A megatron-core without the loop, or without a place a
 stand-in needs, fails with ``StandInError`` naming it.
 """
 
@@ -95,12 +95,13 @@ def summary() -> str:
 
 
 def install() -> None:
-    """Install every stand-in (``STAND_INS`` and ``LM_STAND_INS``) for the rest of the process. Once;
-    nothing on a machine with CUDA."""
+    """Install the stand-ins for the rest of the process, once. The wheel's own two (``typing_override``,
+    ``compile_helpers``) everywhere; the CPU ones (``STAND_INS`` and the rest of ``LM_STAND_INS``) only
+    without CUDA."""
     global _installed
     import torch
 
-    if _installed or torch.cuda.is_available():
+    if _installed:
         return
     from .bridge_env import typing_override
 
@@ -111,11 +112,19 @@ def install() -> None:
         except ImportError as error:
             raise StandInError(f"megatron-core has no {name} ({error}): Megatron-LM's loop ships in 0.17+") from None
     import megatron.core.datasets.utils as dataset_utils
-    import megatron.training.initialize as initialize
-    import megatron.training.training as training
 
     need(dataset_utils, "compile_helpers")
     dataset_utils.compile_helpers = lambda: None
+    if not torch.cuda.is_available():
+        _on_cpu()
+    _installed = True
+
+
+def _on_cpu() -> None:
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+    import torch
+
     _core_stand_ins()
     replacement = _loop_torch()
     for module in _megatron_modules():
@@ -125,7 +134,6 @@ def install() -> None:
     initialize._initialize_distributed = _with_groups(need(initialize, "_initialize_distributed"), replacement)
     torch.Tensor.cuda = _self_without_cuda(torch.Tensor.cuda)
     torch.nn.Module.cuda = _self_without_cuda(torch.nn.Module.cuda)
-    _installed = True
 
 
 def _loop_torch():
