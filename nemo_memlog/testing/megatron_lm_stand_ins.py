@@ -12,8 +12,9 @@ NullTokenizer --vocab-size N`` need no data). Each stand-in is listed in ``LM_ST
 reason. ``install()`` is for a whole training process and is not undone: the process is the job.
 It changes what Megatron's modules see, never what torch, torch.distributed or nemo_memlog see
 (except ``Tensor.cuda()``/``Module.cuda()``, which return their object while CUDA is unavailable).
-On a machine with CUDA it installs only the wheel's two (``typing_override``, ``compile_helpers``). A megatron-core without the loop, or without a place a
-stand-in needs, fails with ``StandInError`` naming it.
+On a machine with CUDA it installs only the wheel's two (``typing_override``, ``compile_helpers``).
+A megatron-core without the loop, or without a place a stand-in needs, fails with ``StandInError``
+naming it.
 """
 
 from __future__ import annotations
