@@ -338,7 +338,7 @@ def counted_apart(job: Job) -> dict:
     """This rank's model state in bytes, counted from Megatron's own structures, not by walking
     storages as nemo_memlog does: the DDP buffers' sizes (params where the buffer holds them, else
     each parameter), and Adam's rule (exp_avg and exp_avg_sq per element of each parameter the
-    torch optimizer steps, one 4-byte step each, and the fp32 master copy where the parameter the
+    torch optimizer steps, one 4-byte step each where torch keeps it beside the parameter, and the fp32 master copy where the parameter the
     torch optimizer steps is not the model's own) for the optimizer state."""
     from torch import nn
 
@@ -357,7 +357,10 @@ def counted_apart(job: Job) -> dict:
     for optimizer in getattr(job.optimizer, "chained_optimizers", [job.optimizer]):
         for group in optimizer.optimizer.param_groups:
             for param in group["params"]:
-                state += 2 * param.numel() * 4 + 4
+                state += 2 * param.numel() * 4
+                step = optimizer.optimizer.state.get(param, {}).get("step")
+                if step is None or (hasattr(step, "device") and step.device == param.device):
+                    state += 4  # Adam's step, where it lives beside the parameter (on a GPU torch keeps it on the CPU)
                 if param.untyped_storage().data_ptr() not in model_storages:  # an fp32 master copy (bf16)
                     state += param.numel() * param.element_size()
     return {"params": params, "grads": grads, "optimizer_state": state}
