@@ -338,8 +338,9 @@ def counted_apart(job: Job) -> dict:
     """This rank's model state in bytes, counted from Megatron's own structures, not by walking
     storages as nemo_memlog does: the DDP buffers' sizes (params where the buffer holds them, else
     each parameter), and Adam's rule (exp_avg and exp_avg_sq per element of each parameter the
-    torch optimizer steps, one 4-byte step each where torch keeps it beside the parameter, and the fp32 master copy where the parameter the
-    torch optimizer steps is not the model's own) for the optimizer state."""
+    torch optimizer steps, one 4-byte step each where torch keeps it beside the parameter, and the
+    fp32 master copy where the parameter the torch optimizer steps is not the model's own) for the
+    optimizer state."""
     from torch import nn
 
     params = grads = 0
