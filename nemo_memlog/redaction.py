@@ -116,7 +116,10 @@ def scrubbed(value: Any, secrets: list[str]) -> Any:
 
 #: A secret-named option or assignment in a command's text, and its value: ``--wandb-api-key V``,
 #: ``--comet-api-key=V``, ``COMET_API_KEY=V``, ``logger.wandb_api_key=V`` (quotes around V left out).
-_NAMED_VALUE = re.compile(r"""(?:^|(?<=[\s'";(]))(-{0,2}[\w.-]+)(=|\s+)(["']?)([^\s'";)]+)""")
+_NAMED_VALUE = re.compile(
+    rf"""(?:^|(?<=[\s'";(]))(-{{0,2}}[\w.-]*(?:{SECRET_NAME.pattern})[\w.-]*)(=|\s+)(["']?)([^\s'";)]+)""",
+    re.IGNORECASE,
+)
 #: Values never taken for a secret however they are named (a flag's switch, a placeholder): scrubbing
 #: them would take every ``1`` or ``true`` out of what is shown.
 _NOT_SECRETS = {"true", "false", "none", "null", "yes", "no", "auto", "off", "on"}

@@ -197,18 +197,23 @@ class _Copier:
         self.thread.start()
 
     def _copy(self) -> None:
-        pending = b""
+        held: list[bytes] = []  # the output after the last line's end, not yet written
+        size = 0
         try:
             while chunk := self.pipe.read1(1 << 16):
-                pending += chunk
-                end = pending.rfind(b"\n") + 1
-                if not end and len(pending) > self.HOLD:  # a line without end: written but for its last bytes
-                    pending = self._scrub(pending)
-                    end = len(pending) - self.keep
-                if end:
-                    self._write(pending[:end])
-                    pending = pending[end:]
-            self._write(pending)
+                newline = chunk.rfind(b"\n")
+                if newline >= 0:
+                    self._write(b"".join([*held, chunk[: newline + 1]]))
+                    held, size = [chunk[newline + 1 :]], len(chunk) - newline - 1
+                    continue
+                held.append(chunk)
+                size += len(chunk)
+                if size > self.HOLD:  # a line without end: written but for its last bytes
+                    data = self._scrub(b"".join(held))
+                    cut = max(0, len(data) - self.keep)
+                    self._write(data[:cut])
+                    held, size = [data[cut:]], len(data) - cut
+            self._write(b"".join(held))
         except (OSError, ValueError):  # the log's disk full, the pipe closed under us: nothing more is copied
             pass
 
