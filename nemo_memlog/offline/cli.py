@@ -64,11 +64,10 @@ def _fit_parser(commands) -> None:
         help="the largest micro-batch size that fits every stage, from probes of your own launch",
         description="Launch COMMAND (with {micro_batch_size} where the size goes) at one size, end it once every "
         "rank has recorded two measured logging steps, predict the largest size that fits every pipeline stage, "
-        "and confirm it with another launch (docs/fit.md). Exit status: 0 with an answer, 2 when even the "
-        "smallest size does not fit (or a usage error: no placeholder, a --work-dir that cannot be used), 1 when "
-        "fit cannot tell (a probe could not measure: it timed out, ended early, died of something other than "
-        "memory or wrote a bad record; the command keeps its microbatches per iteration instead of its global "
-        "batch), 130/143 interrupted.",
+        "and confirm it with another launch (docs/fit.md). Exit status: 0 with an answer, 2 when even the smallest "
+        "size does not fit (or a usage error), 1 when fit cannot tell (a probe could not measure: timed out, ended "
+        "early, died but not of memory, a bad record; the command keeps its microbatches, not its global batch), "
+        "130/143 interrupted.",
     )
     fit.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your launch, after --")
     fit.add_argument("--capacity-gb", type=_gigabytes, default=None, help="memory per rank (default: as advise)")
@@ -306,9 +305,8 @@ def _advise(args) -> int:
 
 
 def _fit(args) -> int:
-    """Exit code 0 with an answer, 2 when nothing fits or for a usage error, 1 when fit cannot tell
-    (a probe could not measure): from what happened, never from a message's words. With --json, one
-    object on stdout whatever happens (``error`` set where there is no answer to give)."""
+    """Exit code 0 with an answer, 2 when nothing fits or for a usage error, 1 when fit cannot tell: from
+    what happened, never from a message's words. --json: one object whatever happens (with ``error``)."""
     import signal
 
     from ..redaction import scrubbed_text
