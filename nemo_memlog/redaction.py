@@ -112,3 +112,53 @@ def scrubbed(value: Any, secrets: list[str]) -> Any:
         for secret in sorted(filter(None, secrets), key=len, reverse=True):  # "user:pw" before "pw"
             value = value.replace(secret, REDACTED)
     return value
+
+
+#: A secret-named option or assignment in a command's text, and its value: ``--wandb-api-key V``,
+#: ``--comet-api-key=V``, ``COMET_API_KEY=V``, ``logger.wandb_api_key=V`` (quotes around V left out).
+_NAMED_VALUE = re.compile(
+    rf"""(?:^|(?<=[\s'";(]))(-{{0,2}}[\w.-]*(?:{SECRET_NAME.pattern})[\w.-]*)(=|\s+)(["']?)([^\s'";)]+)""",
+    re.IGNORECASE,
+)
+#: Values never taken for a secret however they are named (a flag's switch, a placeholder): scrubbing
+#: them would take every ``1`` or ``true`` out of what is shown.
+_NOT_SECRETS = {"true", "false", "none", "null", "yes", "no", "auto", "off", "on"}
+#: The shortest value taken for a secret (shorter ones would scrub ordinary words and numbers).
+MIN_SECRET = 4
+
+
+def _plausible(value: str) -> bool:
+    return len(value) >= MIN_SECRET and value.lower() not in _NOT_SECRETS
+
+
+def command_secrets(command: list[str]) -> list[str]:
+    """The secret values in a command line: a secret-named option's value (``--wandb-api-key V`` as
+    two arguments or in one shell string, ``--comet-api-key=V``), a secret-named assignment's
+    (``COMET_API_KEY=V``, ``logger.wandb_api_key=V``), a URI's credentials; any argument, also
+    inside a ``bash -c`` string. Values shorter than MIN_SECRET, or a switch's ``true``, are not."""
+    found: list[str] = []
+    for index, part in enumerate(command):
+        found += uri_credentials(part)
+        name = part.lstrip("-")
+        if part.startswith("-") and "=" not in part and SECRET_NAME.search(name) and index + 1 < len(command):
+            found.append(command[index + 1])
+        for match in _NAMED_VALUE.finditer(part):
+            key, separator, value = match.group(1), match.group(2), match.group(4)
+            if SECRET_NAME.search(key) and (separator == "=" or key.startswith("-")):
+                found.append(value)
+    return sorted({value for value in found if _plausible(value)}, key=len, reverse=True)
+
+
+def environ_secrets(environ: dict[str, str]) -> list[str]:
+    """The values of secret-named environment variables (``WANDB_API_KEY``, ``HF_TOKEN``) and the
+    credentials of URI-valued ones, as command_secrets takes them."""
+    found: list[str] = []
+    for name, value in environ.items():
+        found += [value] if SECRET_NAME.search(name) else uri_credentials(value)
+    return [value for value in found if _plausible(value)]
+
+
+def scrubbed_text(text: str, secrets: list[str]) -> str:
+    """``text`` with every secret in ``secrets`` REDACTED and any URI's password ``***``: for output
+    that may echo them anywhere. Linear in the text's length for each secret."""
+    return scrubbed(redact_uri(text), secrets)

@@ -64,9 +64,10 @@ def _fit_parser(commands) -> None:
         help="the largest micro-batch size that fits every stage, from probes of your own launch",
         description="Launch COMMAND (with {micro_batch_size} where the size goes) at one size, end it once every "
         "rank has recorded two measured logging steps, predict the largest size that fits every pipeline stage, "
-        "and confirm it with another launch (docs/fit.md). Exit status: 0 with an answer, 2 when even the "
-        "smallest size does not fit (or a usage error), 1 when fit cannot go on (the first probe measured nothing, the "
-        "command keeps its microbatches per iteration instead of its global batch), 130/143 interrupted.",
+        "and confirm it with another launch (docs/fit.md). Exit status: 0 with an answer, 2 when even the smallest "
+        "size does not fit (or a usage error), 1 when fit cannot tell (a probe could not measure: timed out, ended "
+        "early, died but not of memory, a bad record; the command keeps its microbatches, not its global batch), "
+        "130/143 interrupted.",
     )
     fit.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your launch, after --")
     fit.add_argument("--capacity-gb", type=_gigabytes, default=None, help="memory per rank (default: as advise)")
@@ -304,11 +305,13 @@ def _advise(args) -> int:
 
 
 def _fit(args) -> int:
-    """Exit code 0 with an answer, 2 when nothing fits, 1 when the probes measured nothing."""
+    """Exit code 0 with an answer, 2 when nothing fits or for a usage error, 1 when fit cannot tell: from
+    what happened, never from a message's words. --json: one object whatever happens (with ``error``)."""
     import signal
 
-    from .fit import NOTHING_FITS, FitError, Options, search
-    from .fit_render import as_json, as_text
+    from ..redaction import scrubbed_text
+    from .fit import CANNOT_TELL, NOTHING_FITS, FitError, Options, search, secrets_of
+    from .fit_render import as_json, as_text, error_json
     from .probe import become_subreaper
 
     command = args.job[1:] if args.job[:1] == ["--"] else args.job
@@ -327,12 +330,21 @@ def _fit(args) -> int:
     try:
         result = search(options)
     except FitError as error:
-        print(f"nemo-memlog fit: error: {error}", file=sys.stderr)
-        return 2 if "COMMAND" in str(error) else 1
+        message = scrubbed_text(str(error), secrets_of(options))  # a usage error may quote the command
+        if args.json:
+            print(error_json(message))
+        print(f"nemo-memlog fit: error: {message}", file=sys.stderr)
+        return error.code
     except KeyboardInterrupt as interrupt:
         print("nemo-memlog fit: interrupted; every probe's processes ended", file=sys.stderr)
         return 143 if interrupt.args == ("SIGTERM",) else 130
-    print(as_json(result, options) if args.json else as_text(result, options))
+    if args.json:
+        print(as_json(result, options))
+    elif result.error is None:
+        print(as_text(result, options))
+    if result.error is not None:
+        print(f"nemo-memlog fit: error: {result.error}", file=sys.stderr)
+        return CANNOT_TELL
     return 0 if result.micro_batch_size is not None else NOTHING_FITS
 
 

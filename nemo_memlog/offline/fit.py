@@ -10,34 +10,55 @@ being computed) grow as the two show (``advice.growth_between``: x F**p, p per s
 prediction is made from the measured run nearest in size. A probe that fits raises the floor, one that does not (over
 the limit, or killed: an OOM) lowers the ceiling; the next size is the largest predicted to fit
 between them, until none is left or ``max_launches`` is spent. The answer is always a size a probe
-measured to fit. docs/fit.md says what a probe costs and how accurate the predictions were.
+of this fit measured to fit: each probe starts from an empty folder, and one that could not measure
+(it timed out, ended early, died of something other than memory, or wrote a record advise refuses)
+ends the search with an error naming it, never "over the limit". Everything fit prints or writes has
+the command's secrets scrubbed (redaction.py). docs/fit.md says what a probe costs and how accurate
+the predictions were.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
+import os
 import re
 import shlex
+import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import advice
+from ..redaction import command_secrets, environ_secrets, scrubbed_text
 from .advise import AdviseError, load
-from .probe import Probe, run_probe
+from .probe import LOG_NAME, PROBE_DIR_ENV, Probe, run_probe
 
 PLACEHOLDER = "{micro_batch_size}"
 #: Exit status when even the smallest size does not fit.
 NOTHING_FITS = 2
+#: Exit status of a usage error (no placeholder, a --work-dir that cannot be written).
+USAGE = 2
+#: Exit status when fit cannot tell: a probe could not measure, the command's batch is not as fit needs.
+CANNOT_TELL = 1
+#: Candidate sizes predicted one by one up to this many; above it, bisected (as advise's search).
+PREDICT_EACH = 64
+#: Candidates listed in the JSON at most (their count is given whole).
+CANDIDATES_SHOWN = 128
 #: The error the advice's peak prediction was held to against reruns (docs/fit.md): a size above the
 #: largest predicted to fit, but predicted to miss the limit by less than this, is probed too.
 PREDICTION_ERROR = 0.10
 
 
 class FitError(Exception):
-    """fit cannot go on; the message says why and what to change."""
+    """fit cannot go on; the message says why and what to change; ``code`` the exit status."""
+
+    def __init__(self, message: str, code: int = CANNOT_TELL):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -62,6 +83,15 @@ class Launch:
     predicted: list[float] | None
     fits: bool
 
+    @property
+    def outcome(self) -> str:
+        """ "fits", "over the limit" (measured over, or died of memory) or "could not measure"."""
+        if self.fits:
+            return "fits"
+        if (self.probe.measured and self.run is not None) or self.probe.out_of_memory:
+            return "over the limit"
+        return "could not measure"
+
 
 @dataclass
 class Result:
@@ -71,9 +101,11 @@ class Result:
     capacity_gb: float | None
     capacity_source: str
     seconds: float
-    candidates: list[int]
+    candidates: Sequence[int]
     alternatives: list[advice.Fix] = field(default_factory=list)
     answer: Launch | None = None
+    error: str | None = None  # why fit cannot tell (exit CANNOT_TELL); then no answer
+    secrets: list[str] = field(default_factory=list)  # scrubbed from anything shown
 
 
 #: PLACEHOLDER, or with the size the command would use: ``{micro_batch_size:8}`` (the first probe's).
@@ -89,31 +121,59 @@ def stated_size(command: list[str]) -> int | None:
     """The size the command would use, where a placeholder states it (``{micro_batch_size:8}``)."""
     sizes = {int(match.group(1)) for part in command for match in _SLOT.finditer(part) if match.group(1)}
     if len(sizes) > 1:
-        raise FitError(f"COMMAND states several sizes in its placeholders ({sorted(sizes)}): state one")
+        raise FitError(f"COMMAND states several sizes in its placeholders ({sorted(sizes)}): state one", USAGE)
     return sizes.pop() if sizes and min(sizes) > 0 else None
 
 
 def check_command(command: list[str]) -> None:
     if not command:
-        raise FitError(f"no COMMAND: nemo-memlog fit [options] -- COMMAND ... {PLACEHOLDER} ...")
+        raise FitError(f"no COMMAND: nemo-memlog fit [options] -- COMMAND ... {PLACEHOLDER} ...", USAGE)
     if not any(_SLOT.search(part) for part in command):
         raise FitError(
             f"COMMAND has no {PLACEHOLDER}: put it where the size goes, e.g. "
             f"train.micro_batch_size={PLACEHOLDER} (quoted, so the shell leaves the braces), or "
-            f"{{micro_batch_size:8}} to start from 8, the size the command would use"
+            f"{{micro_batch_size:8}} to start from 8, the size the command would use",
+            USAGE,
         )
 
 
+def check_work_dir(work_dir: Path) -> None:
+    """FitError (USAGE, one line) where ``work_dir`` cannot hold the probes' folders: a file, a folder
+    that cannot be written, /proc. Made where missing; tried by making (and removing) a folder in it."""
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".nemo-memlog-fit-", dir=work_dir))
+    except OSError as error:
+        raise FitError(f"--work-dir {work_dir}: cannot be used ({error.strerror or error})", USAGE) from None
+
+
+def secrets_of(options: Options) -> list[str]:
+    """The secrets fit must never show or write: the command's, and secret-named environment variables'."""
+    return sorted({*command_secrets(options.command), *environ_secrets(dict(os.environ))}, key=len, reverse=True)
+
+
 def search(options: Options) -> Result:
-    """Probe, predict, confirm (module docstring). Raises FitError where the first probe measures nothing."""
+    """Probe, predict, confirm (module docstring). Raises FitError (USAGE) for a command or --work-dir
+    that cannot be used; where fit cannot tell, the Result's ``error`` says why (the scratch folder
+    of the probes is then kept, and named)."""
     check_command(options.command)
+    stated_size(options.command)
+    if options.work_dir is not None:
+        check_work_dir(options.work_dir)
     began = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="nemo-memlog-fit-") as scratch:
-        work = options.work_dir or Path(scratch)
-        state = _Search(options, work)
+    secrets = secrets_of(options)
+    scratch = None if options.work_dir else Path(tempfile.mkdtemp(prefix="nemo-memlog-fit-"))
+    state = _Search(options, options.work_dir or scratch, secrets)
+    error = None
+    try:
         state.run()
+    except FitError as failed:
+        error = str(failed) + (f"\nthe probes' records and output are kept in {scratch}" if scratch else "")
+    finally:
+        if scratch is not None and error is None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return Result(
-        micro_batch_size=state.best.probe.micro_batch_size if state.best else None,
+        micro_batch_size=state.best.probe.micro_batch_size if state.best and error is None else None,
         launches=state.launches,
         limit_gb=state.limit,
         capacity_gb=state.capacity,
@@ -121,30 +181,36 @@ def search(options: Options) -> Result:
         seconds=time.monotonic() - began,
         candidates=state.candidates,
         alternatives=state.alternatives,
-        answer=state.best,
+        answer=state.best if error is None else None,
+        error=scrubbed_text(error, secrets) if error else None,
+        secrets=secrets,
     )
 
 
 class _Search:
-    def __init__(self, options: Options, work: Path):
-        self.options, self.work = options, work
+    def __init__(self, options: Options, work: Path, secrets: list[str]):
+        self.options, self.work, self.secrets = options, work, secrets
         self.launches: list[Launch] = []
         self.best: Launch | None = None  # the largest size measured to fit
         self.ceiling: int | None = None  # the smallest size measured not to fit
         self.limit: float | None = None
         self.capacity: float | None = None
         self.capacity_source = ""
-        self.candidates: list[int] = []
+        self.candidates: Sequence[int] = []
         self.alternatives: list[advice.Fix] = []
 
     def run(self) -> None:
         first = self._launch(self.options.start or stated_size(self.options.command) or 1, None)
         if first.run is None:
             raise FitError(_no_measurement(first.probe, self.options))
+        if first.outcome == "could not measure":
+            raise FitError(_could_not_measure(1, first, self.best, self.options))
         self.candidates = _candidates(first.run)
         size = self._next()
         while size is not None and len(self.launches) < self.options.max_launches:
-            self._launch(size, self._predicted(size))
+            launch = self._launch(size, self._predicted(size))
+            if launch.outcome == "could not measure":
+                raise FitError(_could_not_measure(len(self.launches), launch, self.best, self.options))
             size = self._next()
         if self.best is None:
             seen = [launch for launch in self.launches if launch.run]  # the smallest size, measured ones first
@@ -154,9 +220,13 @@ class _Search:
 
     def _launch(self, size: int, predicted: list[float] | None) -> Launch:
         folder = self.work / f"probe-{len(self.launches) + 1}-mbs-{size}"
-        probe = run_probe(
-            command_for(self.options.command, size), size, folder, self.options.probe_timeout_s, self.options.grace_s
-        )
+        command = command_for(self.options.command, size)
+        try:
+            probe = run_probe(
+                command, size, folder, self.options.probe_timeout_s, self.options.grace_s, self.secrets
+            )  # fmt: skip
+        except OSError as error:  # the folder: emptied and made before the launch
+            raise FitError(f"{folder}: cannot be made an empty probe folder ({error.strerror or error})") from None
         run = self._read(probe)
         fits = run is not None and probe.measured and all(peak <= self.limit for peak in peaks(run))
         launch = Launch(probe, run, predicted, fits)
@@ -164,11 +234,14 @@ class _Search:
         if fits:
             if self.best is None or size > self.best.probe.micro_batch_size:
                 self.best = launch
-        elif self.ceiling is None or size < self.ceiling:
+        elif launch.outcome == "over the limit" and (self.ceiling is None or size < self.ceiling):
             self.ceiling = size
         return launch
 
     def _read(self, probe: Probe) -> advice.Run | None:
+        if not probe.folder.is_dir():
+            probe.notes.append(f"the command removed its probe folder ({PROBE_DIR_ENV}) while it ran")
+            return None
         try:
             run = load(probe.folder, self.options.capacity_gb)
         except AdviseError as error:
@@ -206,20 +279,38 @@ class _Search:
             )
 
     def _next(self) -> int | None:
-        """The largest candidate predicted to fit between the floor and the ceiling not yet probed."""
+        """The largest candidate predicted to fit between the floor and the ceiling (every size probed
+        is one or the other), by PREDICT_EACH predictions at most (then bisected, as advise's search)."""
         floor = self.best.probe.micro_batch_size if self.best else 0
-        tried = {launch.probe.micro_batch_size for launch in self.launches}
-        between = [s for s in self.candidates if s > floor and (self.ceiling is None or s < self.ceiling)]
-        fitting = [s for s in between if s not in tried and self._fits(s)]
-        if fitting:
-            return max(fitting)
-        untried = [s for s in between if s not in tried]
+        low = bisect.bisect_right(self.candidates, floor)
+        high = len(self.candidates) if self.ceiling is None else bisect.bisect_left(self.candidates, self.ceiling)
+        between = self.candidates[low:high]
+        if not between:
+            return None
+        fitting = self._largest_fitting(between)
+        if fitting is not None:
+            return fitting
         if self.best is None:  # nothing predicted to fit: the smallest is measured before saying so
-            return untried[0] if untried and untried[0] == between[0] else None
+            return between[0]
         # The next size up predicted to miss by less than the advice's tested error: measured, not guessed.
-        if untried and untried[0] == between[0] and self._fits(untried[0], 1.0 + PREDICTION_ERROR):
-            return untried[0]
-        return None
+        return between[0] if self._fits(between[0], 1.0 + PREDICTION_ERROR) else None
+
+    def _largest_fitting(self, sizes: Sequence[int]) -> int | None:
+        """The largest of ``sizes`` (ascending) predicted to fit: each predicted up to PREDICT_EACH;
+        above, bisected (a stage's predicted peak grows with the size)."""
+        if len(sizes) <= PREDICT_EACH:
+            fitting = [size for size in sizes if self._fits(size)]
+            return max(fitting) if fitting else None
+        if not self._fits(sizes[0]):
+            return None
+        low, high = 0, len(sizes) - 1  # sizes[low] fits; the last index that does
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._fits(sizes[middle]):
+                low = middle
+            else:
+                high = middle - 1
+        return sizes[low]
 
     def _fits(self, size: int, slack: float = 1.0) -> bool:
         assert self.limit is not None
@@ -252,10 +343,11 @@ def _samples(run: advice.Run) -> int | None:
     return run.microbatches * run.micro_batch_size if run.microbatches and run.micro_batch_size else None
 
 
-def _candidates(run: advice.Run) -> list[int]:
+def _candidates(run: advice.Run) -> Sequence[int]:
     """The sizes the job allows: with the global batch fixed (the probe's micro-batch size times its
     microbatches, per data-parallel replica), those giving whole microbatches, and under the
-    interleaved schedule at least one group of them (Megatron refuses fewer); else 1 to 64x."""
+    interleaved schedule at least one group of them (Megatron refuses fewer); else 1 to 64x (a
+    range: never listed)."""
     if run.microbatches and run.micro_batch_size:
         found = advice.divisors(run.microbatches, run.micro_batch_size)
         if found is None:
@@ -269,7 +361,7 @@ def _candidates(run: advice.Run) -> list[int]:
             samples = run.microbatches * run.micro_batch_size
             found = [size for size in found if samples // size >= group]
         return found
-    return list(range(1, 64 * (run.micro_batch_size or 1) + 1))
+    return range(1, 64 * (run.micro_batch_size or 1) + 1)
 
 
 def _growth(measured: list[Launch], size: int) -> tuple[float, ...] | None:
@@ -284,23 +376,52 @@ def _growth(measured: list[Launch], size: int) -> tuple[float, ...] | None:
     return advice.growth_between(first, second)
 
 
-def _no_measurement(probe: Probe, options: Options) -> str:
-    log = probe.folder / "probe.log"
-    tail = probe.read_tail(15)
-    why = {
-        "died": f"the command exited with {probe.exit_code} before every rank recorded two measured logging steps",
+def _why(probe: Probe, options: Options) -> str:
+    """Why a probe measured nothing, in words."""
+    memory = " (out of memory)" if probe.out_of_memory else ""
+    return {
+        "died": f"the command exited with {probe.exit_code}{memory} before every rank recorded two measured "
+        "logging steps",
         "ended": "the command ended (exit 0) before every rank recorded two measured logging steps",
         "timeout": f"no two measured logging steps on every rank within {options.probe_timeout_s:g} s",
+        "measured": "its records cannot be used",
     }.get(probe.status, probe.status)
-    return (
-        f"the first probe (micro-batch size {probe.micro_batch_size}) measured nothing: {why} "
-        f"({probe.ranks_recorded} of {probe.world_size or '?'} ranks recorded). A probe needs memory logging on "
-        "(log_memory_to_tensorboard), the model passed to training_log or a callback, and two logging "
-        "intervals of training; a size that runs (--start N)."
-        + ("".join(f"\n  {note}" for note in probe.notes))
-        + (f"\nthe command's last output ({log}):\n{tail}" if tail else "")
+
+
+def _output(probe: Probe, options: Options, lines: int) -> str:
+    """The probe's notes and its command's last output, for a message; its log named only where the
+    path lasts (--work-dir's, not a temporary folder's)."""
+    log = probe.folder / LOG_NAME
+    named = f" ({log})" if options.work_dir is not None and log.is_file() else ""
+    tail = probe.read_tail(lines)
+    return "".join(f"\n  {note}" for note in probe.notes) + (
+        f"\nthe command's last output{named}:\n{tail}" if tail else ""
     )
 
 
-def shown(command: list[str]) -> str:
-    return shlex.join(command)
+def _no_measurement(probe: Probe, options: Options) -> str:
+    return (
+        f"the first probe (micro-batch size {probe.micro_batch_size}) measured nothing: {_why(probe, options)} "
+        f"({probe.ranks_recorded} of {probe.world_size or '?'} ranks recorded)"
+        + (f"; its error: {probe.error_line}" if probe.error_line else "")
+        + ". A probe needs memory logging on "
+        "(log_memory_to_tensorboard), the model passed to training_log or a callback, and two logging "
+        "intervals of training; a size that runs (--start N)." + _output(probe, options, 15)
+    )
+
+
+def _could_not_measure(number: int, launch: Launch, best: Launch | None, options: Options) -> str:
+    probe = launch.probe
+    error = probe.error_line
+    so_far = f"; the largest size measured to fit so far is {best.probe.micro_batch_size}" if best else ""
+    return (
+        f"probe {number} (micro-batch size {probe.micro_batch_size}) could not measure: {_why(probe, options)}"
+        + (f"; its error: {error}" if error else "")
+        + f". fit cannot tell whether {probe.micro_batch_size} fits{so_far}."
+        + _output(probe, options, 12)
+    )
+
+
+def shown(command: list[str], secrets: Sequence[str] = ()) -> str:
+    """The command line as fit prints it: its secrets and URI passwords scrubbed."""
+    return scrubbed_text(shlex.join(command), list(secrets or command_secrets(command)))

@@ -1,13 +1,16 @@
 """What ``nemo-memlog fit`` prints: the answer and its override, per stage the predicted and the
 confirmed peak and their error, the launches and the time, or what would fit instead; as text or
-as one JSON object (the contract: ``micro_batch_size``, ``launches``, ``stages``). No torch."""
+as one JSON object (the contract: ``micro_batch_size``, ``launches``, ``stages``, ``error``: null, or
+why fit cannot tell). Every text from the command (its line, its output) is shown with its secrets
+scrubbed (the Result's ``secrets``). No torch."""
 
 from __future__ import annotations
 
 import json
 
+from ..redaction import scrubbed_text
 from .advise import fix_dict
-from .fit import Launch, Options, Result, command_for, peaks, shown
+from .fit import CANDIDATES_SHOWN, Launch, Options, Result, command_for, peaks, shown
 from .tables import size_text
 
 
@@ -31,18 +34,26 @@ def _stages(result: Result) -> list[dict]:
     return rows
 
 
-def _launch(launch: Launch) -> dict:
+def _launch(launch: Launch, secrets: list[str]) -> dict:
     probe = launch.probe
     return {
         "micro_batch_size": probe.micro_batch_size,
         "status": probe.status,
+        "outcome": launch.outcome,
         "exit_code": probe.exit_code,
         "seconds": round(probe.seconds, 1),
         "fits": launch.fits,
         "predicted_peaks_gb": launch.predicted,
         "measured_peaks_gb": peaks(launch.run) if launch.run else None,
-        "output_tail": probe.output_tail or None,
+        "error_line": scrubbed_text(probe.error_line, secrets) or None if not launch.fits else None,
+        "notes": [scrubbed_text(note, secrets) for note in probe.notes],
+        "output_tail": scrubbed_text(probe.output_tail, secrets) or None,
     }
+
+
+def error_json(message: str) -> str:
+    """The one JSON object printed where fit stopped before any probe (a usage error)."""
+    return json.dumps({"micro_batch_size": None, "command": None, "error": message, "launches": 0, "probes": []})
 
 
 def as_json(result: Result, options: Options) -> str:
@@ -50,15 +61,17 @@ def as_json(result: Result, options: Options) -> str:
     return json.dumps(
         {
             "micro_batch_size": size,
-            "command": shown(command_for(options.command, size)) if size is not None else None,
+            "command": shown(command_for(options.command, size), result.secrets) if size is not None else None,
+            "error": result.error,
             "launches": len(result.launches),
             "seconds": round(result.seconds, 1),
             "margin": options.margin,
             "capacity_gb": result.capacity_gb,
             "capacity_source": result.capacity_source,
-            "candidates": result.candidates,
+            "candidates": list(result.candidates[:CANDIDATES_SHOWN]),
+            "candidates_count": len(result.candidates),
             "stages": _stages(result),
-            "probes": [_launch(launch) for launch in result.launches],
+            "probes": [_launch(launch, result.secrets) for launch in result.launches],
             "alternatives": [fix_dict(fix) for fix in result.alternatives],
         },
         indent=1,
@@ -69,7 +82,8 @@ def as_text(result: Result, options: Options) -> str:
     lines = []
     for number, launch in enumerate(result.launches, 1):
         probe = launch.probe
-        verdict = "fits" if launch.fits else ("does not fit" if probe.measured else probe.status)
+        verdict = {"over the limit": "does not fit"}.get(launch.outcome, launch.outcome)
+        verdict += f" ({probe.status})" if not probe.measured else ""
         measured = ", ".join(size_text(peak) for peak in peaks(launch.run)) if launch.run else "-"
         lines.append(
             f"probe {number}: micro-batch size {probe.micro_batch_size}: {verdict} "
@@ -77,7 +91,8 @@ def as_text(result: Result, options: Options) -> str:
         )
         if probe.output_tail:  # why it died: an OOM kill, or something else to fix first
             exit_text = f"exit {probe.exit_code}" if probe.exit_code is not None else probe.status
-            lines += [f"  its last output ({exit_text}):", *(f"    {line}" for line in probe.output_tail.splitlines())]
+            tail = scrubbed_text(probe.output_tail, result.secrets)
+            lines += [f"  its last output ({exit_text}):", *(f"    {line}" for line in tail.splitlines())]
     limit = f"{size_text(result.limit_gb)} per rank ({size_text(result.capacity_gb)} {result.capacity_source}, "
     lines += [f"limit: {limit}less {options.margin:.0%} margin)", ""]
     if result.micro_batch_size is None:
@@ -91,7 +106,7 @@ def as_text(result: Result, options: Options) -> str:
             lines.append("advise predicts no change alone or together that fits: more ranks, or a larger device.")
     else:
         lines.append(f"largest micro-batch size that fits every stage: {result.micro_batch_size}")
-        lines.append(f"  {shown(command_for(options.command, result.micro_batch_size))}")
+        lines.append(f"  {shown(command_for(options.command, result.micro_batch_size), result.secrets)}")
         lines.append("")
         lines.append(f"{'stage':<7}{'predicted':>12}{'confirmed':>12}{'error':>9}")
         for row in _stages(result):
@@ -102,4 +117,4 @@ def as_text(result: Result, options: Options) -> str:
             )
     lines.append("")
     lines.append(f"{len(result.launches)} launches, {result.seconds:.0f} s")
-    return "\n".join(lines)
+    return scrubbed_text("\n".join(lines), result.secrets)

@@ -17,13 +17,17 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..measure import layer_record
+from ..redaction import scrubbed_text
 
 #: The environment variable the product reads (config.schema.PROBE_DIR_ENV; not imported: no torch here).
 PROBE_DIR_ENV = "NEMO_MEMLOG_PROBE_DIR"
@@ -32,8 +36,15 @@ PROBE_DIR_ENV = "NEMO_MEMLOG_PROBE_DIR"
 STEPS = 2
 POLL_S = 0.2
 LOG_NAME = "probe.log"
-#: A line of the command's output that says why it ended: an exception, an OOM, a kill.
-_ERROR = re.compile(r"\w*(Error|Exception)\b|[Oo]ut of memory|OOM|Killed|SIGKILL")
+#: A line of the command's output that says why it ended: an exception, an OOM, a kill. No
+#: leading ``\w*``: it matched the same lines in time quadratic in a line's length.
+_ERROR = re.compile(r"(?:Error|Exception)\b|[Oo]ut of memory|OOM|Killed|SIGKILL")
+#: An error line that says the command ran out of memory (the kernel's OOM killer: SIGKILL, exit -9).
+_MEMORY = re.compile(r"[Oo]ut of memory|OutOfMemory|MemoryError|OOM|Killed|SIGKILL|exitcode\s*:\s*-9|bad_alloc")
+#: The end of the command's output kept and read (the cause and a launcher's summary are in it).
+TAIL_BYTES = 32 << 10
+#: A line of the output is shown cut to this many characters (around its error, where it has one).
+LINE_CHARS = 300
 
 
 @dataclass
@@ -51,21 +62,62 @@ class Probe:
     world_size: int | None = None
     notes: list[str] = field(default_factory=list)
     output_tail: str = ""  # the command's last lines, where it died or ended on its own
+    recent: bytes = b""  # the last TAIL_BYTES of its output (secrets scrubbed), kept as it ran
 
     def read_tail(self, lines: int = 12) -> str:
-        """The last ``lines`` of the command's output (LOG_NAME), after the last line that names an
-        error (a launcher's summary often follows the cause), or ""."""
-        try:
-            text = (self.folder / LOG_NAME).read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        errors = [line for line in text if _ERROR.search(line)]
-        tail = text[-lines:]
-        return "\n".join(([errors[-1]] if errors and errors[-1] not in tail else []) + tail)
+        """The last ``lines`` of the command's output, after the last line that names an error (a
+        launcher's summary often follows the cause), each cut to LINE_CHARS, or "". Reads the last
+        TAIL_BYTES only (what the probe kept, else the end of LOG_NAME)."""
+        text = _tail_lines(self.recent or _file_end(self.folder / LOG_NAME))
+        errors = [index for index, line in enumerate(text) if _ERROR.search(line)]
+        shown = [_cut(line) for line in text[-lines:]]
+        if errors and errors[-1] < len(text) - lines:
+            shown.insert(0, _cut(text[errors[-1]]))
+        return "\n".join(shown)
+
+    @property
+    def error_line(self) -> str:
+        """The last line of the command's output (its kept end) that names an error, cut; or ""."""
+        found = [line for line in _tail_lines(self.recent or _file_end(self.folder / LOG_NAME)) if _ERROR.search(line)]
+        return _cut(found[-1]) if found else ""
+
+    @property
+    def out_of_memory(self) -> bool:
+        """Whether the command died of memory: killed by SIGKILL (the OOM killer), or its last error
+        line says so. A probe that died of anything else, or timed out, measured nothing."""
+        if self.status != "died":
+            return False
+        return self.exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL) or bool(_MEMORY.search(self.error_line))
 
     @property
     def measured(self) -> bool:
         return self.status == "measured"
+
+
+def _file_end(path: Path) -> bytes:
+    """The last TAIL_BYTES of the file at ``path`` (b"" when it cannot be read): never the whole."""
+    try:
+        with open(path, "rb") as file:
+            file.seek(0, os.SEEK_END)
+            file.seek(max(0, file.tell() - TAIL_BYTES))
+            return file.read(TAIL_BYTES)
+    except OSError:
+        return b""
+
+
+def _tail_lines(data: bytes) -> list[str]:
+    """The whole lines of ``data`` (a file's end: a first line cut by the cut is dropped)."""
+    lines = data.decode(errors="replace").splitlines()
+    return lines[1:] if len(data) >= TAIL_BYTES and len(lines) > 1 else lines
+
+
+def _cut(line: str) -> str:
+    """``line`` shown in at most about LINE_CHARS characters: around its error, where it names one."""
+    if len(line) <= LINE_CHARS:
+        return line
+    match = _ERROR.search(line)
+    start = max(0, min(match.start() - LINE_CHARS // 2, len(line) - LINE_CHARS)) if match else 0
+    return ("..." if start else "") + line[start : start + LINE_CHARS] + "..."
 
 
 def become_subreaper() -> bool:
@@ -86,31 +138,100 @@ def _end_with_parent() -> None:
         pass
 
 
-def run_probe(command: list[str], size: int, folder: Path, timeout_s: float, grace_s: float) -> Probe:
-    """Launch ``command`` (the size already in it) with its records going to ``folder``; return when
-    every rank has recorded STEPS measured logging steps, or the command ended, or ``timeout_s``
-    passed, with every process it started ended (also when this raises: KeyboardInterrupt)."""
-    folder.mkdir(parents=True, exist_ok=True)
+def fresh_folder(folder: Path) -> None:
+    """Make ``folder`` an empty folder: a probe reads only what its own launch wrote (a reused
+    --work-dir keeps the last fit's records). Raises OSError where it cannot."""
+    if folder.is_dir() and not folder.is_symlink():
+        shutil.rmtree(folder)
+    elif folder.is_symlink() or folder.exists():
+        folder.unlink()
+    folder.mkdir(parents=True)
+
+
+def run_probe(
+    command: list[str], size: int, folder: Path, timeout_s: float, grace_s: float, secrets: Sequence[str] = ()
+) -> Probe:
+    """Launch ``command`` (the size already in it) with its records going to ``folder`` (emptied
+    first); return when every rank has recorded STEPS measured logging steps, or the command ended,
+    or ``timeout_s`` passed, with every process it started ended (also when this raises:
+    KeyboardInterrupt). Its output goes to LOG_NAME with ``secrets`` and URI passwords scrubbed."""
+    fresh_folder(folder)
     probe = Probe(size, folder)
     started = time.monotonic()
-    with open(folder / LOG_NAME, "wb") as log:
+    with open(folder / LOG_NAME, "wb", buffering=0) as log:
         proc = subprocess.Popen(
             command,
             env={**os.environ, PROBE_DIR_ENV: str(folder)},
             stdin=subprocess.DEVNULL,
-            stdout=log,
+            stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
             preexec_fn=_end_with_parent,
         )
+        copier = _Copier(proc.stdout, log, list(secrets))
         try:
             _watch(proc, probe, started + timeout_s)
         finally:
             end_tree(proc, grace_s)
+            probe.recent = copier.finish()
     probe.seconds = time.monotonic() - started
-    if probe.status in ("died", "ended", "timeout"):  # kept: the folder may be a temporary one
+    if probe.status in ("died", "ended", "timeout"):
         probe.output_tail = probe.read_tail()
     return probe
+
+
+class _Copier:
+    """The command's output, copied from its pipe to the log on a thread of its own, with secrets
+    scrubbed before any byte is written; its last TAIL_BYTES kept, so the tail is read without the
+    log (which the command may delete, or make 500 MB)."""
+
+    #: Output held back at most, waiting for a line's end (a secret is never cut in two: the last
+    #: ``longest secret`` bytes are always held).
+    HOLD = 1 << 20
+
+    def __init__(self, pipe, log, secrets: list[str]):
+        self.pipe, self.log, self.secrets = pipe, log, secrets
+        self.keep = max((len(secret.encode()) for secret in secrets), default=0)
+        self.recent = b""
+        self.thread = threading.Thread(target=self._copy, name="nemo-memlog-probe-output", daemon=True)
+        self.thread.start()
+
+    def _copy(self) -> None:
+        held: list[bytes] = []  # the output after the last line's end, not yet written
+        size = 0
+        try:
+            while chunk := self.pipe.read1(1 << 16):
+                newline = chunk.rfind(b"\n")
+                if newline >= 0:
+                    self._write(b"".join([*held, chunk[: newline + 1]]))
+                    held, size = [chunk[newline + 1 :]], len(chunk) - newline - 1
+                    continue
+                held.append(chunk)
+                size += len(chunk)
+                if size > self.HOLD:  # a line without end: written but for its last bytes
+                    data = self._scrub(b"".join(held))
+                    cut = max(0, len(data) - self.keep)
+                    self._write(data[:cut])
+                    held, size = [data[cut:]], len(data) - cut
+            self._write(b"".join(held))
+        except (OSError, ValueError):  # the log's disk full, the pipe closed under us: nothing more is copied
+            pass
+
+    def _scrub(self, data: bytes) -> bytes:
+        return scrubbed_text(data.decode(errors="replace"), self.secrets).encode() if data else data
+
+    def _write(self, data: bytes) -> None:
+        data = self._scrub(data)
+        self.recent = (self.recent + data)[-TAIL_BYTES:]
+        self.log.write(data)
+
+    def finish(self) -> bytes:
+        """Wait (a few seconds at most, every process of the command being ended) for the copy; the
+        output's kept end."""
+        self.thread.join(timeout=5.0)
+        if not self.thread.is_alive():  # else a process out of reach holds the pipe: left to the thread
+            self.pipe.close()
+        return self.recent
 
 
 def _watch(proc: subprocess.Popen, probe: Probe, deadline: float) -> None:
@@ -129,16 +250,35 @@ def _watch(proc: subprocess.Popen, probe: Probe, deadline: float) -> None:
         time.sleep(POLL_S)
 
 
+def _note(probe: Probe, note: str) -> None:
+    if note not in probe.notes:
+        probe.notes.append(note)
+
+
+def _whole(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def _recorded(probe: Probe) -> bool:
-    """Whether every rank's record in the probe's folder has STEPS measured steps (counts noted)."""
+    """Whether every rank's record in the probe's folder has STEPS measured steps (counts noted).
+    A record whose counts are not whole numbers counts as none yet (advise.load names it later);
+    a folder the command removed, as no record."""
     steps: dict[int, int] = {}
-    for path in probe.folder.iterdir():
-        rank = layer_record.rank_of(path.name)
+    try:
+        names = [path.name for path in probe.folder.iterdir()]
+    except OSError:
+        return False
+    for name in names:
+        rank = layer_record.rank_of(name)
         record = layer_record.read_rank(probe.folder, rank) if rank is not None else None
-        if record is None:  # another file, or one that cannot be read (yet): counted at a later poll
+        if rank is None or record is None:  # another file, or one that cannot be read (yet): a later poll
             continue
-        probe.world_size = record.get("world_size") or probe.world_size
-        steps[int(record["rank"])] = int(record.get("measured_steps") or 0)
+        for key in ("rank", "world_size", "measured_steps"):
+            if _whole(record.get(key)) is None:
+                _note(probe, f"{probe.folder / name}: field {key!r}: {record.get(key)!r:.40} is not a whole number")
+        world_size = _whole(record.get("world_size"))
+        probe.world_size = world_size if world_size else probe.world_size
+        steps[rank] = _whole(record.get("measured_steps")) or 0
     probe.ranks_recorded = sum(1 for count in steps.values() if count >= STEPS)
     return probe.world_size is not None and probe.ranks_recorded >= probe.world_size
 

@@ -1,0 +1,200 @@
+"""``nemo-memlog fit`` against commands that fail it: one that dies at once in a reused --work-dir,
+times out, floods a line, writes bad records, prints secrets, or states a size of a million; a
+--work-dir that cannot be used. The probes are stub commands (``python -c``: a record written in
+well under a second), so each test is a few real launches of fit, not of a job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_memlog.redaction import command_secrets, environ_secrets
+from nemo_memlog.testing.torchrun import ROOT
+
+FIT = [sys.executable, "-m", "nemo_memlog.offline.cli", "fit"]
+#: A probe in a few lines: one rank's record at the size it is given (peak 5 GB + 0.1 GB per sample,
+#: 64 samples per iteration), as MODE says: "ok"; "nofacts" (no microbatches); "norank" and
+#: "steps-text" (a bad field); "oom-above-N" and "hang-above-N" (above size N: an OOM, or no record).
+STUB = """
+import json, os, sys, time
+size, mode = int(sys.argv[1]), sys.argv[2]
+if mode.startswith(("oom-above-", "hang-above-")) and size > int(mode.rsplit("-", 1)[1]):
+    if mode.startswith("oom"):
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
+        sys.exit(1)
+    time.sleep(600)
+facts = {} if mode == "nofacts" else {"microbatches": 64 // size}
+figures = {"params_gb": 1.0, "grads_gb": 1.0, "optimizer_state_gb": 2.0}
+layer = {"name": "l", "kind": "layer", "chunk": 0, "number": 0, **figures,
+         "activations_per_microbatch_gb": 0.1 * size, "input_per_microbatch_gb": 0.01}
+stage = {**figures, "model_state_gb": 4.0, "activations_gb": 0.1 * size, "activations_per_microbatch_gb": 0.1 * size,
+         "microbatches_in_flight": 1, "chunks": 1, "peak_host_rss_gb": 5.0 + 0.1 * size, "host_total_gb": 64.0}
+record = {"format": "nemo_memlog.layers", "version": 1, "rank": 0, "world_size": 1, "pp_rank": 0, "pp_size": 1,
+          "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "iteration": 2, "time": time.time(),
+          "measured_steps": 2, "run": {"micro_batch_size": size, **facts}, "stage": stage, "layers": [layer]}
+if mode == "norank":
+    del record["rank"]
+if mode == "steps-text":
+    record["measured_steps"] = "two"
+with open(os.path.join(os.environ["NEMO_MEMLOG_PROBE_DIR"], "rank-00000.layers.json"), "w") as file:
+    json.dump(record, file)
+"""
+SECRETS = ("PASS456", "SECRET123", "COMETKEY1", "KEY789")
+
+
+def stub(mode: str = "ok", size: str = "{micro_batch_size:2}") -> list[str]:
+    return [sys.executable, "-c", STUB, size, mode]
+
+
+def fit(*args: str, env: dict | None = None, tmp: Path | None = None) -> tuple[int, str, str, float]:
+    """fit's exit code, stdout, stderr and seconds (its temporary folders under ``tmp``)."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    if tmp is not None:
+        environ["TMPDIR"] = str(tmp)
+    began = time.monotonic()
+    done = subprocess.run([*FIT, *args], env=environ, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return done.returncode, done.stdout, done.stderr, time.monotonic() - began
+
+
+def one_object(stdout: str) -> dict:
+    out = json.loads(stdout)
+    assert isinstance(out, dict)
+    return out
+
+
+@pytest.mark.processes
+def test_a_reused_work_dir_never_answers_for_a_command_that_failed_at_once(tmp_path):
+    work = tmp_path / "work"
+    code, out, err, _ = fit("--capacity-gb", "8", "--work-dir", str(work), "--", *stub(size="{micro_batch_size:4}"))
+    assert code == 0 and "largest micro-batch size that fits every stage: 16" in out, out + err
+    code, out, err, _ = fit("--capacity-gb", "8", "--work-dir", str(work), "--json", "--", "bash", "-c",
+                            "echo 'ValueError: bad flag' >&2; exit 3; {micro_batch_size:4}")  # fmt: skip
+    result = one_object(out)
+    assert code == 1, out + err
+    assert result["micro_batch_size"] is None and result["command"] is None
+    assert "exited with 3" in result["error"] and "ValueError: bad flag" in result["error"]
+    assert [probe["outcome"] for probe in result["probes"]] == ["could not measure"]
+    assert not list((work / "probe-1-mbs-4").glob("rank-*"))  # the last fit's records were cleared
+    assert "Traceback" not in err
+
+
+@pytest.mark.processes
+def test_a_probe_that_times_out_is_could_not_measure_never_over_the_limit(tmp_path):
+    code, out, err, seconds = fit("--capacity-gb", "8", "--probe-timeout-s", "1", "--grace-s", "1", "--json",
+                                  "--", *stub("hang-above-2"), tmp=tmp_path)  # fmt: skip
+    result = one_object(out)
+    assert code == 1, out + err
+    assert [p["outcome"] for p in result["probes"]] == ["fits", "could not measure"]
+    assert result["probes"][1]["status"] == "timeout" and result["micro_batch_size"] is None
+    assert "probe 2 (micro-batch size 16) could not measure" in result["error"]
+    assert "largest size measured to fit so far is 2" in result["error"]
+    assert "over the limit" not in err and "nothing fits" not in err
+    assert seconds < 30
+
+
+@pytest.mark.processes
+def test_a_probe_that_dies_of_memory_is_over_the_limit_and_fit_steps_down(tmp_path):
+    code, out, err, _ = fit("--capacity-gb", "8", "--json", "--", *stub("oom-above-8"), tmp=tmp_path)
+    result = one_object(out)
+    assert code == 0, out + err
+    assert [(p["micro_batch_size"], p["outcome"]) for p in result["probes"]] == [
+        (2, "fits"), (16, "over the limit"), (8, "fits")
+    ]  # fmt: skip
+    assert result["micro_batch_size"] == 8 and result["error"] is None
+    assert "CUDA out of memory" in result["probes"][1]["error_line"]
+
+
+@pytest.mark.processes
+def test_a_200000_character_line_is_read_in_seconds_and_shown_short(tmp_path):
+    flood = "import sys; print('a' * 200000 + 'Error: wide'); print('b' * 200000); sys.exit(3)"
+    code, out, err, seconds = fit("--", sys.executable, "-c", flood, "{micro_batch_size}", tmp=tmp_path)
+    assert code == 1, err[-2000:]
+    assert seconds < 10
+    assert max(len(line) for line in err.splitlines()) <= 400
+    assert "Traceback" not in err
+    code, out, _, seconds = fit("--json", "--", sys.executable, "-c", flood, "{micro_batch_size}", tmp=tmp_path)
+    probe = one_object(out)["probes"][0]
+    assert code == 1 and seconds < 10
+    assert max(len(line) for line in probe["output_tail"].splitlines()) <= 310
+
+
+@pytest.mark.processes
+def test_no_secret_in_fits_text_json_or_files(tmp_path):
+    shout = "echo key $WANDB_API_KEY https://user:PASS456@host SECRET123 COMETKEY1"
+    secret_args = ["--wandb-api-key", "SECRET123", "--comet-api-key=COMETKEY1", "https://user:PASS456@h/x"]
+    env = {"WANDB_API_KEY": "KEY789", "COMET_API_KEY": "COMETKEY1"}
+    work = tmp_path / "work"
+    answered = ["bash", "-c", f'{shout}; {sys.executable} -c "$0" {{micro_batch_size:2}} ok', STUB, *secret_args]
+    died = ["bash", "-c", f"{shout} >&2; echo 'RuntimeError: no' $WANDB_API_KEY; exit 3; {{micro_batch_size}}"]
+    died += secret_args
+    shown = []
+    for command in (answered, died):
+        for json_flag in ([], ["--json"]):
+            code, out, err, _ = fit("--capacity-gb", "8", "--work-dir", str(work), *json_flag, "--", *command, env=env)
+            assert code == (0 if command is answered else 1), out + err
+            shown.append(out + err)
+    assert "user:***@host" in shown[0] and "--wandb-api-key ***redacted***" in shown[0]
+    written = [path.read_bytes().decode(errors="replace") for path in work.rglob("*") if path.is_file()]
+    assert any("key ***redacted***" in text for text in written)  # probe.log: the output, scrubbed
+    for text in shown + written:
+        for secret in SECRETS:
+            assert secret not in text
+
+
+@pytest.mark.processes
+def test_json_is_one_object_with_an_error_when_the_first_probe_measures_nothing(tmp_path):
+    code, out, err, _ = fit("--json", "--", sys.executable, "-c", "print('COMMAND done')", "{micro_batch_size}",
+                            tmp=tmp_path)  # fmt: skip
+    result = one_object(out)
+    assert code == 1, out + err  # from what happened (a probe measured nothing), not from the word COMMAND
+    assert "measured nothing" in result["error"] and result["micro_batch_size"] is None
+    kept = [path for path in tmp_path.iterdir() if path.name.startswith("nemo-memlog-fit-")]
+    assert len(kept) == 1 and str(kept[0]) in result["error"]  # the path it names exists
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("make", ["file", "proc"])
+def test_a_work_dir_that_cannot_be_used_is_one_line_and_exit_2(tmp_path, make):
+    work = tmp_path / "a-file" if make == "file" else Path("/proc/self")
+    work.touch() if make == "file" else None
+    code, out, err, _ = fit("--work-dir", str(work), "--", *stub())
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"--work-dir {work}" in err
+    code, out, err, _ = fit("--json", "--work-dir", str(work), "--", *stub())
+    assert code == 2 and f"--work-dir {work}" in one_object(out)["error"]
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize("mode, named", [("norank", "field 'rank'"), ("steps-text", "field 'measured_steps'")])
+def test_a_bad_record_is_named_never_a_traceback(tmp_path, mode, named):
+    work = tmp_path / "work"
+    code, out, err, _ = fit("--capacity-gb", "8", "--work-dir", str(work), "--", *stub(mode))
+    assert code == 1, out + err
+    assert "Traceback" not in err and named in err
+    assert str(work / "probe-1-mbs-2" / "rank-00000.layers.json") in err
+
+
+@pytest.mark.processes
+def test_a_size_of_a_million_without_microbatches_is_bisected(tmp_path):
+    code, out, err, seconds = fit("--capacity-gb", "1000000", "--json", "--",
+                                  *stub("nofacts", "{micro_batch_size:1000000}"), tmp=tmp_path)  # fmt: skip
+    result = one_object(out)
+    assert code == 0, out[-2000:] + err
+    assert seconds < 30
+    assert result["candidates_count"] == 64_000_000 and len(result["candidates"]) <= 128
+    assert result["launches"] <= 3 and result["micro_batch_size"] >= 1_000_000
+
+
+def test_secrets_are_found_in_a_command_and_the_environment():
+    command = ["bash", "-c", "COMET_API_KEY=COMETKEY1 train --wandb-api-key SECRET123 --seed 1234", "--use-token", "1"]
+    command += ["--wandb-api-key", "SECRET124", "https://user:PASS456@host/x", "logger.mlflow_token=TOKEN5"]
+    found = command_secrets(command)
+    assert {"COMETKEY1", "SECRET123", "SECRET124", "PASS456", "TOKEN5"} <= set(found)
+    assert "1234" not in found and "1" not in found  # a plain option, a switch's value
+    assert environ_secrets({"WANDB_API_KEY": "KEY789", "HOME": "/root", "DEBUG": "1"}) == ["KEY789"]
