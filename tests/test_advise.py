@@ -13,6 +13,7 @@ import torch
 from nemo_memlog import advice
 from nemo_memlog.offline.advise import load
 from nemo_memlog.offline.cli import main
+from tests.notices import said
 from tests.test_activations import WIDTH, blocks
 
 #: The base run: 8 samples a microbatch, 4 microbatches, 2 blocks a stage, Adam.
@@ -252,14 +253,13 @@ def warn_job(folder: str, per_stage_keys: list[str] | None = None) -> list[str]:
     )
     if per_stage_keys is not None:
         cfg.memory_per_stage_keys = per_stage_keys
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said(warned=False) as caught:
         for iteration in (1, 2):
             model(torch.randn(8, WIDTH)).square().mean().backward()
             optimizer.step()
             training_log(iteration, cfg, model=model, optimizer=optimizer, facts={"micro_batch_size": 8})
         close_writers()
-    return [str(w.message) for w in caught]
+    return [w for w in caught]
 
 
 @pytest.mark.processes

@@ -15,6 +15,7 @@ from nemo_memlog.writers import adopt_writers, comet, tensorboard
 from nemo_memlog.writers import mlflow as mlflow_writer
 from nemo_memlog.writers import wandb as wandb_writer
 from nemo_memlog.writers.stages import MAX_LINE, StageHistory
+from tests.notices import said
 from tests.readback import tensorboard_runs
 from tests.writers.sample import STAGE_STEPS, STAGE_TAGS, STAGES, STEPS, stage_value, write_steps
 from tests.writers.test_comet import read_archive
@@ -243,18 +244,15 @@ def test_history_thins_evenly_keeps_the_first_step_and_drops_non_finite_points()
 
 def log_through_the_fanout(folder):
     """STAGE_STEPS through the writers (thread mode) on ``folder``: (stats, every warning's text)."""
-    import warnings
-
     from nemo_memlog.writers import build_writers
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said(warned=False) as notices:
         writers = build_writers(LoggerConfig(tensorboard_dir=str(folder), writer_mode="thread"))
         for step, metrics in STAGE_STEPS.items():
             writers.log(metrics, step)
         writers.close()
         stats = writers.stats()
-    return stats, [str(w.message) for w in caught]
+    return stats, notices
 
 
 def check_main_run_whole(runs, stats, messages):
@@ -289,8 +287,8 @@ def test_a_name_clash_leaves_the_main_run_whole_and_the_stage_run_goes_to_a_free
     assert set(runs) == {".", "pp_stage_0-2", "pp_stage_1", "pp_stage_2"}, sorted(runs)
     for tag in STAGE_TAGS:  # stage 0's own series, under its other name
         assert runs["pp_stage_0-2"][tag] == [(step, f32(stage_value(step, 0, tag))) for step in sorted(STAGE_STEPS)]
-    said = [m for m in messages if "pp_stage_0" in m]
-    assert len(said) == 1 and "pp_stage_0-2" in said[0] and "is taken" in said[0], messages
+    clash = [m for m in messages if "pp_stage_0" in m]
+    assert len(clash) == 1 and "pp_stage_0-2" in clash[0] and "is taken" in clash[0], messages
     assert os.path.lexists(folder / "pp_stage_0")  # the user's thing is left as it was
     if make is _a_file:
         assert (folder / "pp_stage_0").read_text() == "the user's own notes\n"
@@ -319,8 +317,8 @@ def test_every_name_taken_skips_that_stage_run_said_once_and_the_main_run_is_who
     runs = tensorboard_runs(folder)
     check_main_run_whole(runs, stats, messages)
     assert set(runs) == {".", "pp_stage_0", "pp_stage_2"}, sorted(runs)
-    said = [m for m in messages if "pp_stage_1" in m]
-    assert len(said) == 1 and "gets no run of its own" in said[0] and "dangling link" in said[0], messages
+    skipped = [m for m in messages if "pp_stage_1" in m]
+    assert len(skipped) == 1 and "gets no run of its own" in skipped[0] and "dangling link" in skipped[0], messages
 
 
 @pytest.mark.processes  # mount
@@ -333,8 +331,8 @@ def test_a_read_only_folder_of_that_name_sends_the_stage_run_to_a_free_name(tmp_
     runs = tensorboard_runs(folder)
     check_main_run_whole(runs, stats, messages)
     assert set(runs) == {".", "pp_stage_0", "pp_stage_1", "pp_stage_2-2"}, sorted(runs)
-    said = [m for m in messages if "pp_stage_2" in m]
-    assert len(said) == 1 and "Read-only file system" in said[0], messages
+    clash = [m for m in messages if "pp_stage_2" in m]
+    assert len(clash) == 1 and "Read-only file system" in clash[0], messages
 
 
 def test_a_stage_run_failing_for_good_is_closed_said_once_and_never_retries_the_main_run(tmp_path):
@@ -347,15 +345,12 @@ def test_a_stage_run_failing_for_good_is_closed_said_once_and_never_retries_the_
         raise FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "tb" / "pp_stage_1"))
 
     stage_run.add_scalar = fail  # a permanent OS error after the run opened: no real way to provoke it
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said(warned=False) as notices:
         for step in steps[1:]:
             backend.log(STAGE_STEPS[step], step)  # never raises: the fan-out would retry the main run
         backend.close()
-    said = [str(w.message) for w in caught if "pp_stage_1" in str(w.message)]
-    assert len(said) == 1 and "closed for good" in said[0], said
+    failed = [m for m in notices if "pp_stage_1" in m]
+    assert len(failed) == 1 and "closed for good" in failed[0], notices
     assert backend.stage_writers["pp_stage_1"] is None
     runs = tensorboard_runs(tmp_path / "tb")
     assert [step for step, _ in runs["."]["memory/peak_reserved_gb"]] == steps
@@ -367,5 +362,5 @@ def test_a_file_as_the_tensorboard_dir_stops_the_backend_once_instead_of_retryin
     _a_file(tmp_path / "tb")
     stats, messages = log_through_the_fanout(tmp_path / "tb")
     assert stats["tensorboard"]["failures"] == 1 and stats["tensorboard"]["dropped"] == 4, stats
-    said = [m for m in messages if "this backend stops" in m]
-    assert len(said) == 1 and "File exists" in said[0], messages
+    stopped = [m for m in messages if "this backend stops" in m]
+    assert len(stopped) == 1 and "File exists" in stopped[0], messages
