@@ -163,6 +163,7 @@ def _entry_for(config, writers, key, pg_collection, pp_group, iteration) -> _Ent
                 f"flight record and gloo group. Build the config once and pass the same settings at every call "
                 f"(or call close_writers() when a run ends).",
                 stacklevel=3,
+                category=RuntimeWarning,  # misuse, at the caller's line
             )
         run = MemoryMonitor(
             settings, run_config=config, pg_collection=pg_collection, pp_group=pp_group, writers=writers

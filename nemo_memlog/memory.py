@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import warnings
 from collections.abc import Mapping
 from functools import cache, lru_cache
 from types import MappingProxyType
@@ -21,7 +20,7 @@ import torch
 from . import process_wide
 from .host_limit import limit_of_process
 from .process_wide import read_proc
-from .warn import WarnOnce
+from .warn import WarnOnce, misuse
 
 GB = 1e9
 
@@ -307,7 +306,7 @@ def _plan(keys: tuple[tuple[str, str], ...]) -> tuple[tuple[str, tuple[str, ...]
                 f"got {stat_name!r} -> {logged_name!r}"
             )
         if not _TORCH_STAT.match(stat_name):
-            warnings.warn(
+            misuse(
                 f"memory_keys: {stat_name!r} is not a torch.cuda.memory_stats() statistic; "
                 f"{logged_name!r} will be reported as missing. Known names look like "
                 f"'reserved_bytes.all.peak' or 'num_alloc_retries'.",

@@ -89,7 +89,7 @@ class MemoryMonitor:
         # An integration's own names for logged figures (Megatron-LM's mem-*), from each logged step's dict.
         self.derived: Callable[[dict], dict] | None = None
         self.facts: dict = {}  # the run's facts for the per-layer record (measure/layer_record.py): as known
-        self.meter = ActivationMeter()  # armed on logging iterations only
+        self.meter = ActivationMeter(self.warnings)  # armed on logging iterations only
         self._state: dict | None = None  # the last model state counted (for the OOM record)
         self._measured: Any = None  # the last activations measured (for the OOM record)
         self._measured_steps = 0  # the logging steps whose activations were measured (per-layer record)
@@ -184,7 +184,7 @@ class MemoryMonitor:
         self._off_unsaid = False
         distributed = dist.is_available() and dist.is_initialized()
         if (dist.get_rank() if distributed else int(os.environ.get("RANK", "0") or 0)) == 0:
-            self.warn_once(("off",), text)
+            self.warn_once(("off",), text, misuse=True)
 
     @property
     def run_facts(self) -> dict:
@@ -245,7 +245,7 @@ class MemoryMonitor:
         logged.update(advice.step_metrics(run))  # the same arithmetic on every rank: one dict
         if self.derived is not None:
             logged.update(self.derived(logged))
-        unified = merged(metrics, logged, self.warn_once)
+        unified = merged(metrics, logged, self.warn_misuse)
         if placement.is_writer_rank:
             self._writers().log(unified, iteration)
             # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
@@ -272,7 +272,7 @@ class MemoryMonitor:
         Raises:
             ValueError: ``writer_rank`` is not a rank of this job.
         """
-        self.placement = place(self.settings, self.reduction, self._groups, self.writer_rank, self.warn_once)
+        self.placement = place(self.settings, self.reduction, self._groups, self.writer_rank, self.warn_misuse)
         if self.record_dir is not None and self.recorder is None:
             from .failure.recorder import open_recorder
 
@@ -331,6 +331,7 @@ class MemoryMonitor:
                     "log_memory_to_tensorboard is on but no writer is configured "
                     "(set tensorboard_dir, wandb_project, mlflow_experiment or comet_project); "
                     "training_log still returns the metrics",
+                    misuse=True,
                 )
         return self.writers
 
@@ -357,9 +358,15 @@ class MemoryMonitor:
         timeout_s = self.settings.memory_reduce_timeout_s
         self.warnings(("stall", iteration), peers.stall_message(iteration, waited_s, len(ranks), behind, timeout_s))
 
-    def warn_once(self, key: Hashable, text: str) -> None:
-        """Warn ``nemo_memlog: <text>`` (a RuntimeWarning) the first time this run sees ``key``."""
-        self.warnings(key, text, stacklevel=4)
+    def warn_once(self, key: Hashable, text: str, *, misuse: bool = False) -> None:
+        """Say ``nemo_memlog: <text>`` the first time this run sees ``key``: a notice on the
+        "nemo_memlog" logger, or, for ``misuse`` (the caller's own mistake), a RuntimeWarning at
+        the caller's line. Never raises, whatever the warning filters (warn.py)."""
+        self.warnings(key, text, stacklevel=4, category=RuntimeWarning if misuse else None)
+
+    def warn_misuse(self, key: Hashable, text: str) -> None:
+        """``warn_once`` for the caller's own mistake (a metric that is no number, a setting off)."""
+        self.warnings(key, text, stacklevel=4, category=RuntimeWarning)
 
     def flush(self) -> None:
         """Wait (bounded) until the writers have written every step handed to them."""

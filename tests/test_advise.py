@@ -13,6 +13,7 @@ import torch
 from nemo_memlog import advice
 from nemo_memlog.offline.advise import load
 from nemo_memlog.offline.cli import main
+from tests.notices import said
 from tests.test_activations import WIDTH, blocks
 
 #: The base run: 8 samples a microbatch, 4 microbatches, 2 blocks a stage, Adam.
@@ -252,14 +253,13 @@ def warn_job(folder: str, per_stage_keys: list[str] | None = None) -> list[str]:
     )
     if per_stage_keys is not None:
         cfg.memory_per_stage_keys = per_stage_keys
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said(warned=False) as caught:
         for iteration in (1, 2):
             model(torch.randn(8, WIDTH)).square().mean().backward()
             optimizer.step()
             training_log(iteration, cfg, model=model, optimizer=optimizer, facts={"micro_batch_size": 8})
         close_writers()
-    return [str(w.message) for w in caught]
+    return [w for w in caught]
 
 
 @pytest.mark.processes
@@ -373,3 +373,61 @@ def test_the_changes_that_fit_come_cheapest_first_and_each_fits():
     after = max(o.peak_gb for o in advice.predict(heavy, advice.parse([f"layers_per_stage={split[0]},{split[1]}"])))
     assert after < before
     assert advice.changes_that_fit(_run(0.1), margin=0.1) == []  # below the idle size: nothing fits
+
+
+def one_process_run(folder, mbs: int, microbatches: int, layers: int) -> None:
+    """A real run in this process (PP 1, DP 1): ``layers`` blocks, ``microbatches`` of ``mbs`` samples
+    an iteration, logged at iteration 2 with its facts: the per-layer record the recorder writes."""
+    from nemo_memlog import LoggerConfig, close_writers, training_log
+
+    model = blocks(layers)
+    optimizer = torch.optim.Adam(model.parameters())
+    cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=2, memory_record_dir=str(folder))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no writer configured: the records are what is read
+        for iteration in (1, 2):
+            for index in range(microbatches):
+                x = torch.randn(mbs, WIDTH, generator=torch.Generator().manual_seed(index))
+                model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            facts = {"micro_batch_size": mbs, "microbatches": microbatches}
+            training_log(iteration, cfg, model=model, optimizer=optimizer, facts=facts)
+        close_writers()
+
+
+def advise_calibrated(base, other, capsys) -> tuple[int, str]:
+    capsys.readouterr()  # what the runs printed
+    code = main(["advise", str(base), "--calibrate-with", str(other), "--no-png", "--json"])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("other", "named"),
+    [
+        ({"mbs": 16, "microbatches": 16, "layers": 40}, "global batch size 32 vs 256"),  # 20x the parameters too
+        ({"mbs": 16, "microbatches": 2, "layers": 40}, "parameters on stage 0"),  # the global batch kept
+    ],
+    ids=["20x parameters, 8x global batch", "20x parameters"],
+)
+def test_calibrating_with_a_run_of_another_model_is_refused_naming_the_difference(tmp_path, capsys, other, named):
+    one_process_run(tmp_path / "base", mbs=8, microbatches=4, layers=2)
+    one_process_run(tmp_path / "other", **other)
+    code, err = advise_calibrated(tmp_path / "base", tmp_path / "other", capsys)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and named in err, err
+    assert err.startswith("nemo-memlog advise: error: --calibrate-with") and "another micro-batch size" in err
+
+
+def test_calibrating_with_the_same_job_at_another_micro_batch_size_is_taken(tmp_path, capsys):
+    one_process_run(tmp_path / "base", mbs=8, microbatches=4, layers=2)
+    one_process_run(tmp_path / "other", mbs=16, microbatches=2, layers=2)
+    code, err = advise_calibrated(tmp_path / "base", tmp_path / "other", capsys)
+    assert code == 0, err
+
+
+def test_the_job_difference_names_the_pipeline_and_data_parallel_sizes():
+    run = _run(10.0)
+    assert advice.job_difference(run, dataclasses.replace(run, micro_batch_size=8, microbatches=2)) is None
+    assert "pipeline size 2 vs 4" in advice.job_difference(run, dataclasses.replace(run, pp_size=4))
+    assert "data-parallel size 2 vs 1" in advice.job_difference(run, dataclasses.replace(run, dp_size=1))

@@ -7,6 +7,7 @@ import pytest
 from nemo_memlog import LoggerConfig, training_log
 from nemo_memlog.testing.cluster import Cluster, RankFailure
 from nemo_memlog.testing.collectives import GATHER, count_collectives
+from tests.notices import said
 
 BIG_MB = 300
 _ballast = []
@@ -36,13 +37,12 @@ def release_ballast():
 def log_iterations(iterations, **config):
     cfg = LoggerConfig(log_memory_to_tensorboard=True, **config)
     out = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said() as caught:
         for iteration in iterations:
             with count_collectives() as calls:
                 result = training_log(iteration, cfg, metrics={"loss": 2.0 + iteration, "lr": 0.1})
             out.append((iteration, result, list(calls)))
-    return _coords(), out, [str(w.message) for w in caught]
+    return _coords(), out, [w for w in caught]
 
 
 @pytest.fixture
@@ -197,13 +197,12 @@ def test_caller_metrics_bad_input_is_named_and_numbers_are_kept():
         "nothing": None,
         "vec": torch.ones(3),
     }
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said(notices=False) as caught:
         logged = training_log(1, cfg, metrics=metrics)
     assert logged["loss"] != logged["loss"] and logged["grad_norm"] == float("inf")  # NaN/inf kept
     assert logged["skipped"] == 1.0 and logged["tokens"] == 2**60 + 1 and logged["lr"] == 0.5
     assert not {"note", "nothing", "vec"} & logged.keys()
-    text = " | ".join(str(w.message) for w in caught)
+    text = " | ".join(w for w in caught)
     for name in ("'note'", "'nothing'", "'vec'", "'skipped'"):
         assert name in text, f"{name} must be named in a warning"
 
@@ -277,8 +276,7 @@ def test_settings_that_change_at_every_call_make_new_runs_and_warn_once():
     from nemo_memlog.hook import MANY_RUNS, runs
 
     close_writers()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said(notices=False) as caught:
         for interval in range(2, 2 * MANY_RUNS + 2):  # iteration 1: off-interval, nothing logged
             assert (
                 training_log(1, LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=interval)) is None
@@ -286,5 +284,5 @@ def test_settings_that_change_at_every_call_make_new_runs_and_warn_once():
     made = runs()
     close_writers()
     assert len(made) == 2 * MANY_RUNS and len({id(run) for run in made}) == len(made), "a run for each settings"
-    warned = [str(w.message) for w in caught if "runs in this process" in str(w.message)]
-    assert len(warned) == 1 and "Build the config once" in warned[0], [str(w.message) for w in caught]
+    warned = [w for w in caught if "runs in this process" in w]
+    assert len(warned) == 1 and "Build the config once" in warned[0], [w for w in caught]

@@ -29,6 +29,7 @@ import pytest
 
 from nemo_memlog.host_limit import ProcessLimit, find_chain, find_limit
 from nemo_memlog.testing import cgroups
+from tests.notices import said
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 3_000_000_000
@@ -261,12 +262,11 @@ def rank_main(out: str) -> int:
         memory_record_dir="off",
         memory_headroom_warn_fraction=0.999,  # whatever is left: the warning fires, naming the limit
     )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said(warned=False) as caught:
         logged = training_log(1, cfg)
     close_writers()
     rank = dist.get_rank()
-    seen = {"logged": logged, "warnings": [str(w.message) for w in caught]}
+    seen = {"logged": logged, "warnings": [w for w in caught]}
     Path(out, f"rank-{rank}.json").write_text(json.dumps(seen))
     dist.destroy_process_group()
     return 0

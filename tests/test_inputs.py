@@ -13,6 +13,7 @@ import pytest
 from nemo_memlog import LoggerConfig, close_writers, training_log
 from nemo_memlog.measure import layer_record
 from nemo_memlog.monitor import MemoryMonitor
+from tests.notices import said
 
 
 @pytest.fixture(autouse=True)
@@ -126,15 +127,14 @@ def test_a_value_json_cannot_encode_never_drops_the_per_layer_record(tmp_path):
     monitor = MemoryMonitor(cfg)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     monitor.facts.update(odd={1, 2}, when=Path("/x"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said() as caught:
         monitor.before_iteration(2, model)
         model_step(model)
         monitor.log(2, model=model)
     monitor.close()
     (record,) = layer_record.read_folder(tmp_path)
     assert record["run"]["odd"] == "{1, 2}" and record["run"]["when"] == "/x" and record["layers"]
-    assert not [w for w in caught if "per-layer record" in str(w.message)]
+    assert not [w for w in caught if "per-layer record" in w]
 
 
 def test_the_iteration_and_metrics_are_checked_at_the_call():
@@ -153,18 +153,16 @@ def test_logging_off_with_what_it_ignores_says_so_once(tmp_path):
 
     model = torch.nn.Linear(8, 1)
     off = LoggerConfig(tensorboard_dir=str(tmp_path / "tb"), memory_record_dir=str(tmp_path / "rec"))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said(notices=False) as caught:
         for iteration in range(1, 5):
             assert training_log(iteration, off, model=model, facts={"micro_batch_size": 2}) is None
-    said = [str(w.message) for w in caught if "log_memory_to_tensorboard is off" in str(w.message)]
-    assert len(said) == 1, said
-    assert "logger.tensorboard_dir" in said[0] and "model=" in said[0] and "facts=" in said[0]
-    assert "log_memory_to_tensorboard=True" in said[0]
+    off_said = [w for w in caught if "log_memory_to_tensorboard is off" in w]
+    assert len(off_said) == 1, off_said
+    assert "logger.tensorboard_dir" in off_said[0] and "model=" in off_said[0] and "facts=" in off_said[0]
+    assert "log_memory_to_tensorboard=True" in off_said[0]
     assert not any(tmp_path.iterdir())
     # Off, and nothing given that it ignores: no word.
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said() as caught:
         training_log(1, LoggerConfig(memory_record_dir="off"))
     assert not caught
 

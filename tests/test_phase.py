@@ -76,7 +76,8 @@ def test_a_name_that_is_not_a_short_identifier_is_refused_saying_what_to_use(nam
             pass
 
 
-def test_a_failure_to_measure_warns_once_and_never_raises(monkeypatch):
+@pytest.mark.filterwarnings("error")
+def test_a_failure_to_measure_warns_once_and_never_raises(monkeypatch, caplog):
     from nemo_memlog import memory, memory_phase
     from nemo_memlog.measure import phase
 
@@ -84,10 +85,12 @@ def test_a_failure_to_measure_warns_once_and_never_raises(monkeypatch):
         raise OSError("no /proc here")
 
     monkeypatch.setattr(memory, "fold_peaks", broken)  # cannot be provoked for real on Linux
-    with pytest.warns(RuntimeWarning, match="could not read the peaks: no /proc here"):
+    with caplog.at_level("WARNING", logger="nemo_memlog"):
         with memory_phase("load"):
             ran = True
     assert ran and phase.current() is None
+    said = [r.getMessage() for r in caplog.records if r.name == "nemo_memlog"]
+    assert [m for m in said if "could not read the peaks: no /proc here" in m] == said[:1] and len(said) == 1, said
 
 
 # ---- across stages ---------------------------------------------------------------------------

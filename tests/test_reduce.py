@@ -11,6 +11,7 @@ from nemo_memlog import payload
 from nemo_memlog.reduce import MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
 from nemo_memlog.testing.cluster import Cluster, RankFailure
 from nemo_memlog.testing.collectives import GATHER, count_collectives
+from tests.notices import said
 
 
 def _coords():
@@ -418,14 +419,13 @@ def _late_rank(root: str, late_rank: int, late_s: float) -> dict:
         memory_reduce_timeout_s=120.0,
         writer_mode="thread",
     )
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
+    with said(warned=False) as seen:
         nemo_memlog.training_log(1, cfg)
         if dist.get_rank() == late_rank:
             time.sleep(late_s)  # this rank is late for step 2; its flight record still says step 1
         logged = nemo_memlog.training_log(2, cfg)
     nemo_memlog.close_writers()
-    return {"logged": logged is not None, "warnings": [str(w.message) for w in seen if "has waited" in str(w.message)]}
+    return {"logged": logged is not None, "warnings": [w for w in seen if "has waited" in w]}
 
 
 @pytest.mark.processes

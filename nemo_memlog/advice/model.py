@@ -97,10 +97,48 @@ class Run:
 MAX_GROWTH = 1.5
 
 
+#: Parameters per stage differing by more than this share make two runs two models.
+SAME_PARAMS_SHARE = 0.02
+
+
+def global_batch(run: Run) -> int | None:
+    """Samples per iteration: micro-batch size x microbatches x data-parallel size, where known."""
+    if not run.micro_batch_size or not run.microbatches:
+        return None
+    return run.micro_batch_size * run.microbatches * run.dp_size
+
+
+def job_difference(first: Run, second: Run) -> str | None:
+    """What makes ``second`` another job than ``first`` (only the micro-batch size, and with it the
+    microbatches, may differ): the first fact or figure that differs, in words; None when none does.
+    Facts a record does not state are not compared."""
+    if first.pp_size != second.pp_size or len(first.stages) != len(second.stages):
+        return f"pipeline size {first.pp_size} vs {second.pp_size} ({len(first.stages)} vs {len(second.stages)} stages)"
+    if first.dp_size != second.dp_size:
+        return f"data-parallel size {first.dp_size} vs {second.dp_size}"
+    batches = global_batch(first), global_batch(second)
+    if None not in batches and batches[0] != batches[1]:
+        return (
+            f"global batch size {batches[0]} vs {batches[1]} (micro-batch size x microbatches x data-parallel size: "
+            f"{first.micro_batch_size} x {first.microbatches} x {first.dp_size} vs "
+            f"{second.micro_batch_size} x {second.microbatches} x {second.dp_size})"
+        )
+    for a, b in zip(first.stages, second.stages):
+        p1, p2 = a.parts.get("params_gb"), b.parts.get("params_gb")
+        if p1 is not None and p2 is not None and abs(p1 - p2) > SAME_PARAMS_SHARE * max(p1, p2):
+            return f"parameters on stage {a.stage} {size_text(p1)} vs {size_text(p2)}"
+    for name in ("optimizer_sharded", "recompute"):
+        v1, v2 = getattr(first, name), getattr(second, name)
+        if v1 is not None and v2 is not None and v1 != v2:
+            return f"{name} {v1} vs {v2}"
+    return None
+
+
 def growth_between(first: Run, second: Run) -> tuple[float, ...]:
     """Per stage, the exponent p with which the temporaries grew from ``first``'s micro-batch size to
     ``second``'s: T2 / T1 = (s2 / s1) ** p, kept in [0, MAX_GROWTH]; 1 where a stage's temporaries
-    were not measured in both. Raises ValueError for runs of other layouts or without two sizes."""
+    were not measured in both. Raises ValueError for runs of other layouts or without two sizes
+    (``job_difference`` says whether they are one job at all: ``advise --calibrate-with`` asks it)."""
     s1, s2 = first.micro_batch_size, second.micro_batch_size
     if not s1 or not s2 or s1 == s2:
         raise ValueError(f"two runs at two micro-batch sizes are needed (got {s1} and {s2})")

@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from .. import megatron
 from ..config import LoggerConfig, checked_settings, resolve_fields
 from ..measure import phase
 from ..monitor import MemoryMonitor
+from ..warn import misuse
 from ..writers import adopt_writers
 
 if TYPE_CHECKING:
@@ -122,21 +122,19 @@ class MemoryLogCallback(*_callback_bases()):
         if not settings["log_memory_to_tensorboard"] or not interval:
             return  # off, or log_every_n_steps=0 (Lightning logs nothing while training): no collective
         if not trainer.loggers:  # the same on every rank, so all skip the gather alike
-            warnings.warn(
+            misuse(  # from Lightning's hook: said at its line, never raised into training
                 "nemo_memlog: MemoryLogCallback has no logger to write to (Trainer(logger=False)); "
                 "memory is not logged",
                 RuntimeWarning,
-                stacklevel=2,
             )
             return
         scope = settings.pop("memory_reduce_scope", None) or _scope()
         if scope == "pp" and megatron.pipeline_group() is None:
-            warnings.warn(
+            misuse(
                 "nemo_memlog: memory_reduce_scope='pp' but megatron-core's parallel_state is not "
                 "initialised, so there is no pipeline group: rank 0 logs its own memory only. Leave "
                 "memory_reduce_scope unset for every rank's",
                 RuntimeWarning,
-                stacklevel=2,
             )
         run_settings = resolve_fields(tensorboard_log_interval=interval, memory_reduce_scope=scope, **settings)
         monitor = MemoryMonitor(run_settings, writer_rank=WRITER_RANK)

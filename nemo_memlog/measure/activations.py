@@ -23,8 +23,11 @@ Hooks nest: a pair already installed outside the chunk's forward (the user's own
 is chained, ours counting and theirs packing; a pair installed inside (``torch.utils.checkpoint``'s
 non-reentrant region) wins for its region, whose recomputed tensors are indeed not held, while
 the region's inputs, saved outside it, are seen. Megatron's reentrant recompute saves only its
-inputs, and they are seen. Nothing here is a collective; nothing raises into training (a hook
-that fails counts nothing more and leaves training as it was).
+inputs, and they are seen. Nothing here is a collective; nothing raises into training: a tensor
+whose storage cannot be read, for any reason (a wrapper subclass raising whatever it raises), is
+counted at its nominal size (numel x element size), or skipped where even that cannot be read;
+a hook that fails counts nothing more and leaves training as it was; either is said once per
+kind, through the run's once-only notices.
 
 Known limitations:
 
@@ -46,90 +49,20 @@ Known limitations:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..warn import WarnOnce
 from . import host_idle
-from .composition import modules_of, storage_of
+from .composition import storage_of
+from .layers import Layer, chunks_of, find_layers
 
 GB = 1e9
-#: The ``kind`` of a layer in the record: a transformer layer, Megatron's embedding and output
-#: layer, the items of a repeated container, and everything else on the stage.
-KINDS = ("layer", "embedding", "output", "other")
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One layer of a stage: its name within its chunk, kind (KINDS), chunk index and module
-    (None for "other"); ``number`` is Megatron's global 1-based layer number where it has one."""
-
-    name: str
-    kind: str
-    chunk: int
-    module: nn.Module | None
-    number: int | None = None
-
-
-def chunks_of(model: nn.Module | Sequence[nn.Module] | None) -> list[nn.Module]:
-    """The stage's chunks: ``model`` itself, or the items of Megatron's list of chunks."""
-    return [m for m in modules_of(model) if isinstance(m, nn.Module)]
-
-
-def find_layers(model: nn.Module | Sequence[nn.Module] | None) -> list[Layer]:
-    """The stage's layers, in forward order, then one "other" entry per stage for the rest.
-
-    Megatron (a chunk that is, or wraps through ``.module``, a model with ``decoder.layers``): its
-    embedding, its transformer layers, its output layer, where this stage has them. Any other
-    model: the items of its shallowest ``Sequential`` or ``ModuleList`` of one class of module
-    (the transformer blocks), else of its largest one."""
-    found = []
-    for index, chunk in enumerate(chunks_of(model)):
-        inner = _unwrapped(chunk)
-        decoder_layers = getattr(getattr(inner, "decoder", None), "layers", None)
-        if isinstance(decoder_layers, nn.ModuleList):
-            embedding = getattr(inner, "embedding", None)
-            if isinstance(embedding, nn.Module):
-                found.append(Layer("embedding", "embedding", index, embedding))
-            for i, layer in enumerate(decoder_layers):
-                number = getattr(layer, "layer_number", None)
-                found.append(Layer(f"decoder.layers.{i}", "layer", index, layer, number))
-            output = getattr(inner, "output_layer", None)
-            if isinstance(output, nn.Module):
-                found.append(Layer("output_layer", "output", index, output))
-            continue
-        name, container = _repeated(inner)
-        prefix = f"{name}." if name else ""
-        found += [Layer(f"{prefix}{i}", "layer", index, item) for i, item in enumerate(container)]
-    found.append(Layer("other", "other", -1, None))
-    return found
-
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    """Through DDP / Float16Module-style wrappers (``.module``) to the model."""
-    inner = getattr(module, "module", None)
-    while isinstance(inner, nn.Module):
-        module, inner = inner, getattr(inner, "module", None)
-    return module
-
-
-def _repeated(module: nn.Module) -> tuple[str, list]:
-    """(name, items) of the shallowest Sequential/ModuleList of items of one class (the largest such
-    at that depth); failing that, the largest of two or more items of any kind; else ("", [])."""
-    same, mixed = [], []
-    for name, child in nn.Module.named_modules(module):
-        if isinstance(child, (nn.Sequential, nn.ModuleList)) and len(child):
-            items = list(child)
-            entry = (name.count(".") + bool(name), -len(items), name, items)
-            if len({type(item) for item in items}) == 1:
-                same.append(entry)
-            elif len(items) >= 2:
-                mixed.append(entry)
-    best = min(same, default=None) or min(mixed, key=lambda entry: entry[1], default=None)
-    return (best[2], best[3]) if best else ("", [])
 
 
 @dataclass(frozen=True)
@@ -150,7 +83,9 @@ class Measurement:
 class ActivationMeter:
     """Arms on one iteration and measures it (module docstring). One per run."""
 
-    def __init__(self) -> None:
+    def __init__(self, warn: Callable[..., object] | None = None) -> None:
+        """``warn(key, text)``: the run's once-only notices (default: the meter's own)."""
+        self.warn = warn if warn is not None else WarnOnce()
         self._handles: list = []
         self._session: _Session | None = None
         self.armed = False
@@ -171,19 +106,20 @@ class ActivationMeter:
             return
         try:
             layers = find_layers(chunks)
-            session = _Session(layers, _model_storages(chunks))
+            session = _Session(layers, _model_storages(chunks), self.warn)
             self._session = session
+            guarded = session.guarded
             for chunk in chunks:
-                add(nn.Module.register_forward_pre_hook(chunk, session.begin))
-                add(nn.Module.register_forward_hook(chunk, session.end, always_call=True))
+                add(nn.Module.register_forward_pre_hook(chunk, guarded(session.begin)))
+                add(nn.Module.register_forward_hook(chunk, guarded(session.end), always_call=True))
             for index, layer in enumerate(layers):
                 if layer.module is not None:
-                    entered = session.layer_entered(index)
+                    entered = guarded(session.layer_entered(index))
                     add(nn.Module.register_forward_pre_hook(layer.module, entered, with_kwargs=True))
-                    add(nn.Module.register_forward_hook(layer.module, session.layer_left, always_call=True))
+                    add(nn.Module.register_forward_hook(layer.module, guarded(session.layer_left), always_call=True))
             for param in {id(p): p for chunk in chunks for p in nn.Module.parameters(chunk)}.values():
                 if param.requires_grad:
-                    add(param.register_post_accumulate_grad_hook(session.grad_accumulated))
+                    add(param.register_post_accumulate_grad_hook(guarded(session.grad_accumulated)))
         except Exception as error:  # a module that refuses hooks, a parameter without storage: never a failed step
             self._remove()
             self._session = None
@@ -287,7 +223,8 @@ class _Held:
 class _Session:
     """One armed iteration's counts. Holders released after it ended update only it."""
 
-    def __init__(self, layers: list[Layer], excluded: set):
+    def __init__(self, layers: list[Layer], excluded: set, warn: Callable[..., object]):
+        self.warn = warn
         self.layers = layers
         self.other = len(layers) - 1
         self.excluded = excluded
@@ -301,6 +238,49 @@ class _Session:
         self.live_micros = self.peak_micros = 0
         self.grads: dict = {}
         self.host_idle_rss_gb: float | None = None
+
+    # -- never into training ------------------------------------------------------------------
+    def guarded(self, hook: Callable) -> Callable:
+        """``hook`` that returns None instead of raising: a failure is said once per kind of error."""
+
+        @functools.wraps(hook)
+        def run(*args, **kwargs):
+            try:
+                return hook(*args, **kwargs)
+            except Exception as error:  # noqa: BLE001 -- never into the forward or backward
+                self.say(
+                    ("hook", getattr(hook, "__name__", "hook"), type(error).__name__),
+                    f"the activation meter's {getattr(hook, '__name__', 'hook')} hook failed "
+                    f"({type(error).__name__}: {error}); training goes on, this iteration's activations may be "
+                    f"undercounted",
+                )
+                return None
+
+        return run
+
+    def say(self, key, text: str) -> None:
+        try:
+            self.warn(("activations",) + key, text)
+        except Exception:  # noqa: S110 -- a notice never fails training
+            pass
+
+    def sized(self, tensor) -> tuple[int, int] | None:
+        """(key, bytes) of ``tensor``'s storage (composition.storage_of); where reading it raises
+        anything, (id, nominal bytes), or None when even those cannot be read. Said once per class
+        of tensor; never raises."""
+        try:
+            return storage_of(tensor)
+        except Exception as error:  # noqa: BLE001 -- a subclass may raise anything from its storage
+            try:
+                found, how = (id(tensor), tensor.numel() * tensor.element_size()), "counted at their nominal size"
+            except Exception:  # noqa: BLE001
+                found, how = None, "not counted"
+            self.say(
+                ("unreadable", type(tensor).__qualname__),
+                f"the storage of a tensor of class {type(tensor).__qualname__} cannot be read "
+                f"({type(error).__name__}: {error}); such tensors are {how} (numel x element size)",
+            )
+            return found
 
     # -- microbatches: a chunk's forward ------------------------------------------------------
     def begin(self, module, args) -> None:
@@ -347,8 +327,9 @@ class _Session:
         parameters' storages left out."""
         added = 0
         for value in values:
-            if isinstance(value, torch.Tensor):
-                key, nbytes = storage_of(value)
+            found = self.sized(value) if isinstance(value, torch.Tensor) else None
+            if found is not None:
+                key, nbytes = found
                 if key not in micro.inputs_seen and key not in self.excluded:
                     micro.inputs_seen.add(key)
                     added += nbytes
@@ -367,7 +348,10 @@ class _Session:
         if micro is None:
             return _Held(packed, unpack, None, None)
         try:  # the count never fails a forward: a tensor it cannot read is not counted
-            key, nbytes = storage_of(tensor)
+            found = self.sized(tensor)
+            if found is None:
+                return _Held(packed, unpack, None, None)
+            key, nbytes = found
             if nbytes == 0 or key in self.excluded:
                 return _Held(packed, unpack, None, None)
             self.hold(micro, key, nbytes)
@@ -411,8 +395,9 @@ class _Session:
     # -- gradients ----------------------------------------------------------------------------
     def grad_accumulated(self, param) -> None:
         grad = param.grad
-        if grad is not None:
-            key, nbytes = storage_of(grad)
+        found = self.sized(grad) if grad is not None else None
+        if found is not None:
+            key, nbytes = found
             self.grads[id(param)] = (key, nbytes, grad.numel() * grad.element_size())
 
     def measurement(self) -> Measurement | None:

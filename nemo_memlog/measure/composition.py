@@ -36,7 +36,7 @@ reserved - peak allocated, so that on a GPU
     peak_reserved_gb = model_state_gb + activations_gb + temporaries_gb + allocator_slack_gb
 
 Without CUDA statistics (CPU) the last two are NaN; without a measurement the first three are.
-``layer_state`` splits the model state by layer (activations.find_layers).
+``layer_state`` splits the model state by layer (layers.find_layers).
 
 Known limitations:
 

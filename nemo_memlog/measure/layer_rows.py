@@ -10,7 +10,8 @@ from torch import nn
 
 from .. import parts
 from . import composition
-from .activations import Measurement, chunks_of
+from .activations import Measurement
+from .layers import chunks_of
 
 #: A stage's figures the per-layer record carries, where this rank has them.
 RECORDED_STAGE_KEYS = (

@@ -283,8 +283,13 @@ def _advise(args) -> int:
         changes = advice.parse(args.what_if)
         run = load(args.run_dir, args.capacity_gb)
         if args.calibrate_with is not None:
-            growth = advice.growth_between(run, load(args.calibrate_with, args.capacity_gb))
-            run = dataclasses.replace(run, temporaries_growth=growth)
+            other = load(args.calibrate_with, args.capacity_gb)
+            difference = advice.job_difference(run, other)
+            if difference is not None:
+                raise AdviseError(
+                    f"--calibrate-with {args.calibrate_with} is not this job at another micro-batch size: {difference}"
+                )
+            run = dataclasses.replace(run, temporaries_growth=advice.growth_between(run, other))
         outcomes = advice.predict(run, changes)
     except (AdviseError, ValueError) as error:  # advice.Refused is a ValueError
         print(f"nemo-memlog advise: error: {error}", file=sys.stderr)

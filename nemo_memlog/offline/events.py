@@ -182,11 +182,12 @@ def load_run(run_dir: str | Path) -> MemoryRun:
     return MemoryRun(run_dir, series, skipped, _peak_window(configs), newest, others, scope)
 
 
-#: The folders of the TensorBoard writer's per-stage runs (``<tensorboard_dir>/pp_stage_{i}/``: each
+#: The folders of the TensorBoard writer's per-stage runs (``<tensorboard_dir>/pp_stage_{i}/``, or
+#: ``pp_stage_{i}-2/`` .. where that name was taken by something else: each
 #: stage's line under the max's tag, so TensorBoard overlays the stages). They repeat what the main
 #: run holds as ``memory/pp_stage_{i}/<name>``; read as runs of their own they would be taken for
 #: other jobs (their steps start over), so the report skips them.
-STAGE_RUN = re.compile(r"pp_stage_\d+")
+STAGE_RUN = re.compile(r"pp_stage_\d+(-\d+)?")
 
 
 def _event_files(run_dir: Path) -> list[Path]:

@@ -22,11 +22,11 @@ The words, one idea each, throughout this package:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 from typing import Any
 
 from ..config import logger_section, recorded, resolve, secrets_of
+from ..warn import notice
 from .base import ADOPTABLE, CONFIGURED, Backend, Writers, backend_module, enabled_backends
 from .fanout import BufferedBackend, ThreadFanOut, open_thread_fanout
 from .inline import InlineFanOut
@@ -53,8 +53,9 @@ def build_writers(config: Any, *, run_config: Any = None) -> Writers:
         TypeError: ``config`` is no config.
         ValueError: a setting that cannot work, naming the field.
 
-        A writer process that cannot start warns (RuntimeWarning) and the backends write
-        from threads instead; a backend that fails later warns and never raises.
+        A writer process that cannot start is said (a notice on the "nemo_memlog" logger)
+        and the backends write from threads instead; a backend that fails later is said
+        and never raises.
     """
     settings = resolve(config)  # a Settings is used as it is: checked once, where it was resolved
     run_config = config if run_config is None else run_config
@@ -110,11 +111,9 @@ def _process_fanout(settings, names, params, secrets):
 
         return ProcessFanOut(settings, names, params, secrets)
     except Exception as error:  # no process can be started here (limits, a sandbox, no AF_UNIX): threads work
-        warnings.warn(
+        notice(
             f"nemo_memlog: could not start the writer process ({type(error).__name__}: {error}); "
-            f"the backends write from threads of this process instead (logger.writer_mode='thread')",
-            RuntimeWarning,
-            stacklevel=3,
+            f"the backends write from threads of this process instead (logger.writer_mode='thread')"
         )
         return None
 

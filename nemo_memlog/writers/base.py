@@ -67,7 +67,10 @@ class FolderNotWritable(PermissionError):
 
 
 #: OS errors a retry cannot cure: the backend stops (fanout.py) instead of retrying until the run ends.
-PERMANENT_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
+#: EEXIST: a file (or a dangling link) where the backend's folder should be.
+PERMANENT_ERRNOS = frozenset(
+    {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ELOOP}
+)
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 

@@ -15,9 +15,9 @@ still holds the socket. It ignores SIGINT and SIGTERM, which a terminal or a sch
 sends to the whole process group: the trainer's own handler (process_wide.py) or its death
 decides when the writer process closes. It runs at nice +10.
 
-Warnings. Ours (``nemo_memlog: ...``) go back to the training process as ``wire.Warned``,
-to be re-raised there; any other, or any once the trainer is gone, to this process's
-stderr, which is the training process's.
+Notices. Ours (the "nemo_memlog" logger's records) go back to the training process as
+``wire.Warned``, to be said there on its own "nemo_memlog" logger; once the trainer is gone,
+to this process's stderr, which is the training process's. Other warnings go to that stderr.
 
 Imports only config, wire and fanout (and the backends fanout opens), never the package's
 ``writers/__init__``'s factories.
@@ -25,12 +25,12 @@ Imports only config, wire and fanout (and the backends fanout opens), never the 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import sys
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -90,18 +90,28 @@ def messages(sock: socket.socket, parent: int) -> Iterator[Any]:
         yield message
 
 
-def forward_warnings(link: Link) -> None:
-    """Our warnings go to the training process (re-raised there); others, or any once it is
-    gone, to this process's stderr, which is the training process's."""
-    show = warnings.showwarning
+class Forward(logging.Handler):
+    """Our notices to the training process (said there); to this process's stderr once it is gone."""
 
-    def forward(message, category, filename, lineno, file=None, line=None):
-        text = str(message)[:8192]
-        if not (text.startswith("nemo_memlog") and link.send(wire.Warned(category.__name__, text))):
-            show(message, category, filename, lineno, file, line)
+    def __init__(self, link: Link):
+        super().__init__(logging.WARNING)
+        self.link = link
 
-    warnings.showwarning = forward
-    warnings.filterwarnings("always", message="nemo_memlog")  # the training process's filters decide
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = record.getMessage()[:8192]
+            if not self.link.send(wire.Warned(record.levelname, text)):
+                sys.stderr.write(text + "\n")
+        except Exception:  # noqa: S110 -- a notice that cannot be said is not worth failing a write for
+            pass
+
+
+def forward_notices(link: Link) -> None:
+    """Every record of the "nemo_memlog" logger goes to the training process, whose logging
+    configuration decides where it shows; none is printed here as well."""
+    logger = logging.getLogger("nemo_memlog")
+    logger.addHandler(Forward(link))
+    logger.propagate = False
 
 
 def serve(sock: socket.socket, parent: int) -> None:
@@ -115,7 +125,7 @@ def serve(sock: socket.socket, parent: int) -> None:
     if not isinstance(start, wire.Start) or start.version != wire.VERSION:
         return
     os.environ.update(start.private_environ)
-    forward_warnings(link)
+    forward_notices(link)
     settings = from_plain(start.settings)
     fanout = open_thread_fanout(settings, start.backend_names, start.params, start.secrets, closes_with_process=False)
     budget = settings.writer_close_timeout_s

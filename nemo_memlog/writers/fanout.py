@@ -15,8 +15,8 @@ When a buffer is full (``writer_buffer_steps``), the OLDEST
 step of that backend (other than one being written) is dropped, counted, and warned
 about once: the training thread never blocks, and memory stays bounded. ``close``
 drains every buffer, then each backend's thread closes its backend, all at once, so a hung
-backend holds up no other backend's close. Failures warn once per backend and kind of
-failure, with secrets scrubbed from the message.
+backend holds up no other backend's close. Failures are said once per backend and kind of
+failure (notices on the "nemo_memlog" logger, warn.py), with secrets scrubbed from the message.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import process_wide
-from ..warn import WarnOnce
+from ..warn import WarnOnce, notice
 from .base import DISK_FULL_ERRNOS, PERMANENT_ERRNOS, backend_module, os_errno
 
 if TYPE_CHECKING:
@@ -138,11 +137,9 @@ class BufferedBackend:
             self._lose([step for _, step in self._buffer])
         if self.dropped:
             why = f" ({self.reason})" if self.reason else ""
-            warnings.warn(
+            notice(
                 f"nemo_memlog: {self.name} did not store {self.dropped} of the {self.written + self.dropped} "
-                f"logged steps{why}: {step_ranges(self.lost_steps)}",
-                RuntimeWarning,
-                stacklevel=2,
+                f"logged steps{why}: {step_ranges(self.lost_steps)}"
             )
 
     def _lose(self, steps: list) -> None:
@@ -204,11 +201,9 @@ class BufferedBackend:
             return False
         self.written += 1
         if self._failing:
-            warnings.warn(
+            notice(
                 f"nemo_memlog: {self.name} is writing again after {self.failures} failed attempts; "
-                f"buffered steps are being replayed",
-                RuntimeWarning,
-                stacklevel=2,
+                f"buffered steps are being replayed"
             )
             self._failing = False
         return True

@@ -4,8 +4,8 @@
 FD`` (a fresh interpreter: no fork, no user ``__main__``, nothing secret on its command
 line) and sends it every message (wire.py) over one AF_UNIX SOCK_SEQPACKET socket pair. That
 process runs an ordinary ``ThreadFanOut`` (child.py), so isolation, retries, drop counting
-and once-per-kind warnings work as in thread mode; its warnings come back over the socket
-and are re-raised here, so they reach the user's console, filters and logs as before.
+and once-per-kind notices work as in thread mode; its notices come back over the socket and
+are said here on the "nemo_memlog" logger, so they reach the user's console and logs as before.
 
 Hand-off. ``log`` pickles the step and sends it with one non-blocking ``send``: a
 SEQPACKET message goes into the kernel whole or not at all, so a step is either handed
@@ -39,13 +39,12 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from .. import process_wide
 from ..config import SECRET_NAME
-from ..warn import WarnOnce
+from ..warn import WarnOnce, notice
 from . import wire
 
 if TYPE_CHECKING:
@@ -187,11 +186,7 @@ class ProcessFanOut:
         if self._goodbye is None and not self._warn_once.seen("gone"):
             self._warn_once("no-goodbye", f"the writer process did not confirm closing the backends within {budget} s")
         if self.dropped:
-            warnings.warn(
-                f"nemo_memlog: {self.dropped} logged steps never reached the writer process",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            notice(f"nemo_memlog: {self.dropped} logged steps never reached the writer process")
         if not reentered:
             self._release_socket()
 
@@ -344,7 +339,7 @@ class ProcessFanOut:
             if message is wire.EOF:
                 break
             if isinstance(message, wire.Warned):
-                warnings.warn(message.text, _warning_category(message.category), stacklevel=1)
+                notice(message.text)  # the writer process's notice, said here as there
             elif isinstance(message, wire.Reply):
                 slot = self._replies.get(message.ident)
                 if slot is not None:  # else its caller stopped waiting
@@ -373,13 +368,6 @@ class ProcessFanOut:
         self._sendable = threading.Condition(self._lock)
         self._ended.set()
         self._sock.close()
-
-
-def _warning_category(name: str):
-    import builtins
-
-    category = getattr(builtins, name, None)
-    return category if isinstance(category, type) and issubclass(category, Warning) else RuntimeWarning
 
 
 def _with_package_path(environ: dict) -> dict:

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 
 PREFIX = "memory/"
 _PER_STAGE = re.compile(r"memory/(pp_stage_(\d+))/(.+)")
-#: A stage's label, also the folder of its own TensorBoard run (``<tensorboard_dir>/pp_stage_{i}``).
-STAGE_LABEL = re.compile(r"pp_stage_\d+")
+#: A stage's label, also the folder of its own TensorBoard run (``<tensorboard_dir>/pp_stage_{i}``,
+#: or ``pp_stage_{i}-2`` .. when that name is taken by something else: writers/tensorboard.py).
+STAGE_LABEL = re.compile(r"pp_stage_\d+(-\d+)?")
 #: The line of the pipeline-wide max in a chart.
 MAX_LINE = "max"
 #: The points each chart keeps: past twice this, every other step is dropped (the run's whole span stays).

@@ -12,6 +12,13 @@ The main run keeps everything it held before (its folder, its event file, the pe
 the per-stage tags are what ``nemo-memlog report`` and existing dashboards read, and a run of
 one stage writes no stage run (its stage's line is the max).
 
+A stage's run never costs the main run a step. Where ``pp_stage_{i}`` is taken by something that
+is not a TensorBoard run (a file, a dangling link, a folder of other things) or cannot be opened,
+the stage's run goes to the first free name of ``pp_stage_{i}-2`` .. ``-9``, or is skipped, said
+once. A stage run that fails to write is said once per kind: a permanent OS error (base.
+PERMANENT_ERRNOS) closes that stage's run for good, any other loses that point only; neither is
+raised, so the main run is never retried (and written twice) for a stage's sake.
+
 A custom-scalars layout (category ``memory per stage``) charts exactly the per-stage metrics:
 one chart per ``memory/<name>``, over every run, so the max and the stages of the metrics
 logged per stage sit on one page without the other memory series (written at the first step
@@ -33,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import process_wide
 from ..redaction import scrubbed
-from .base import writable_folder
+from ..warn import WarnOnce
+from .base import PERMANENT_ERRNOS, os_errno, writable_folder
 from .stages import stage_values
 
 if TYPE_CHECKING:
@@ -44,6 +52,10 @@ CONFIG_TAG = "config"
 CONFIG_TENSOR_TAG = CONFIG_TAG + "/text_summary"
 #: The custom-scalars category holding one chart per per-stage metric.
 LAYOUT_CATEGORY = "memory per stage"
+#: The other names a stage's run may take when ``pp_stage_{i}`` is taken: ``pp_stage_{i}-2`` onwards.
+OTHER_NAMES = 8
+#: What an earlier run of ours leaves in a stage's folder (a folder holding only these is reused).
+EVENT_FILE_PREFIX = "events.out.tfevents."
 
 
 def enabled(settings: Settings) -> bool:
@@ -61,7 +73,9 @@ def open_backend(settings: Settings, params: dict, secrets: list[str]) -> Tensor
     )
     writer.add_text(CONFIG_TAG, config_text(params, secrets), 0)
     _quiet_writer_thread(writer)
-    return TensorBoardBackend(writer, log_dir=settings.tensorboard_dir, queue_size=settings.tensorboard_queue_size)
+    return TensorBoardBackend(
+        writer, log_dir=settings.tensorboard_dir, queue_size=settings.tensorboard_queue_size, secrets=secrets
+    )
 
 
 def _quiet_writer_thread(writer) -> None:
@@ -106,20 +120,47 @@ def layout(tags: Iterable[str]) -> dict:
     return {LAYOUT_CATEGORY: charts}
 
 
+def stage_folder_names(label: str) -> list[str]:
+    """The folders a stage's run may take, in order: ``pp_stage_1``, ``pp_stage_1-2``, ..."""
+    return [label] + [f"{label}-{n}" for n in range(2, 2 + OTHER_NAMES)]
+
+
+def free_for_a_run(path: str) -> bool:
+    """``path`` is absent, or a folder holding TensorBoard event files only (an earlier run's,
+    appended to as TensorBoard does); not a file, a dangling link, or a folder of other things."""
+    if not os.path.lexists(path):
+        return True
+    try:
+        return os.path.isdir(path) and all(name.startswith(EVENT_FILE_PREFIX) for name in os.listdir(path))
+    except OSError:
+        return False
+
+
 class TensorBoardBackend:
     """``writer``: the main run. ``log_dir``: its folder, under which each stage's run is opened
     (None: no stage runs). ``adopted``: someone else opened ``writer``: ``close`` leaves it open
     (the stage runs are ours: closed), and each step's stage points are flushed as they are
-    written (an adopting framework may end without closing us)."""
+    written (an adopting framework may end without closing us). Only the main run's errors
+    are raised; a stage run's are said once (``secrets`` scrubbed) and never raised."""
 
-    def __init__(self, writer: Any, *, log_dir: str | None = None, queue_size: int = 10, adopted: bool = False):
+    def __init__(
+        self,
+        writer: Any,
+        *,
+        log_dir: str | None = None,
+        queue_size: int = 10,
+        adopted: bool = False,
+        secrets: list[str] | tuple[str, ...] = (),
+    ):
         self.writer = writer
         self.log_dir = log_dir
         self.queue_size = queue_size
         self.adopted = adopted
         self.stages: set[str] = set()  # the stage labels seen so far
-        self.stage_writers: dict[str, Any] = {}  # label -> its run's SummaryWriter, opened at its first point
+        # label -> its run's SummaryWriter, opened at its first point; None: skipped for good
+        self.stage_writers: dict[str, Any] = {}
         self.charted: set[str] = set()  # the shared tags the layout has a chart for
+        self._warn_once = WarnOnce("tensorboard backend: ", secrets)
 
     def log(self, metrics: dict, step: int) -> None:
         """One scalar per metric at ``step``, and each stage's value in its own run. Reads ``metrics`` only."""
@@ -130,7 +171,9 @@ class TensorBoardBackend:
         if not found or len(self.stages) < 2 or self.log_dir is None:
             return  # one stage: its line is the max's
         for label, tag, value in found:
-            self._stage_writer(label).add_scalar(tag, value, step)
+            writer = self._stage_writer(label)
+            if writer is not None:
+                self._stage_call(label, writer.add_scalar, tag, value, step)
         tags = {tag for _, tag, _ in found}
         if not tags <= self.charted:
             self.charted |= tags
@@ -139,25 +182,70 @@ class TensorBoardBackend:
             self._each_stage("flush")
 
     def _stage_writer(self, label: str) -> Any:
-        writer = self.stage_writers.get(label)
-        if writer is None:
-            from torch.utils.tensorboard import SummaryWriter
+        """The run of stage ``label``, opened at its first point; None when it is skipped."""
+        if label not in self.stage_writers:
+            self.stage_writers[label] = self._open_stage_run(label)
+        return self.stage_writers[label]
 
-            writer = SummaryWriter(log_dir=os.path.join(self.log_dir, label), max_queue=self.queue_size)
+    def _open_stage_run(self, label: str) -> Any:
+        """A SummaryWriter on the first of ``stage_folder_names(label)`` that is free and opens;
+        None (said once) when none does. Never raises."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        taken = []
+        for name in stage_folder_names(label):
+            folder = os.path.join(self.log_dir, name)
+            if not free_for_a_run(folder):
+                taken.append(f"{name} ({_what_is_at(folder)})")
+                continue
+            try:
+                # Probed first: TensorBoard's own writer opens its file in a thread, failing later.
+                writable_folder(folder, "tensorboard_dir")
+                writer = SummaryWriter(log_dir=folder, max_queue=self.queue_size)
+            except Exception as error:  # a folder we may not write: the next name
+                cause = error.__cause__ or error
+                taken.append(f"{name} ({type(cause).__name__}: {cause})")
+                continue
             _quiet_writer_thread(writer)
-            self.stage_writers[label] = writer
-        return writer
+            if taken:
+                self._warn_once(
+                    ("stage folder", label),
+                    f"{label}'s run is written to {folder}, as {', '.join(taken)} is taken; the main run is unaffected",
+                )
+            return writer
+        self._warn_once(
+            ("stage folder", label),
+            f"{label} gets no run of its own in {self.log_dir} ({', '.join(taken[:3])}, ... taken); "
+            f"its series stays in the main run as memory/{label}/<name>",
+        )
+        return None
+
+    def _stage_call(self, label: str, fn, *args) -> None:
+        """``fn(*args)`` on stage ``label``'s run. A failure is said once per kind and never raised:
+        a permanent OS error closes that stage's run for good, another loses this call only."""
+        try:
+            fn(*args)
+        except Exception as error:  # a stage's run never holds back the main run
+            permanent = os_errno(error) in PERMANENT_ERRNOS
+            if permanent:
+                writer, self.stage_writers[label] = self.stage_writers.get(label), None
+                if writer is not None:
+                    try:
+                        writer.close()
+                    except Exception:  # already failing: closed as far as it can be
+                        pass
+            self._warn_once(
+                (label, type(error).__name__),
+                f"{label}'s run failed with {type(error).__name__}: {error}; "
+                + ("it is closed for good" if permanent else "that point is not in it")
+                + " (the main run goes on whole)",
+            )
 
     def _each_stage(self, what: str) -> None:
-        """``what`` (flush, close) on every stage run; the first error raised after all were tried."""
-        failed = None
-        for writer in self.stage_writers.values():
-            try:
-                getattr(writer, what)()
-            except Exception as error:  # the other stages still get theirs
-                failed = failed or error
-        if failed is not None:
-            raise failed
+        """``what`` (flush, close) on every stage run; failures said, never raised."""
+        for label, writer in list(self.stage_writers.items()):
+            if writer is not None:
+                self._stage_call(label, getattr(writer, what))
 
     def flush(self) -> None:
         self.writer.flush()
@@ -172,3 +260,9 @@ class TensorBoardBackend:
                 self.writer.flush()
             else:
                 self.writer.close()
+
+
+def _what_is_at(path: str) -> str:
+    if os.path.islink(path) and not os.path.exists(path):
+        return "a dangling link"
+    return "a folder of other things" if os.path.isdir(path) else "a file"

@@ -16,7 +16,7 @@ The conversation, version ``VERSION``::
                       Stats   answered by a Reply (the counts per backend)
                       Close   the close budget; then the parent shuts its end for writing
     child -> parent   Reply   to a Flush or Stats, by its ``ident``
-                      Warned  a warning the child issued, re-raised in the parent
+                      Warned  a notice the child logged (its level, its text), logged in the parent
                       Goodbye the final counts, after every backend closed
 
 The child refuses a Start whose ``version`` is not its own (a different nemo_memlog on its
@@ -69,7 +69,7 @@ class Reply(NamedTuple):
 
 
 class Warned(NamedTuple):
-    category: str  # a builtin Warning subclass's name
+    category: str  # the level of the notice ("WARNING")
     text: str
 
 

@@ -7,12 +7,12 @@ did not store."""
 import contextlib
 import subprocess
 import time
-import warnings
 
 import pytest
 
 from nemo_memlog import LoggerConfig
 from nemo_memlog.writers import build_writers
+from tests.notices import said
 
 pytestmark = pytest.mark.processes
 
@@ -43,8 +43,7 @@ def read_only(folder):
 
 
 def log_and_close(cfg, steps: int, width: int = 8):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said(warned=False) as caught:
         fanout = build_writers(cfg)
         for step in range(1, steps):
             fanout.log({f"memory/metric_{i}": float(step * i) for i in range(width)}, step)  # never raises
@@ -54,7 +53,7 @@ def log_and_close(cfg, steps: int, width: int = 8):
         fanout.close()
         closing_s = time.monotonic() - started
         stats = fanout.stats()
-    return stats, closing_s, [str(w.message) for w in caught]
+    return stats, closing_s, [w for w in caught]
 
 
 @pytest.mark.parametrize("writer_mode", ["process", "thread"])

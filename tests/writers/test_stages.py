@@ -2,8 +2,10 @@
 wrote: TensorBoard one run per stage under the max's tag (owned and adopted writers), W&B a
 custom chart per metric, MLflow and Comet a figure and the lines as data, each at close."""
 
+import errno
 import json
 import math
+import os
 import re
 
 import pytest
@@ -13,6 +15,7 @@ from nemo_memlog.writers import adopt_writers, comet, tensorboard
 from nemo_memlog.writers import mlflow as mlflow_writer
 from nemo_memlog.writers import wandb as wandb_writer
 from nemo_memlog.writers.stages import MAX_LINE, StageHistory
+from tests.notices import said
 from tests.readback import tensorboard_runs
 from tests.writers.sample import STAGE_STEPS, STAGE_TAGS, STAGES, STEPS, stage_value, write_steps
 from tests.writers.test_comet import read_archive
@@ -237,3 +240,127 @@ def test_history_thins_evenly_keeps_the_first_step_and_drops_non_finite_points()
     one_stage = StageHistory()
     one_stage.add({"memory/pp_stage_0/a": 1.0, "memory/a": 1.0}, 1)
     assert one_stage.charts == {}
+
+
+def log_through_the_fanout(folder):
+    """STAGE_STEPS through the writers (thread mode) on ``folder``: (stats, every warning's text)."""
+    from nemo_memlog.writers import build_writers
+
+    with said(warned=False) as notices:
+        writers = build_writers(LoggerConfig(tensorboard_dir=str(folder), writer_mode="thread"))
+        for step, metrics in STAGE_STEPS.items():
+            writers.log(metrics, step)
+        writers.close()
+        stats = writers.stats()
+    return stats, notices
+
+
+def check_main_run_whole(runs, stats, messages):
+    """Every step once, every key of every step, and nothing said lost."""
+    assert stats["tensorboard"] == {"written": 4, "pending": 0, "dropped": 0, "failures": 0}, stats
+    for tag in STAGE_STEPS[5]:
+        assert [step for step, _ in runs["."][tag]] == sorted(STAGE_STEPS), tag
+    assert not [m for m in messages if "did not store" in m], messages
+
+
+def _a_file(path):
+    path.write_text("the user's own notes\n")
+
+
+def _a_dangling_link(path):
+    path.symlink_to(path.parent / "nowhere" / "at all")
+
+
+def _a_foreign_folder(path):
+    path.mkdir()
+    (path / "checkpoint.pt").write_text("not ours")
+
+
+@pytest.mark.parametrize("make", [_a_file, _a_dangling_link, _a_foreign_folder])
+def test_a_name_clash_leaves_the_main_run_whole_and_the_stage_run_goes_to_a_free_name(tmp_path, make):
+    folder = tmp_path / "tb"
+    folder.mkdir()
+    make(folder / "pp_stage_0")
+    stats, messages = log_through_the_fanout(folder)
+    runs = tensorboard_runs(folder)
+    check_main_run_whole(runs, stats, messages)
+    assert set(runs) == {".", "pp_stage_0-2", "pp_stage_1", "pp_stage_2"}, sorted(runs)
+    for tag in STAGE_TAGS:  # stage 0's own series, under its other name
+        assert runs["pp_stage_0-2"][tag] == [(step, f32(stage_value(step, 0, tag))) for step in sorted(STAGE_STEPS)]
+    clash = [m for m in messages if "pp_stage_0" in m]
+    assert len(clash) == 1 and "pp_stage_0-2" in clash[0] and "is taken" in clash[0], messages
+    assert os.path.lexists(folder / "pp_stage_0")  # the user's thing is left as it was
+    if make is _a_file:
+        assert (folder / "pp_stage_0").read_text() == "the user's own notes\n"
+    if make is _a_foreign_folder:
+        assert os.listdir(folder / "pp_stage_0") == ["checkpoint.pt"]
+
+
+def test_an_earlier_runs_stage_folder_is_reused_and_so_is_its_other_name(tmp_path):
+    folder = tmp_path / "tb"
+    folder.mkdir()
+    _a_file(folder / "pp_stage_0")
+    log_through_the_fanout(folder)
+    stats, messages = log_through_the_fanout(folder)  # the same folder again: a resumed job
+    runs = tensorboard_runs(folder)
+    assert set(runs) == {".", "pp_stage_0-2", "pp_stage_1", "pp_stage_2"}, sorted(runs)
+    assert len(runs["pp_stage_1"]["memory/peak_reserved_gb"]) == 2 * len(STAGE_STEPS)  # appended to
+    assert len(runs["pp_stage_0-2"]["memory/peak_reserved_gb"]) == 2 * len(STAGE_STEPS)
+
+
+def test_every_name_taken_skips_that_stage_run_said_once_and_the_main_run_is_whole(tmp_path):
+    folder = tmp_path / "tb"
+    folder.mkdir()
+    for name in tensorboard.stage_folder_names("pp_stage_1"):
+        _a_dangling_link(folder / name)
+    stats, messages = log_through_the_fanout(folder)
+    runs = tensorboard_runs(folder)
+    check_main_run_whole(runs, stats, messages)
+    assert set(runs) == {".", "pp_stage_0", "pp_stage_2"}, sorted(runs)
+    skipped = [m for m in messages if "pp_stage_1" in m]
+    assert len(skipped) == 1 and "gets no run of its own" in skipped[0] and "dangling link" in skipped[0], messages
+
+
+@pytest.mark.processes  # mount
+def test_a_read_only_folder_of_that_name_sends_the_stage_run_to_a_free_name(tmp_path):
+    from tests.writers.test_folders import read_only
+
+    folder = tmp_path / "tb"
+    with read_only(folder / "pp_stage_2"):  # empty, so free for a run, but it cannot be opened
+        stats, messages = log_through_the_fanout(folder)
+    runs = tensorboard_runs(folder)
+    check_main_run_whole(runs, stats, messages)
+    assert set(runs) == {".", "pp_stage_0", "pp_stage_1", "pp_stage_2-2"}, sorted(runs)
+    clash = [m for m in messages if "pp_stage_2" in m]
+    assert len(clash) == 1 and "Read-only file system" in clash[0], messages
+
+
+def test_a_stage_run_failing_for_good_is_closed_said_once_and_never_retries_the_main_run(tmp_path):
+    backend = tensorboard.open_backend(LoggerConfig(tensorboard_dir=str(tmp_path / "tb")), {}, [])
+    steps = sorted(STAGE_STEPS)
+    backend.log(STAGE_STEPS[steps[0]], steps[0])
+    stage_run = backend.stage_writers["pp_stage_1"]
+
+    def fail(*args, **kwargs):  # what a file where its folder was makes TensorBoard's writer raise
+        raise FileExistsError(errno.EEXIST, "File exists", str(tmp_path / "tb" / "pp_stage_1"))
+
+    stage_run.add_scalar = fail  # a permanent OS error after the run opened: no real way to provoke it
+    with said(warned=False) as notices:
+        for step in steps[1:]:
+            backend.log(STAGE_STEPS[step], step)  # never raises: the fan-out would retry the main run
+        backend.close()
+    failed = [m for m in notices if "pp_stage_1" in m]
+    assert len(failed) == 1 and "closed for good" in failed[0], notices
+    assert backend.stage_writers["pp_stage_1"] is None
+    runs = tensorboard_runs(tmp_path / "tb")
+    assert [step for step, _ in runs["."]["memory/peak_reserved_gb"]] == steps
+    assert [step for step, _ in runs["pp_stage_1"]["memory/peak_reserved_gb"]] == steps[:1]
+    assert [step for step, _ in runs["pp_stage_2"]["memory/peak_reserved_gb"]] == steps
+
+
+def test_a_file_as_the_tensorboard_dir_stops_the_backend_once_instead_of_retrying_forever(tmp_path):
+    _a_file(tmp_path / "tb")
+    stats, messages = log_through_the_fanout(tmp_path / "tb")
+    assert stats["tensorboard"]["failures"] == 1 and stats["tensorboard"]["dropped"] == 4, stats
+    stopped = [m for m in messages if "this backend stops" in m]
+    assert len(stopped) == 1 and "File exists" in stopped[0], messages
