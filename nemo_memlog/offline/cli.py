@@ -13,11 +13,16 @@ no torch import of its own, no training code, no process group.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
 
+from . import arg_types, run
+
+RUN_HELP = "COMMAND with memory logging in every Python process it starts, no code change (docs/megatron_lm.md)"
+#: The exit status of a command whose reader went away (``nemo-memlog postmortem RUN | head``): the
+#: shell's for a process ended by SIGPIPE, 128 + 13, without its traceback.
+CLOSED_PIPE = 141
 PNG_NAME = "memory_report.png"
 POSTMORTEM_PNG_NAME = "memory_postmortem.png"
 ADVISE_PNG_NAME = "memory_advise.png"
@@ -49,11 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     _postmortem_parser(commands)
     _advise_parser(commands)
     _fit_parser(commands)
-    commands.add_parser(  # listed here; main() hands its arguments to run.main unparsed (they are COMMAND's)
-        "run",
-        help="run COMMAND with memory logging added to every Python process it starts (Megatron-LM, "
-        "Megatron-Bridge, Lightning), no code change: nemo-memlog run [--set key=value ...] -- COMMAND",
-    )
+    commands.add_parser("run", help=RUN_HELP)  # listed; main() hands run.main its arguments unparsed
     return parser
 
 
@@ -70,37 +71,30 @@ def _fit_parser(commands) -> None:
         "130/143 interrupted.",
     )
     fit.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your launch, after --")
-    fit.add_argument("--capacity-gb", type=_gigabytes, default=None, help="memory per rank (default: as advise)")
-    fit.add_argument("--margin", type=_fraction, default=0.1, help="share of the capacity left free (default 0.1)")
     fit.add_argument(
-        "--start", type=_whole, default=None, help="the first probe's size (default: {micro_batch_size:N}'s N, else 1)"
+        "--capacity-gb", type=arg_types.gigabytes, default=None, help="memory per rank (default: as advise)"
     )
-    fit.add_argument("--max-launches", type=_whole, default=3, help="probes at most (default 3)")
     fit.add_argument(
-        "--probe-timeout-s", type=_seconds, default=1800.0, help="longest wait for a probe's records (default 1800)"
+        "--margin", type=arg_types.fraction, default=0.1, help="share of the capacity left free (default 0.1)"
     )
-    fit.add_argument("--grace-s", type=_seconds, default=30.0, help="SIGTERM to SIGKILL for a probe (default 30)")
+    fit.add_argument(
+        "--start",
+        type=arg_types.whole,
+        default=None,
+        help="the first probe's size (default: {micro_batch_size:N}'s N, else 1)",
+    )
+    fit.add_argument("--max-launches", type=arg_types.whole, default=3, help="probes at most (default 3)")
+    fit.add_argument(
+        "--probe-timeout-s",
+        type=arg_types.seconds,
+        default=1800.0,
+        help="longest wait for a probe's records (default 1800)",
+    )
+    fit.add_argument(
+        "--grace-s", type=arg_types.seconds, default=30.0, help="SIGTERM to SIGKILL for a probe (default 30)"
+    )
     fit.add_argument("--work-dir", type=Path, default=None, help="keep the probes' records and output here")
     fit.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _fraction(text: str) -> float:
-    """An argparse type: a number from 0 up to (not including) 1."""
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a share from 0 up to 1 (0.1 is 10%) is expected")
-    return value
-
-
-def _whole(text: str) -> int:
-    """An argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a whole number >= 1 is expected")
-    return value
 
 
 def _advise_parser(commands) -> None:
@@ -127,7 +121,7 @@ def _advise_parser(commands) -> None:
     )
     advise.add_argument(
         "--capacity-gb",
-        type=_gigabytes,
+        type=arg_types.gigabytes,
         default=None,
         help="memory per rank to fit in (default: the device's total; on CPU the job's memory cgroup limit, "
         "else the node's RAM divided by the ranks on it)",
@@ -138,7 +132,9 @@ def _advise_parser(commands) -> None:
         help="also list the changes that fit (--margin of the capacity free), cheapest first: the micro-batch "
         "size, the distributed optimizer, recompute, a layer split",
     )
-    advise.add_argument("--margin", type=_fraction, default=0.1, help="with --fit: share left free (default 0.1)")
+    advise.add_argument(
+        "--margin", type=arg_types.fraction, default=0.1, help="with --fit: share left free (default 0.1)"
+    )
     advise.add_argument(
         "--calibrate-with",
         type=Path,
@@ -193,34 +189,10 @@ def _postmortem_parser(commands) -> None:
     )
     postmortem.add_argument(
         "--clock-skew-s",
-        type=_seconds,
+        type=arg_types.seconds,
         default=DEFAULT_CLOCK_SKEW_S,
         help="how far apart two hosts' clocks may be, in seconds (default: %(default)s)",
     )
-
-
-def _seconds(text: str) -> float:
-    """An argparse type: a finite number of seconds >= 0."""
-    value = float(text)
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of seconds >= 0 is expected")
-    return value
-
-
-#: The exit status of a command whose reader went away (``nemo-memlog postmortem RUN | head``): the
-#: shell's for a process ended by SIGPIPE, 128 + 13, without its traceback.
-CLOSED_PIPE = 141
-
-
-def _gigabytes(text: str) -> float:
-    """An argparse type: a finite number of GB above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of GB above 0 is expected")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     the output's reader closed the pipe (quietly: the rest of the output goes nowhere)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:  # COMMAND's own options must reach it untouched
-        from . import run
-
         return run.main(argv[1:])
     try:
         args = _parser().parse_args(argv)
