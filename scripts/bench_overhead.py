@@ -56,6 +56,8 @@ Part 7 (this process): the memory cgroup limit's reads in capacity_report, and a
 memory_phase (enter and leave), against report_memory, interleaved.
 Part 8 (this process): a logging step with and without the model and optimizer (1,000 parameter
 tensors, Adam; the count cached), and the count from scratch.
+Part 11 (two torchrun launches, not with --smoke; --megatron-lm-only alone): Megatron-LM's own loop, alone and with
+megatron_lm.install(), each logging iteration against the off-interval one before it (scripts/bench/megatron_lm.py).
 Part 9 (this process, one thread): the activation meter (nemo_memlog.measure.activations) on a logging
 iteration of the demo's model (scripts/demo_model.py's first stage, 4 microbatches in flight, Adam)
 and on a 100-layer model, armed and finished against not armed, interleaved; arm() + finish()
@@ -95,6 +97,7 @@ from bench.flight_recorder import recorder_markdown, recorder_part  # noqa: E402
 from bench.host_limit import host_limit_markdown, host_limit_part  # noqa: E402
 from bench.host_memory import host_memory_part, memory_markdown  # noqa: E402
 from bench.megatron import megatron_markdown, megatron_part  # noqa: E402
+from bench.megatron_lm import megatron_lm_markdown, megatron_lm_part  # noqa: E402
 from bench.pp_group import (  # noqa: E402
     DEFAULT_ITERS,
     cluster_row,
@@ -129,6 +132,9 @@ def arguments(argv) -> argparse.Namespace:
     parser.add_argument("--activations-only", action="store_true", help="run part 9 (the activation meter) alone")
     parser.add_argument(
         "--megatron-only", action="store_true", help="run part 10 (the meter on megatron-core's GPTModel) alone"
+    )
+    parser.add_argument(
+        "--megatron-lm-only", action="store_true", help="run part 11 (Megatron-LM's own loop, two launches) alone"
     )
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
@@ -184,6 +190,9 @@ def main(argv=None) -> int:
         part = megatron_part(2 if args.smoke else 10, quick=args.smoke)
         print("\n".join(megatron_markdown(part)))
         return 0
+    if args.megatron_lm_only:
+        print("\n".join(megatron_lm_markdown(megatron_lm_part(12 if args.smoke else 60))))
+        return 0
     if args.activations_only:
         meter = activations(args)
         print(f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}. Command: `{command.strip()}`.")
@@ -218,9 +227,11 @@ def main(argv=None) -> int:
     parts = composition_part(20 if smoke else 1000)
     meter = activations(args)
     on_megatron = megatron_part(2 if smoke else 10, quick=smoke)
+    on_megatron_lm = None if smoke else megatron_lm_part(60)  # two torchrun launches: not in the smoke run
     lines = header(wake, command.strip()) + pp_markdown(rows) + non_logging_markdown(non_log)
     lines += writer_markdown(writer) + memory_markdown(memory) + recorder_markdown(rec) + host_limit_markdown(limit)
     lines += composition_markdown(parts) + activations_markdown(meter) + megatron_markdown(on_megatron)
+    lines += megatron_lm_markdown(on_megatron_lm)
     print("\n".join(lines))
     print("\n" + "\n".join(cuda_markdown(cuda)))
     if args.json:
@@ -238,6 +249,7 @@ def main(argv=None) -> int:
                     "composition": parts,
                     "activations": meter,
                     "megatron": on_megatron,
+                    "megatron_lm": on_megatron_lm,
                 },
                 out,
                 indent=1,

@@ -124,7 +124,45 @@ def _own_flags(parser):
         help="write DIR/stats-<r>.json: this rank's torch.cuda.memory_stats() right after each training_log "
         "(a GPU check of the mem-* series, read apart from nemo_memlog)",
     )
+    group.add_argument(
+        "--iteration-times",
+        default=None,
+        metavar="DIR",
+        help="write DIR/times-<r>.json: each iteration's wall seconds, from train_step's start to the end of "
+        "its training_log (the benchmark's Megatron-LM part)",
+    )
     return parser
+
+
+def iteration_times(folder: str) -> None:
+    """Wrap Megatron-LM's ``train_step`` and ``training_log`` (outermost) to time each iteration, from the
+    step's start to its log's end, into ``folder/times-<r>.json`` (``{iteration: seconds}``)."""
+    import json
+    import os
+    import time
+
+    import megatron.training.training as training
+    import torch.distributed as dist
+
+    step, log = training.train_step, training.training_log
+    started: dict = {}
+    times: dict = {}
+
+    def train_step(*args, **kwargs):
+        started["at"] = time.perf_counter()
+        return step(*args, **kwargs)
+
+    def training_log(*args, **kwargs):
+        result = log(*args, **kwargs)
+        iteration = args[3] if len(args) > 3 else kwargs["iteration"]
+        times[str(iteration)] = time.perf_counter() - started["at"]
+        if len(times) % 10 == 0 or iteration >= training.get_args().train_iters:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, f"times-{dist.get_rank()}.json"), "w") as out:
+                json.dump(times, out)
+        return result
+
+    training.train_step, training.training_log = train_step, training_log
 
 
 def device_stats(folder: str) -> None:
@@ -225,6 +263,8 @@ def main(argv: list[str]) -> int:
         count_apart(args.count_apart)
     if args.device_stats:
         device_stats(args.device_stats)
+    if args.iteration_times:
+        iteration_times(args.iteration_times)
     import warnings
 
     with warnings.catch_warnings():  # "use a ModelConfig instead of a model provider": ours is one on purpose
