@@ -108,7 +108,7 @@ def replica_line(run: MemoryRun, records: Any = None) -> str:
         return f"per-stage values: each stage's max over its ranks in every data-parallel replica{dp} (scope world)"
     return (
         f"per-stage values: the writer's data-parallel replica{dp} (global rank world_size-1's pipeline group); "
-        "scope world: all"
+        "memory_reduce_scope=world would take every replica"
     )
 
 

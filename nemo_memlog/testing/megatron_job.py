@@ -1,6 +1,7 @@
 """A real-Megatron training job as a command line, for ``nemo-memlog fit`` and its tests: every rank
 builds megatron_cpu's job (GPTModel in Megatron's DDP, its Adam and schedule) and calls
-``nemo_memlog.training_log`` after each iteration, as a user's own loop does.
+``nemo_memlog.training_log`` after each iteration, as a user's own loop does. It needs torchrun (one
+process per rank, over gloo): ``python -m torch.distributed.run --nproc-per-node 2 -m ...``.
 
     python -m torch.distributed.run --nproc-per-node 2 -m nemo_memlog.testing.megatron_job \\
         --micro-batch-size {micro_batch_size} --global-batch 16 --iters 1000 --out DIR
