@@ -12,7 +12,7 @@ from .predict import max_micro_batch_size, predict
 
 #: The order of the search, cheapest first: what each costs the run.
 COSTS = {
-    "micro_batch_size": "no extra compute; the global batch stays (the microbatches per iteration change with the size)",
+    "micro_batch_size": "no extra compute; the global batch stays (the microbatches per step change with the size)",
     "distributed_optimizer": "one all-gather of the parameters per step over data parallelism",
     "recompute": "a second forward of each layer in backward (about a third more compute)",
     "layers_per_stage": "an uneven pipeline: the longest stage sets the pace",
