@@ -21,7 +21,9 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/$(VENV)/.torchinductor
 # and Bridge is installed --no-deps, so pip lists its own pins (transformer-engine, CUDA
 # packages, wandb==0.29...) as unmet; it needs none of them for what nemo_memlog uses.
 PIP_NOISE := is ignored: it is neither|dependency resolver does not currently take into account|^megatron-(bridge|core) [^ ]+ requires
-PIP_INSTALL = python -m pip install -q -c constraints.txt
+PIP_INSTALL = python -m pip install --progress-bar off -c constraints.txt
+# What a person sees of pip during the minutes of set-up: one line per package fetched, then the installs.
+PIP_PROGRESS := ^(Collecting|Processing|Downloading|Installing collected|Successfully installed)
 
 # $(call build_env,VENV,BRIDGE_CONSTRAINTS,EXTRA_PACKAGES): megatron-core and Megatron-Bridge
 # first, --no-deps (Bridge pins transformer-engine and CUDA-only packages) and
@@ -32,10 +34,10 @@ define build_env
 	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	@echo "$(1): megatron-core and Megatron-Bridge as pinned in $(2) (--no-deps) ..."
 	@$(1)/bin/$(PIP_INSTALL) -c $(2) --no-deps --ignore-requires-python megatron-core megatron-bridge 2>&1 \
-		| grep -Ev "$(PIP_NOISE)" || true
-	@echo "$(1): nemo_memlog[test], torch (CPU) and what Bridge's training modules import ..."
+		| grep --line-buffered -Ev "$(PIP_NOISE)" | grep --line-buffered -E "$(PIP_PROGRESS)|ERROR" | cut -c1-150 || true
+	@echo "$(1): nemo_memlog[test], torch (CPU) and what Bridge's training modules import (a few minutes, a line per package) ..."
 	@$(1)/bin/$(PIP_INSTALL) -c $(2) -e '.[test]' transformers huggingface-hub datasets einops triton nvidia-modelopt $(3) 2>&1 \
-		| grep -Ev "$(PIP_NOISE)" || true
+		| grep --line-buffered -Ev "$(PIP_NOISE)" | grep --line-buffered -E "$(PIP_PROGRESS)|ERROR" | cut -c1-150 || true
 	@echo "$(1): (pip's complaints about Megatron-Bridge's own unmet pins are expected and hidden: it is installed --no-deps)"
 	@$(1)/bin/python -c "import re, nemo_memlog, torch, megatron.core, tensorboard, wandb, mlflow, comet_ml, omegaconf, transformers, triton, lightning.pytorch, pytorch_lightning; \
 		from importlib.metadata import version; \
