@@ -172,6 +172,8 @@ class Outcome:
     in_flight: int | None
     capacity_gb: float | None
     assumptions: list[str] = field(default_factory=list)
+    #: (low, high) where one run cannot tell a part's scaling (the temporaries under a micro-batch change).
+    peak_range_gb: tuple[float, float] | None = None
 
     @property
     def peak_now_gb(self) -> float:
@@ -182,12 +184,21 @@ class Outcome:
         return peak(self.predicted)
 
     @property
+    def peak_low_gb(self) -> float:
+        return self.peak_gb if self.peak_range_gb is None else min(self.peak_range_gb)
+
+    @property
+    def peak_high_gb(self) -> float:
+        """The top of the range: what the headroom and the fit are judged by (under-prediction crashes jobs)."""
+        return self.peak_gb if self.peak_range_gb is None else max(self.peak_range_gb)
+
+    @property
     def headroom_gb(self) -> float | None:
-        return None if self.capacity_gb is None else self.capacity_gb - self.peak_gb
+        return None if self.capacity_gb is None else self.capacity_gb - self.peak_high_gb
 
     @property
     def fits(self) -> bool | None:
-        return None if self.capacity_gb is None else self.peak_gb <= self.capacity_gb
+        return None if self.capacity_gb is None else self.peak_high_gb <= self.capacity_gb
 
 
 def peak(parts: dict) -> float:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .model import CHANGES, MODEL_STATE, Change, Outcome, Refused, Run, Stage, parse, with_model_state
+from .model import CHANGES, MODEL_STATE, Change, Outcome, Refused, Run, Stage, parse, peak, with_model_state
 
 # ---- predicting ------------------------------------------------------------------------------
 
@@ -28,6 +28,7 @@ class _Plan:
     per_held: float  # activations_gb / in_flight (measured): one held microbatch's share
     in_flight: int | None
     layers: list  # per-layer rows: (kind, params, grads, optimizer, activations/mb, input/mb)
+    temporaries_range: tuple[float, float] | None = None  # where one run cannot tell how they scale
 
 
 @dataclass
@@ -57,6 +58,10 @@ class _State:
         for stage, plan in zip(run.stages, self.plans):
             predicted = dict(plan.parts)
             predicted["activations_gb"] = plan.per_held * (plan.in_flight or 1)
+            bounds = None
+            if plan.temporaries_range is not None:
+                low, high = (peak({**predicted, "temporaries_gb": value}) for value in plan.temporaries_range)
+                bounds = (low, high)
             out.append(
                 Outcome(
                     stage.stage,
@@ -66,6 +71,7 @@ class _State:
                     plan.in_flight,
                     run.capacity_gb,
                     self.assumptions,
+                    peak_range_gb=bounds,
                 )
             )
         return out
@@ -154,13 +160,20 @@ def _micro_batch_size(run: Run, state: _State, change: Change) -> None:
         for row in plan.layers:
             row["activations_per_microbatch_gb"] *= factor
             row["input_per_microbatch_gb"] *= factor
-        if plan.parts.get("temporaries_gb"):
-            plan.parts["temporaries_gb"] *= factor**power
+        today = plan.parts.get("temporaries_gb")
+        if today:
+            plan.parts["temporaries_gb"] = today * factor**power
+            if not run.temporaries_growth:  # one run: x1 (they do not scale) to x factor (they do), both hold
+                plan.temporaries_range = (min(today, today * factor), max(today, today * factor))
     if run.temporaries_growth:
         powers = ", ".join(f"{power:.2f}" for power in growth)
         grows = f"the temporaries x{factor:g}**p, p per stage from two runs at two sizes: {powers}"
     else:
-        grows = f"so do the temporaries (the working set of the microbatch being computed, x{factor:g})"
+        grows = (
+            f"so do the temporaries (the working set of the microbatch being computed, x{factor:g}); one run "
+            f"cannot tell how far, so the peak is a range from x1 to x{factor:g} of them, judged by its top "
+            f"(--calibrate-with a second run narrows it)"
+        )
     state.assumptions.append(
         f"activations scale with the microbatch's tokens (x{factor:g}); {grows}; the rest as measured"
     )

@@ -334,6 +334,8 @@ def _as_dict(run: advice.Run, changes: list[advice.Change], outcomes: list[advic
                     "in_flight": outcome.in_flight,
                     "peak_now_gb": outcome.peak_now_gb,
                     "peak_gb": outcome.peak_gb,
+                    "peak_low_gb": outcome.peak_low_gb,
+                    "peak_high_gb": outcome.peak_high_gb,
                     "capacity_gb": outcome.capacity_gb,
                     "headroom_gb": outcome.headroom_gb,
                     "fits": outcome.fits,
@@ -363,6 +365,11 @@ def as_text(advised: Advice) -> str:
     rows = (
         ("microbatches in flight", [f"{o.in_flight_now} -> {o.in_flight}" for o in outcomes]),
         ("peak", [f"{gb_cell(o.peak_now_gb)} -> {gb_cell(o.peak_gb)}" for o in outcomes]),
+        *(
+            [("peak range", [f"{gb_cell(o.peak_low_gb)} .. {gb_cell(o.peak_high_gb)}" for o in outcomes])]
+            if any(o.peak_range_gb is not None for o in outcomes)
+            else []
+        ),
         ("headroom", [gb_cell(o.headroom_gb) for o in outcomes]),
         ("fits", ["yes" if o.fits else "NO" if o.fits is not None else "-" for o in outcomes]),
     )

@@ -330,7 +330,7 @@ class _Search:
             outcomes = advice.predict(run, advice.parse([f"micro_batch_size={size}"]))
         except advice.Refused:
             return None
-        return [outcome.peak_gb for outcome in outcomes]
+        return [outcome.peak_high_gb for outcome in outcomes]  # the range's top, where one run cannot tell
 
 
 def peaks(run: advice.Run) -> list[float]:
