@@ -44,7 +44,10 @@ class Backend(Protocol):
 
     def flush(self) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, deadline: float | None = None) -> None:
+        """End the store; ``deadline`` (time.monotonic()) is when the close budget runs out: work
+        that can be skipped (charts drawn at close) is, to end the store by then. None: no limit
+        but the backend's own (its settings' close budget)."""
 
 
 class Writers(Protocol):

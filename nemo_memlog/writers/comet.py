@@ -20,24 +20,29 @@ Every stage of a metric in one chart: the per-stage metrics keep names that sort
 (``memory/pp_stage_{i}/<name>`` beside ``memory/<name>``), which a Comet line-chart panel
 takes several of; and when an experiment this backend opened ends, it gets per metric logged
 per stage a figure (Graphics tab; matplotlib, the ``report`` extra) with the max and every
-stage, one line each and a legend, and the asset ``memory_per_stage.json`` with those lines as
-data (thinned to at most 2000 steps; see stages.py). An adopted experiment gets none: its
-opener ends it, not us.
+stage (beyond 10 stages: the max, the median, the range and the 5 highest; charts.py), within
+the close budget (the rest skipped and said), and the asset ``memory_per_stage.json`` with every
+line as data (thinned to at most 2000 steps; see stages.py). An adopted experiment gets none:
+its opener ends it, not us.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..redaction import scrubbed
 from .base import writable_folder
-from .stages import StageHistory, artifact_name, figures
+from .charts import log_figures
+from .stages import StageHistory, artifact_name
 
 #: The asset holding the per-stage charts as data, logged when the experiment ends.
 CHARTS_ASSET = "memory_per_stage.json"
+#: Seconds of the close budget kept to end the experiment after the charts (an offline one writes its archive).
+FINISH_RESERVE_S = 5.0
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -88,7 +93,7 @@ def open_backend(settings: Settings, params: dict, secrets: list[str]) -> CometB
     if settings.comet_tags:
         experiment.add_tags(list(settings.comet_tags))
     experiment.log_parameters({key: scrubbed(value, secrets) for key, value in params.items()})
-    return CometBackend(experiment)
+    return CometBackend(experiment, close_budget_s=settings.writer_close_timeout_s)
 
 
 def import_comet_ml() -> ModuleType:
@@ -115,8 +120,9 @@ def adopt(obj: object) -> CometBackend | None:
 
 
 class CometBackend:
-    def __init__(self, experiment: Any, adopted: bool = False):
+    def __init__(self, experiment: Any, adopted: bool = False, close_budget_s: float = 25.0):
         self.experiment = experiment
+        self.close_budget_s = close_budget_s
         self.history = None if adopted else StageHistory()  # an adopted experiment gets no charts at its end
 
     def log(self, metrics: dict, step: int) -> None:
@@ -128,16 +134,22 @@ class CometBackend:
     def flush(self) -> None:
         self.experiment.flush()
 
-    def log_charts(self) -> None:
-        """The per-stage charts: one figure per metric, and their lines as the asset ``memory_per_stage.json``."""
+    def log_charts(self, deadline: float) -> None:
+        """The per-stage charts: their lines as the asset ``memory_per_stage.json``, then one
+        figure per metric while the budget lasts (charts.py)."""
         if self.history is None or not self.history.charts:
             return
         self.experiment.log_asset_data(self.history.as_dict(), name=CHARTS_ASSET)
-        for tag, figure in figures(self.history):
+
+        def log_figure(tag: str, figure: Any) -> None:
             self.experiment.log_figure(figure_name=f"memory per stage: {artifact_name(tag)}", figure=figure)
 
-    def close(self) -> None:
+        where = f"the asset {CHARTS_ASSET}"
+        log_figures(self.history, log_figure, deadline - FINISH_RESERVE_S, who="comet backend", where=where)
+
+    def close(self, deadline: float | None = None) -> None:
+        """Charts while ``deadline`` (default: the close budget from now) allows, then the experiment's end."""
         try:
-            self.log_charts()
+            self.log_charts(time.monotonic() + self.close_budget_s if deadline is None else deadline)
         finally:
             self.experiment.end()

@@ -64,6 +64,7 @@ class BufferedBackend:
         self._cond = threading.Condition()
         self._busy = False  # an item is being written right now
         self._closing = False
+        self._close_by: float | None = None  # the close's deadline, handed to the backend's close
         self._reported = False  # close() reported what was not stored
         self._warn_once = WarnOnce(f"{name} backend: ", secrets)
         self.written = 0
@@ -112,10 +113,12 @@ class BufferedBackend:
                 self._cond.wait(min(left, 0.05))
             return True
 
-    def request_close(self) -> None:
+    def request_close(self, deadline: float | None = None) -> None:
         """Stop taking steps: the thread writes what it holds (giving up at a failure), then
-        closes the backend itself, alongside the other backends' threads."""
+        closes the backend itself by ``deadline``, alongside the other backends' threads."""
         with self._cond:
+            if self._close_by is None:
+                self._close_by = deadline
             self._closing = True
             self._cond.notify_all()
 
@@ -125,7 +128,7 @@ class BufferedBackend:
         signal handler reports, the interrupted one then does not)."""
         if drained is None:
             drained = self.drain(deadline)
-        self.request_close()
+        self.request_close(deadline)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._reported:
             return
@@ -190,7 +193,7 @@ class BufferedBackend:
                 self._cond.wait(delay)  # back off; a drain() wakes us early to retry now
                 delay = min(delay * 2, RETRY_MAX_S)
         if self._backend is not None:
-            self._call("close", self._backend.close)
+            self._call("close", self._backend.close, self._close_by)
 
     def _write(self, metrics: dict, step: int) -> bool:
         if self._backend is None:
@@ -350,8 +353,8 @@ class ThreadFanOut:
         # one failing as the close begins holds it FAILING_CLOSE_S at most.
         deadlines = [backend.close_deadline(deadline) for backend in self.buffered]
         drained = [backend.drain(by) for backend, by in zip(self.buffered, deadlines)]
-        for backend in self.buffered:
-            backend.request_close()
+        for backend, by in zip(self.buffered, deadlines):
+            backend.request_close(by)
         for backend, by, done in zip(self.buffered, deadlines, drained):
             backend.close(by, done)
 

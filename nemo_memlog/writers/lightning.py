@@ -39,5 +39,5 @@ class LightningLoggerBackend:
     def flush(self) -> None:
         self.logger.save()
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
         self.logger.save()  # the Trainer finalizes its loggers

@@ -18,14 +18,17 @@ Every stage of a metric in one chart: MLflow charts a metric per chart (runs ove
 metrics), so the per-stage metrics keep names that sort together (``memory/pp_stage_{i}/<name>``
 beside ``memory/<name>``: the chart search finds them by ``<name>``), and when a run this
 backend opened closes, its artifacts get ``memory_per_stage/``: per metric logged per stage a
-PNG (matplotlib, the ``report`` extra) with the max and every stage, one line each and a
-legend, and ``charts.json`` with those lines as data (thinned to at most 2000 steps; see
-stages.py). A run adopted from a framework gets none: it ends the run, not us.
+PNG (matplotlib, the ``report`` extra) with the max and every stage (beyond 10 stages: the max,
+the median, the range and the 5 highest stages; charts.py), and ``charts.json`` with every line
+as data (thinned to at most 2000 steps; see stages.py). PNGs that would not finish within the
+close budget are skipped and said; the run is always ended FINISHED. A run adopted from a
+framework gets none: it ends the run, not us.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import time
@@ -36,10 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..redaction import scrubbed
 from .base import writable_folder
-from .stages import StageHistory, artifact_name, figures
+from .charts import log_figures
+from .stages import StageHistory, artifact_name
 
 #: The artifact folder of the per-stage charts, written when the run closes.
 CHARTS_FOLDER = "memory_per_stage"
+#: Seconds of the close budget kept to end the run (FINISHED) after the charts.
+FINISH_RESERVE_S = 2.0
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -100,7 +106,7 @@ def open_backend(settings: Settings, params: dict, secrets: list[str]) -> Mlflow
     values = [Param(mlflow_name(k), scrubbed(str(v), secrets)[:MAX_PARAM_VALUE]) for k, v in params.items()]
     for start in range(0, len(values), PARAMS_PER_BATCH):
         client.log_batch(run_id, params=values[start : start + PARAMS_PER_BATCH], synchronous=True)
-    return MlflowBackend(client, run_id)
+    return MlflowBackend(client, run_id, close_budget_s=settings.writer_close_timeout_s)
 
 
 def create_sqlite_store(tracking_uri: str | None, client_class: Callable[..., Any]) -> None:
@@ -178,8 +184,16 @@ def framework_namer(spell: Callable[[str], str]) -> Callable[[str], str]:
 
 
 class MlflowBackend:
-    def __init__(self, client: Any, run_id: str, name: Callable[[str], str] = mlflow_name, adopted: bool = False):
+    def __init__(
+        self,
+        client: Any,
+        run_id: str,
+        name: Callable[[str], str] = mlflow_name,
+        adopted: bool = False,
+        close_budget_s: float = 25.0,
+    ):
         self.client = client
+        self.close_budget_s = close_budget_s
         self.run_id = run_id
         self.name = name
         self.history = None if adopted else StageHistory()  # an adopted run gets no charts at close
@@ -199,16 +213,23 @@ class MlflowBackend:
     def flush(self) -> None:
         pass  # every log_batch is synchronous: written when log returns
 
-    def log_charts(self) -> None:
-        """The per-stage charts as artifacts: ``memory_per_stage/<name>.png`` and ``charts.json``."""
+    def log_charts(self, deadline: float) -> None:
+        """The per-stage charts as artifacts: ``charts.json`` (every line), then a
+        ``memory_per_stage/<name>.png`` each while the budget lasts (charts.py)."""
         if self.history is None or not self.history.charts:
             return
-        self.client.log_dict(self.run_id, self.history.as_dict(), f"{CHARTS_FOLDER}/charts.json")
-        for tag, figure in figures(self.history):
+        data = json.dumps(self.history.as_dict(), separators=(",", ":"))  # compact: MLflow's log_dict indents
+        self.client.log_text(self.run_id, data, f"{CHARTS_FOLDER}/charts.json")
+
+        def log_figure(tag: str, figure: Any) -> None:
             self.client.log_figure(self.run_id, figure, f"{CHARTS_FOLDER}/{artifact_name(tag)}.png")
 
-    def close(self) -> None:
+        where = f"the run's artifact {CHARTS_FOLDER}/charts.json"
+        log_figures(self.history, log_figure, deadline - FINISH_RESERVE_S, who="mlflow backend", where=where)
+
+    def close(self, deadline: float | None = None) -> None:
+        """Charts while ``deadline`` (default: the close budget from now) allows, then the run FINISHED."""
         try:
-            self.log_charts()
+            self.log_charts(time.monotonic() + self.close_budget_s if deadline is None else deadline)
         finally:
             self.client.set_terminated(self.run_id)

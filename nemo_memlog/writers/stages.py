@@ -5,7 +5,7 @@ The unified dict holds ``memory/<name>`` (the max over stages) and ``memory/pp_s
 (stage i's own value, for the names matching ``memory_per_stage_keys``). ``stage_values`` splits
 a step's per-stage keys into (stage label, shared tag, value); ``StageHistory`` keeps, per
 metric, the steps and each line's values, for the backends that draw a chart of the whole run
-when it closes (W&B, MLflow, Comet). A run with a single stage has nothing to overlay: its
+when it closes (W&B, MLflow, Comet; charts.py draws them). A run with a single stage has nothing to overlay: its
 stage's line is the max. No backend library is imported here.
 """
 
@@ -52,12 +52,14 @@ class StageHistory:
         self.charts: dict[str, dict[int, dict[str, float]]] = {}  # tag -> step -> line -> value
         self._stride: dict[str, int] = {}  # tag -> keep every n-th step offered
         self._offered: dict[str, int] = {}  # tag -> steps offered so far
+        self._lines: dict[str, dict] = {}  # tag -> lines(tag), until the next add (a close reads each twice)
 
     def add(self, metrics: dict, step: int) -> None:
         found = list(stage_values(metrics))
         if not found:
             return
         self.stages |= {label for label, _, _ in found}
+        self._lines.clear()
         if len(self.stages) < 2:
             return
         by_tag: dict[str, dict[str, float]] = {}
@@ -88,15 +90,24 @@ class StageHistory:
 
     def lines(self, tag: str) -> dict[str, tuple[list[int], list[float]]]:
         """``{line: (steps, values)}`` of one chart, the max first then the stages in order;
-        points whose value is not a finite number are left out (a chart cannot draw them)."""
+        points whose value is not a finite number are left out (a chart cannot draw them).
+        The caller must not mutate what it gets: it is kept until the next ``add``."""
+        if tag not in self._lines:
+            self._lines[tag] = self._read_lines(tag)
+        return self._lines[tag]
+
+    def _read_lines(self, tag: str) -> dict[str, tuple[list[int], list[float]]]:
         rows = self.charts.get(tag, {})
+        out: dict[str, tuple[list[int], list[float]]] = {}
+        for step, row in sorted(rows.items()):  # one pass over the rows, whatever the number of lines
+            for label, value in row.items():
+                value = float(value)
+                if math.isfinite(value):
+                    steps, values = out.setdefault(label, ([], []))
+                    steps.append(step)
+                    values.append(value)
         labels = sorted({label for row in rows.values() for label in row}, key=stage_order)
-        out = {}
-        for label in labels:
-            points = [(step, float(row[label])) for step, row in sorted(rows.items()) if label in row]
-            points = [(step, value) for step, value in points if math.isfinite(value)]
-            out[label] = ([step for step, _ in points], [value for _, value in points])
-        return out
+        return {label: out.get(label, ([], [])) for label in labels}
 
     def as_dict(self) -> dict:
         """Every chart as plain data: ``{tag: {line: {"steps": [...], "values": [...]}}}``."""
@@ -104,29 +115,6 @@ class StageHistory:
             tag: {label: {"steps": steps, "values": values} for label, (steps, values) in self.lines(tag).items()}
             for tag in sorted(self.charts)
         }
-
-
-def figures(history: StageHistory) -> Iterator[tuple[str, object]]:
-    """(shared tag, a matplotlib Figure) per chart: each stage a line, the max dashed, a legend.
-    Nothing without matplotlib (the ``report`` extra). The caller closes each figure."""
-    try:
-        from matplotlib.figure import Figure
-    except ImportError:
-        return
-    for tag in sorted(history.charts):
-        figure = Figure(figsize=(8, 4.5), layout="constrained")
-        axes = figure.add_subplot()
-        for label, (steps, values) in history.lines(tag).items():
-            if label == MAX_LINE:
-                axes.plot(steps, values, label=label, color="black", linestyle="--", linewidth=2.5, alpha=0.6)
-            else:
-                axes.plot(steps, values, label=label, linewidth=1.5)
-        axes.set_title(f"{tag}: every pipeline stage, and their max")
-        axes.set_xlabel("step")
-        axes.set_ylabel(tag.removeprefix(PREFIX))
-        axes.grid(alpha=0.3)
-        axes.legend(loc="best", fontsize="small")
-        yield tag, figure
 
 
 def artifact_name(tag: str) -> str:

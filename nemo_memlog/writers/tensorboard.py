@@ -251,7 +251,7 @@ class TensorBoardBackend:
         self.writer.flush()
         self._each_stage("flush")
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
         """Close the stage runs, and the main run unless it was adopted (then it is flushed)."""
         try:
             self._each_stage("close")

@@ -13,9 +13,10 @@ Every stage of a metric in one chart: the per-stage keys already share a section
 (``memory/``) and a regular expression (a line plot's Y axis, ``memory/(pp_stage_\d+/)?peak_reserved_gb$``,
 overlays every stage and the max while the run is live); and when a run this backend opened
 closes, one W&B custom chart per metric logged per stage (``wandb.plot.line_series``, its own
-section ``memory per stage/<name>``) draws the max and every stage, a legend naming each, over
-the whole run (thinned to at most 2000 steps; see stages.py). A run adopted from a framework
-gets no chart: it ends the run, not us.
+section ``memory per stage/<name>``) draws the max and every stage over the whole run (beyond
+10 stages: the max, the median, the min and the 5 highest stages, the same lines as the other
+backends' figures: charts.py), within the close budget (the rest skipped and said). A run
+adopted from a framework gets no chart: it ends the run, not us.
 
 The run records only ``params`` (redacted) and the metrics: W&B's capture of the
 environment is switched off, because it would record ``sys.argv`` (where a secret
@@ -25,14 +26,19 @@ arguments), the code, git state and installed packages.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from ..redaction import scrubbed
+from ..warn import notice
 from .base import writable_folder
+from .charts import FIRST_CHART_S, as_series, chart_lines, title
 from .stages import PREFIX, StageHistory
 
 #: The section of the custom charts drawn at close, one per metric logged per stage.
 CHART_SECTION = "memory per stage/"
+#: Seconds of the close budget kept for logging the charts and ending the run.
+FINISH_RESERVE_S = 5.0
 
 if TYPE_CHECKING:
     from ..config import Settings
@@ -72,7 +78,7 @@ def open_backend(settings: Settings, params: dict, secrets: list[str]) -> WandbB
         config={key: scrubbed(value, secrets) for key, value in params.items()},
         settings=wandb.Settings(**RUN_SETTINGS),
     )
-    return WandbBackend(run)
+    return WandbBackend(run, close_budget_s=settings.writer_close_timeout_s)
 
 
 def adopt(obj: object) -> WandbBackend | None:
@@ -85,8 +91,9 @@ def adopt(obj: object) -> WandbBackend | None:
 
 
 class WandbBackend:
-    def __init__(self, run: Any, commit: bool = True):
+    def __init__(self, run: Any, commit: bool = True, close_budget_s: float = 25.0):
         self.run = run
+        self.close_budget_s = close_budget_s
         self.commit = commit
         self.history = StageHistory() if commit else None  # an adopted run gets no chart at close
 
@@ -99,27 +106,40 @@ class WandbBackend:
     def flush(self) -> None:
         pass  # wandb streams each log call to its service process; there is nothing to push
 
-    def charts(self) -> dict:
-        """``{"memory per stage/<name>": custom chart}``: per metric logged per stage, the max
-        and every stage over the run, one line each, with a legend."""
+    def charts(self, deadline: float | None = None) -> dict:
+        """``{"memory per stage/<name>": custom chart}``: per metric logged per stage, the lines
+        charts.chart_lines picks (the max and every stage; at many stages the max, the median, the
+        min and the highest stages), while the next can be built before ``deadline``; the rest
+        skipped and said."""
         import wandb
 
-        charts = {}
-        for tag in sorted(self.history.charts if self.history is not None else ()):
-            lines = {label: line for label, line in self.history.lines(tag).items() if line[0]}
+        charts: dict = {}
+        tags = sorted(self.history.charts if self.history is not None else ())
+        for done, tag in enumerate(tags):
+            if deadline is not None and time.monotonic() + FIRST_CHART_S > deadline:
+                notice(
+                    f"nemo_memlog: wandb backend: {len(tags) - done} of the {len(tags)} per-stage charts were not "
+                    f"drawn: the close budget (logger.writer_close_timeout_s) would have run out"
+                )
+                break
+            picked = chart_lines(self.history, tag)
+            lines = as_series(picked)
             if lines:
                 charts[CHART_SECTION + tag.removeprefix(PREFIX)] = wandb.plot.line_series(
                     xs=[steps for steps, _ in lines.values()],
                     ys=[values for _, values in lines.values()],
                     keys=list(lines),
-                    title=f"{tag}: every pipeline stage, and their max",
+                    title=title(tag, picked),
                     xname="step",
                 )
         return charts
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Charts while ``deadline`` (default: the close budget from now) allows, then the run's finish."""
+        if deadline is None:
+            deadline = time.monotonic() + self.close_budget_s
         try:
-            charts = self.charts()
+            charts = self.charts(deadline - FINISH_RESERVE_S)
             if charts:
                 self.run.log(charts)  # after the last step: a row of its own
         finally:
