@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -123,13 +124,25 @@ class Cluster:
         return results
 
     def _collect(self, timeout: float) -> list:
+        """Every rank's result, by rank. Raises at once, with the exit codes, once every rank still owing
+        a result has died (a rank that dies puts nothing); else TimeoutError after ``timeout``, naming
+        the ranks that gave none and the exit codes of those that died."""
         out: list = [None] * self.world
         pending = set(range(self.world))
+        deadline = time.monotonic() + timeout
         while pending:
             try:
-                rank, status, value = self.results.get(timeout=timeout)
+                rank, status, value = self.results.get(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
             except queue.Empty:
-                raise TimeoutError(f"ranks {sorted(pending)} gave no result within {timeout}s") from None
+                died = {rank: self.procs[rank].exitcode for rank in sorted(pending) if not self.procs[rank].is_alive()}
+                if len(died) == len(pending):
+                    raise RuntimeError(
+                        f"ranks {sorted(pending)} died before giving a result (exit codes {died})"
+                    ) from None
+                if time.monotonic() >= deadline:
+                    dead = f"; died: {died} (rank: exit code)" if died else ""
+                    raise TimeoutError(f"ranks {sorted(pending)} gave no result within {timeout}s{dead}") from None
+                continue
             out[rank] = value
             pending.discard(rank)
         return out
