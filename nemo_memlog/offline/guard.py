@@ -37,8 +37,10 @@ from pathlib import Path
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 END, KILL = b"T", b"K"
-#: How often the guard looks at its pipe, its children and the tree.
+#: How often the guard looks at its pipe, its children and the tree while it ends the tree; while
+#: the probe runs (a word from fit wakes it at once), as often as fit looks at the probe's records.
 TICK_S = 0.05
+WAIT_S = 0.2
 #: After SIGKILL, how long the guard waits for a process in the kernel's hands (uninterruptible
 #: sleep) before sending it again.
 KILL_AGAIN_S = 1.0
@@ -206,12 +208,12 @@ class _Guard:
     def asked_to_end(self, signum, frame) -> None:
         self.asked = True
 
-    def listen(self) -> None:
-        """One look at the pipe from fit (a TICK_S wait at most): its words and its end."""
+    def listen(self, wait_s: float = TICK_S) -> None:
+        """One look at the pipe from fit (a ``wait_s`` wait at most): its words and its end."""
         if self.control is None:
-            time.sleep(TICK_S)
+            time.sleep(wait_s)
             return
-        ready, _, _ = select.select([self.control], [], [], TICK_S)
+        ready, _, _ = select.select([self.control], [], [], wait_s)
         if not ready:
             return
         try:
@@ -308,7 +310,7 @@ def main(argv: list[str]) -> int:
         guard.start(options.command)
     while not guard.asked:
         guard.reap()
-        guard.listen()
+        guard.listen(WAIT_S)
     if options.command:
         guard.end_tree()
     if guard.scratch_goes():
