@@ -118,9 +118,9 @@ def signal_all(signum: int, pids: list[int]) -> None:
 
 
 class Guarded:
-    """``command`` started under a guard (``command`` [] : a guard of ``scratch`` alone). ``stdout``
-    is the pipe of the command's output (stdout and stderr), when ``output``; ``env`` the command's
-    environment. ``scratch``, where given, is removed by the guard should fit end without ``end()``.
+    """``command`` started under a guard, in ``env``; with ``command`` empty, a guard of ``scratch``
+    alone. ``stdout``: the pipe of the command's output (stdout and stderr together), where
+    ``output``. ``scratch``, where given, is removed by the guard should fit end without ``end()``.
     Raises OSError where the guard cannot start."""
 
     def __init__(self, command: list[str], env: dict, grace_s: float, scratch: Path | None = None, output: bool = True):
