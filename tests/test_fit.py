@@ -21,6 +21,7 @@ import pytest
 from nemo_memlog.measure import layer_record
 from nemo_memlog.testing import cgroups
 from nemo_memlog.testing.torchrun import ROOT
+from nemo_memlog.testing.wait import left_behind
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -41,21 +42,6 @@ def stage_peaks(folder: Path) -> list[float]:
         stage = int(record["pp_rank"])
         peaks[stage] = max(peaks.get(stage, 0.0), record["stage"]["peak_host_rss_gb"])
     return [peaks[stage] for stage in sorted(peaks)]
-
-
-def left_behind(marker: str) -> list[str]:
-    """Command lines of the processes still alive that mention ``marker`` (a test's own folder)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                line = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if marker in line and state != "Z":
-                found.append(line)
-    return found
 
 
 def fit(*args: str, timeout: float = 600) -> tuple[int, dict, str]:
@@ -185,8 +171,8 @@ def test_fit_steps_down_when_the_kernel_kills_the_confirming_probe(sweep, tmp_pa
 @pytest.mark.slow
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGKILL, -9)])
 def test_fit_interrupted_during_a_probe_leaves_nothing_running(tmp_path, signum, code):
-    """Ctrl-C and SIGTERM: fit ends the probe's processes itself. SIGKILL: the kernel tells the probe's
-    launcher (its parent-death signal), which ends its ranks."""
+    """Ctrl-C and SIGTERM: fit has the probe's guard end its processes, and waits. SIGKILL: the guard
+    finds fit's end of its pipe closed and ends them (tests/test_fit_guard.py: every other kind)."""
     marker = str(tmp_path)
     # --interval 100000: the probe never records, so fit is waiting on it when the signal comes
     proc = subprocess.Popen(
@@ -210,7 +196,7 @@ def test_fit_interrupted_during_a_probe_leaves_nothing_running(tmp_path, signum,
     if signum != signal.SIGKILL:
         assert "interrupted" in stderr
         assert not left_behind(marker)
-    else:  # ended by torchrun, on the SIGTERM the kernel sent it when fit died
+    else:  # ended by the guard, once fit's end of its pipe closed
         deadline = time.monotonic() + 90
         while left_behind(marker) and time.monotonic() < deadline:
             time.sleep(0.5)

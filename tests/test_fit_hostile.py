@@ -15,36 +15,10 @@ from pathlib import Path
 import pytest
 
 from nemo_memlog.redaction import command_secrets, environ_secrets
+from nemo_memlog.testing.probe_stub import STUB
 from nemo_memlog.testing.torchrun import ROOT
 
 FIT = [sys.executable, "-m", "nemo_memlog.offline.cli", "fit"]
-#: A probe in a few lines: one rank's record at the size it is given (peak 5 GB + 0.1 GB per sample,
-#: 64 samples per iteration), as MODE says: "ok"; "nofacts" (no microbatches); "norank" and
-#: "steps-text" (a bad field); "oom-above-N" and "hang-above-N" (above size N: an OOM, or no record).
-STUB = """
-import json, os, sys, time
-size, mode = int(sys.argv[1]), sys.argv[2]
-if mode.startswith(("oom-above-", "hang-above-")) and size > int(mode.rsplit("-", 1)[1]):
-    if mode.startswith("oom"):
-        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
-        sys.exit(1)
-    time.sleep(600)
-facts = {} if mode == "nofacts" else {"microbatches": 64 // size}
-figures = {"params_gb": 1.0, "grads_gb": 1.0, "optimizer_state_gb": 2.0}
-layer = {"name": "l", "kind": "layer", "chunk": 0, "number": 0, **figures,
-         "activations_per_microbatch_gb": 0.1 * size, "input_per_microbatch_gb": 0.01}
-stage = {**figures, "model_state_gb": 4.0, "activations_gb": 0.1 * size, "activations_per_microbatch_gb": 0.1 * size,
-         "microbatches_in_flight": 1, "chunks": 1, "peak_host_rss_gb": 5.0 + 0.1 * size, "host_total_gb": 64.0}
-record = {"format": "nemo_memlog.layers", "version": 1, "rank": 0, "world_size": 1, "pp_rank": 0, "pp_size": 1,
-          "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "iteration": 2, "time": time.time(),
-          "measured_steps": 2, "run": {"micro_batch_size": size, **facts}, "stage": stage, "layers": [layer]}
-if mode == "norank":
-    del record["rank"]
-if mode == "steps-text":
-    record["measured_steps"] = "two"
-with open(os.path.join(os.environ["NEMO_MEMLOG_PROBE_DIR"], "rank-00000.layers.json"), "w") as file:
-    json.dump(record, file)
-"""
 SECRETS = ("PASS456", "SECRET123", "COMETKEY1", "KEY789")
 
 

@@ -287,7 +287,6 @@ def _fit(args) -> int:
     from ..redaction import scrubbed_text
     from .fit import CANNOT_TELL, NOTHING_FITS, FitError, Options, search, secrets_of
     from .fit_render import as_json, as_text, error_json
-    from .probe import become_subreaper
 
     command = args.job[1:] if args.job[:1] == ["--"] else args.job
     options = Options(
@@ -300,7 +299,6 @@ def _fit(args) -> int:
         grace_s=args.grace_s,
         work_dir=args.work_dir,
     )
-    become_subreaper()  # a worker whose launcher died is re-parented here, and ended with the probe
     signal.signal(signal.SIGTERM, _interrupted)
     try:
         result = search(options)

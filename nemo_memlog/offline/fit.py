@@ -35,6 +35,7 @@ from pathlib import Path
 from .. import advice
 from ..redaction import command_secrets, environ_secrets, scrubbed_text
 from .advise import AdviseError, load
+from .guard import Guarded
 from .probe import LOG_NAME, PROBE_DIR_ENV, Probe, run_probe
 
 PLACEHOLDER = "{micro_batch_size}"
@@ -163,8 +164,10 @@ def search(options: Options) -> Result:
     began = time.monotonic()
     secrets = secrets_of(options)
     scratch = None if options.work_dir else Path(tempfile.mkdtemp(prefix="nemo-memlog-fit-"))
-    state = _Search(options, options.work_dir or scratch, secrets)
-    error = None
+    # Removes the scratch folder should fit be killed outright (between probes too): guard.py.
+    keeper = Guarded([], dict(os.environ), 0.0, scratch, output=False) if scratch is not None else None
+    state = _Search(options, options.work_dir or scratch, secrets, scratch)
+    error, late = None, None
     try:
         state.run()
     except FitError as failed:
@@ -172,6 +175,9 @@ def search(options: Options) -> Result:
     finally:
         if scratch is not None and error is None:
             shutil.rmtree(scratch, ignore_errors=True)
+        late = keeper.end() if keeper is not None else None
+    if late is not None:
+        raise late
     return Result(
         micro_batch_size=state.best.probe.micro_batch_size if state.best and error is None else None,
         launches=state.launches,
@@ -188,8 +194,9 @@ def search(options: Options) -> Result:
 
 
 class _Search:
-    def __init__(self, options: Options, work: Path, secrets: list[str]):
+    def __init__(self, options: Options, work: Path, secrets: list[str], scratch: Path | None):
         self.options, self.work, self.secrets = options, work, secrets
+        self.scratch = scratch  # the temporary folder, removed by the probes' guards should fit be killed
         self.launches: list[Launch] = []
         self.best: Launch | None = None  # the largest size measured to fit
         self.ceiling: int | None = None  # the smallest size measured not to fit
@@ -223,7 +230,7 @@ class _Search:
         command = command_for(self.options.command, size)
         try:
             probe = run_probe(
-                command, size, folder, self.options.probe_timeout_s, self.options.grace_s, self.secrets
+                command, size, folder, self.options.probe_timeout_s, self.options.grace_s, self.secrets, self.scratch
             )  # fmt: skip
         except OSError as error:  # the folder: emptied and made before the launch
             raise FitError(f"{folder}: cannot be made an empty probe folder ({error.strerror or error})") from None

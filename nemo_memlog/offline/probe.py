@@ -4,22 +4,19 @@ No torch: processes, signals and the per-layer records only.
 
 The probe learns where to write through ``NEMO_MEMLOG_PROBE_DIR`` (config.schema.PROBE_DIR_ENV),
 which the product reads wherever it resolves its record folder, so every way in works unchanged.
-The command starts in a session of its own; this process makes itself the child subreaper
-(Linux's PR_SET_CHILD_SUBREAPER), so that a worker whose launcher died (torchrun starts each worker
-in its own session) is re-parented here, not to init, and is found and ended with the others:
-SIGTERM to every descendant's process group, SIGKILL after ``grace_s``, every one reaped. Should
-fit itself be killed outright, the kernel sends the probe's first process SIGTERM
-(PR_SET_PDEATHSIG), and its launcher ends its workers.
+The command runs under a guard (guard.py), a small process between fit and the command that
+outlives fit: the child subreaper of the command's every process (torchrun starts each worker in
+a session of its own; a daemon may double-fork), it ends them all when fit asks or when fit's end
+of a pipe closes (fit exited, even by SIGKILL): SIGTERM to every one and its process group, SIGKILL
+after ``grace_s``, every one reaped.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +25,7 @@ from pathlib import Path
 
 from ..measure import layer_record
 from ..redaction import scrubbed_text
+from .guard import Guarded
 
 #: The environment variable the product reads (config.schema.PROBE_DIR_ENV; not imported: no torch here).
 PROBE_DIR_ENV = "NEMO_MEMLOG_PROBE_DIR"
@@ -120,24 +118,6 @@ def _cut(line: str) -> str:
     return ("..." if start else "") + line[start : start + LINE_CHARS] + "..."
 
 
-def become_subreaper() -> bool:
-    """Make this process the subreaper of its descendants (Linux); whether it could."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        return False
-
-
-def _end_with_parent() -> None:
-    """In the probe's first process, before it runs the command: SIGTERM it when fit dies (even by
-    SIGKILL), so that its launcher ends its workers as on any SIGTERM (Linux's PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def fresh_folder(folder: Path) -> None:
     """Make ``folder`` an empty folder: a probe reads only what its own launch wrote (a reused
     --work-dir keeps the last fit's records). Raises OSError where it cannot."""
@@ -149,31 +129,34 @@ def fresh_folder(folder: Path) -> None:
 
 
 def run_probe(
-    command: list[str], size: int, folder: Path, timeout_s: float, grace_s: float, secrets: Sequence[str] = ()
+    command: list[str],
+    size: int,
+    folder: Path,
+    timeout_s: float,
+    grace_s: float,
+    secrets: Sequence[str] = (),
+    scratch: Path | None = None,
 ) -> Probe:
-    """Launch ``command`` (the size already in it) with its records going to ``folder`` (emptied
-    first); return when every rank has recorded STEPS measured logging steps, or the command ended,
-    or ``timeout_s`` passed, with every process it started ended (also when this raises:
-    KeyboardInterrupt). Its output goes to LOG_NAME with ``secrets`` and URI passwords scrubbed."""
+    """Launch ``command`` (the size already in it) under a guard (guard.py) with its records going to
+    ``folder`` (emptied first); return when every rank has recorded STEPS measured logging steps, or
+    the command ended, or ``timeout_s`` passed, with every process it started ended (also when this
+    raises: KeyboardInterrupt; a second one during the grace makes it SIGKILL, never abandons).
+    ``scratch``: the folder the guard removes should fit end without ending the probe (SIGKILL).
+    Its output goes to LOG_NAME with ``secrets`` and URI passwords scrubbed."""
     fresh_folder(folder)
     probe = Probe(size, folder)
     started = time.monotonic()
     with open(folder / LOG_NAME, "wb", buffering=0) as log:
-        proc = subprocess.Popen(
-            command,
-            env={**os.environ, PROBE_DIR_ENV: str(folder)},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=_end_with_parent,
-        )
-        copier = _Copier(proc.stdout, log, list(secrets))
+        guarded = Guarded(command, {**os.environ, PROBE_DIR_ENV: str(folder)}, grace_s, scratch)
+        copier = None
         try:
-            _watch(proc, probe, started + timeout_s)
+            copier = _Copier(guarded.stdout, log, list(secrets))
+            _watch(guarded, probe, started + timeout_s)
         finally:
-            end_tree(proc, grace_s)
-            probe.recent = copier.finish()
+            late = guarded.end()
+            probe.recent = copier.finish() if copier is not None else b""
+        if late is not None:  # the first Ctrl-C or SIGTERM came as the probe was being ended
+            raise late
     probe.seconds = time.monotonic() - started
     if probe.status in ("died", "ended", "timeout"):
         probe.output_tail = probe.read_tail()
@@ -234,12 +217,12 @@ class _Copier:
         return self.recent
 
 
-def _watch(proc: subprocess.Popen, probe: Probe, deadline: float) -> None:
+def _watch(guarded: Guarded, probe: Probe, deadline: float) -> None:
     while True:
         if _recorded(probe):
             probe.status = "measured"
             return
-        code = proc.poll()
+        code = guarded.poll()
         if code is not None:
             probe.exit_code = code
             probe.status = "measured" if _recorded(probe) else ("ended" if code == 0 else "died")
@@ -281,86 +264,3 @@ def _recorded(probe: Probe) -> bool:
         steps[rank] = _whole(record.get("measured_steps")) or 0
     probe.ranks_recorded = sum(1 for count in steps.values() if count >= STEPS)
     return probe.world_size is not None and probe.ranks_recorded >= probe.world_size
-
-
-# ---- ending every process a probe started ------------------------------------------------------
-
-
-def descendants(root: int = 0) -> list[int]:
-    """The processes below ``root`` (0: this process), from /proc's parent links."""
-    root = root or os.getpid()
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _signal_all(signum: int, pids: list[int]) -> None:
-    groups = set()
-    for pid in pids:
-        try:
-            groups.add(os.getpgid(pid))
-        except ProcessLookupError:
-            continue
-    groups.discard(os.getpgrp())  # never this process's own group
-    for group in groups:
-        try:
-            os.killpg(group, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for pid in pids:  # one that left its group
-        try:
-            os.kill(pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _reap() -> None:
-    """Collect every ended child of this process (re-parented orphans included), without waiting."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-
-
-def end_tree(proc: subprocess.Popen, grace_s: float) -> None:
-    """End ``proc`` and everything below it (and any orphan re-parented here): SIGTERM to each one's
-    process group, as torchrun, SLURM or Kubernetes would; SIGKILL to what is left after ``grace_s``;
-    each reaped. Returns when none is left."""
-    pids = [proc.pid, *descendants(proc.pid), *(pid for pid in descendants() if pid != proc.pid)]
-    if proc.poll() is None or len(pids) > 1:
-        _signal_all(signal.SIGTERM, pids)
-    deadline = time.monotonic() + grace_s
-    while True:
-        proc.poll()
-        _reap()
-        alive = [pid for pid in descendants() if not _zombie(pid)]
-        if not alive:
-            break
-        if time.monotonic() > deadline:
-            _signal_all(signal.SIGKILL, alive)
-            deadline = time.monotonic() + 30.0
-        time.sleep(0.05)
-    proc.poll()
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True

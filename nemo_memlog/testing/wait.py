@@ -3,14 +3,20 @@
     wait_for(lambda: path.exists(), 60, "the rank's ready file")
     wait_for(lambda: progress() >= 6, 180, "six finished iterations", proc=torchrun)
 
-Stdlib only: rank and child scripts import it too.
+Stdlib only (and guard.py's /proc reading, stdlib too): rank and child scripts import it too.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
+
+from ..offline.guard import alive, descendants
+
+__all__ = ["alive", "descendants", "left_behind", "wait_for"]
 
 T = TypeVar("T")
 
@@ -39,13 +45,19 @@ def wait_for(
         time.sleep(interval_s)
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (a zombie, ended but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
+def left_behind(marker: str) -> list[str]:
+    """Command lines of the processes still running (zombies not) that mention ``marker`` (a test's
+    own folder, say), this process aside: what a test that ends a process tree finds left of it."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid() and alive(int(entry)):
+            try:
+                line = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in line:
+                found.append(line)
+    return found
 
 
 def _more(detail: Callable[[], str] | None) -> str:

@@ -19,7 +19,7 @@ import pytest
 
 from nemo_memlog import LoggerConfig, build_writers
 from nemo_memlog.testing import torchrun
-from nemo_memlog.testing.wait import wait_for
+from nemo_memlog.testing.wait import alive, descendants, wait_for
 from nemo_memlog.writers import parent
 from tests.notices import said
 from tests.readback import stored_steps, tensorboard_steps, wandb_finished
@@ -30,39 +30,13 @@ SECRET = "SECRET-WRITER-KEY"
 CLOSE_TIMEOUT_S = 5.0  # the close of a writer process already killed
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
-
-
 def _wait_gone(pids, timeout_s: float) -> float:
     """Seconds until none of ``pids`` runs; fails the test after ``timeout_s``."""
     started = time.monotonic()
-    while any(_alive(pid) for pid in pids):
-        assert time.monotonic() - started < timeout_s, f"still running: {[p for p in pids if _alive(p)]}"
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() - started < timeout_s, f"still running: {[p for p in pids if alive(p)]}"
         time.sleep(0.05)
     return time.monotonic() - started
-
-
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
-    found, todo = set(), [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
 
 
 def _trainer_env() -> dict:
@@ -137,7 +111,7 @@ def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_p
         handed, lines = handed_so_far(), out_path.read_text().splitlines()
         (ids,) = [line.split() for line in lines if line.startswith("trainer ")]
         trainer, writer = int(ids[1]), int(ids[3])
-        ours = _descendants(job.pid)
+        ours = set(descendants(job.pid))
         assert {trainer, writer} <= ours
         os.kill(trainer, signal.SIGKILL)  # as the OOM killer does: this one process, nothing else
         writer_exit_s = _wait_gone([writer], close_s + 10)
@@ -167,7 +141,7 @@ def test_the_writer_rank_holds_no_backend_memory(tmp_path):
         assert memory["thread"][key] - memory["off"][key] > 60, (key, memory)
     for backend, steps in stored_steps(tmp_path / "process").items():
         assert steps == set(range(1, 21)), backend
-    assert not _alive(memory["process"]["writer_pid"]), "closing reaps the writer process"
+    assert not alive(memory["process"]["writer_pid"]), "closing reaps the writer process"
 
 
 @pytest.mark.processes
