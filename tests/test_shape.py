@@ -763,3 +763,23 @@ def test_every_public_function_is_annotated():
         if not module.relative.startswith("testing/"):
             missing += _unannotated(module)
     assert not missing, "annotate:\n" + "\n".join(missing)
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md promises the one file to open for a change: every module of the package is
+    named there (by file name, as `name.py` or `name`), so a new module lands with its line."""
+    page = (PACKAGE_DIR.parent / "docs" / "architecture.md").read_text()
+    unnamed = [
+        module.relative
+        for module in modules().values()
+        if not module.relative.endswith("__init__.py")
+        and not re.search(rf"`{re.escape(Path(module.relative).stem)}(\.py)?`", page)
+        and module.relative not in page
+    ]
+    assert not unnamed, f"name these on docs/architecture.md, each with what it is for: {unnamed}"
+
+
+def test_the_readme_stays_a_front_door():
+    """README within 220 lines: detail belongs on the pages it links (docs/)."""
+    lines = (PACKAGE_DIR.parent / "README.md").read_text().count("\n")
+    assert lines <= 220, f"README.md is {lines} lines; move detail into docs/"
