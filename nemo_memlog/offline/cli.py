@@ -298,6 +298,7 @@ def _fit(args) -> int:
         probe_timeout_s=args.probe_timeout_s,
         grace_s=args.grace_s,
         work_dir=args.work_dir,
+        say=lambda line: print(f"nemo-memlog fit: {line}", file=sys.stderr, flush=True),  # stdout: the answer
     )
     signal.signal(signal.SIGTERM, _interrupted)
     try:
@@ -316,8 +317,8 @@ def _fit(args) -> int:
     elif result.error is None:
         print(as_text(result, options))
     if result.error is not None:
-        print(f"nemo-memlog fit: error: {result.error}", file=sys.stderr)
-        return CANNOT_TELL
+        print(f"nemo-memlog fit: {'' if result.interrupted else 'error: '}{result.error}", file=sys.stderr)
+        return {"SIGINT": 130, "SIGTERM": 143}.get(result.interrupted or "", CANNOT_TELL)
     return 0 if result.micro_batch_size is not None else NOTHING_FITS
 
 

@@ -24,19 +24,19 @@ import dataclasses
 import math
 import os
 import re
-import shlex
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import advice
 from ..redaction import command_secrets, environ_secrets, scrubbed_text
+from . import fit_words
 from .advise import AdviseError, load
 from .guard import Guarded
-from .probe import LOG_NAME, PROBE_DIR_ENV, Probe, run_probe
+from .probe import PROBE_DIR_ENV, STEPS, Probe, run_probe
 
 PLACEHOLDER = "{micro_batch_size}"
 #: Exit status when even the smallest size does not fit.
@@ -72,6 +72,9 @@ class Options:
     probe_timeout_s: float = 1800.0
     grace_s: float = 30.0
     work_dir: Path | None = None
+    #: Where fit says what it is doing as it goes (a probe starts, how far it is, its verdict): one line
+    #: at a time, secrets scrubbed; the command line gives stderr, so --json stays one object on stdout.
+    say: Callable[[str], None] | None = None
 
 
 @dataclass
@@ -106,6 +109,7 @@ class Result:
     alternatives: list[advice.Fix] = field(default_factory=list)
     answer: Launch | None = None
     error: str | None = None  # why fit cannot tell (exit CANNOT_TELL); then no answer
+    interrupted: str | None = None  # "SIGINT" or "SIGTERM": the search stopped there (what was measured stays)
     secrets: list[str] = field(default_factory=list)  # scrubbed from anything shown
 
 
@@ -167,13 +171,16 @@ def search(options: Options) -> Result:
     # Removes the scratch folder should fit be killed outright (between probes too): guard.py.
     keeper = Guarded([], dict(os.environ), 0.0, scratch, output=False) if scratch is not None else None
     state = _Search(options, options.work_dir or scratch, secrets, scratch)
-    error, late = None, None
+    error, late, interrupted = None, None, None
     try:
         state.run()
     except FitError as failed:
         error = str(failed) + (f"\nthe probes' records and output are kept in {scratch}" if scratch else "")
+    except KeyboardInterrupt as interrupt:  # every probe's processes have ended (run_probe): say what was measured
+        interrupted = "SIGTERM" if interrupt.args == ("SIGTERM",) else "SIGINT"
+        error = fit_words.interrupted(interrupted, state)
     finally:
-        if scratch is not None and error is None:
+        if scratch is not None and (error is None or interrupted):  # interrupted: the JSON holds what was measured
             shutil.rmtree(scratch, ignore_errors=True)
         late = keeper.end() if keeper is not None else None
     if late is not None:
@@ -189,6 +196,7 @@ def search(options: Options) -> Result:
         alternatives=state.alternatives,
         answer=state.best if error is None else None,
         error=scrubbed_text(error, secrets) if error else None,
+        interrupted=interrupted,
         secrets=secrets,
     )
 
@@ -209,15 +217,15 @@ class _Search:
     def run(self) -> None:
         first = self._launch(self.options.start or stated_size(self.options.command) or 1, None)
         if first.run is None:
-            raise FitError(_no_measurement(first.probe, self.options))
+            raise FitError(fit_words.no_measurement(first.probe, self.options))
         if first.outcome == "could not measure":
-            raise FitError(_could_not_measure(1, first, self.best, self.options))
+            raise FitError(fit_words.could_not_measure(1, first, self.best, self.options))
         self.candidates = _candidates(first.run)
         size = self._next()
         while size is not None and len(self.launches) < self.options.max_launches:
             launch = self._launch(size, self._predicted(size))
             if launch.outcome == "could not measure":
-                raise FitError(_could_not_measure(len(self.launches), launch, self.best, self.options))
+                raise FitError(fit_words.could_not_measure(len(self.launches), launch, self.best, self.options))
             size = self._next()
         if self.best is None:
             seen = [launch for launch in self.launches if launch.run]  # the smallest size, measured ones first
@@ -225,12 +233,25 @@ class _Search:
             assert nearest.run is not None
             self.alternatives = advice.changes_that_fit(nearest.run, self.options.margin)
 
+    def _say(self, text: str) -> None:
+        if self.options.say is not None:
+            self.options.say(scrubbed_text(text, self.secrets))
+
     def _launch(self, size: int, predicted: list[float] | None) -> Launch:
-        folder = self.work / f"probe-{len(self.launches) + 1}-mbs-{size}"
+        number = len(self.launches) + 1
+        folder = self.work / f"probe-{number}-mbs-{size}"
         command = command_for(self.options.command, size)
+        expected = f" (predicted peaks per stage {fit_words.sizes(predicted)})" if predicted else ""
+        self._say(f"probe {number}: micro-batch size {size}{expected}: starting {fit_words.shown(command)}")
+
+        def progress(probe: Probe, seconds: float) -> None:
+            ranks = f"{probe.ranks_recorded} of {probe.world_size}" if probe.world_size else "none yet"
+            self._say(f"probe {number}: running, {seconds:.0f} s; ranks with {STEPS} measured steps: {ranks}")
+
         try:
             probe = run_probe(
-                command, size, folder, self.options.probe_timeout_s, self.options.grace_s, self.secrets, self.scratch
+                command, size, folder, self.options.probe_timeout_s, self.options.grace_s, self.secrets,
+                self.scratch, progress,
             )  # fmt: skip
         except OSError as error:  # the folder: emptied and made before the launch
             raise FitError(f"{folder}: cannot be made an empty probe folder ({error.strerror or error})") from None
@@ -238,6 +259,10 @@ class _Search:
         fits = run is not None and probe.measured and all(peak <= self.limit for peak in peaks(run))
         launch = Launch(probe, run, predicted, fits)
         self.launches.append(launch)
+        measured = ""
+        if run is not None and self.limit is not None:
+            measured = f"peaks per stage {fit_words.sizes(peaks(run))} against {fit_words.sizes([self.limit])}; "
+        self._say(f"probe {number}: micro-batch size {size}: {launch.outcome} ({measured}{probe.seconds:.0f} s)")
         if fits:
             if self.best is None or size > self.best.probe.micro_batch_size:
                 self.best = launch
@@ -381,54 +406,3 @@ def _growth(measured: list[Launch], size: int) -> tuple[float, ...] | None:
     first, second = runs[near[0]], runs[near[1]]
     assert first is not None and second is not None
     return advice.growth_between(first, second)
-
-
-def _why(probe: Probe, options: Options) -> str:
-    """Why a probe measured nothing, in words."""
-    memory = " (out of memory)" if probe.out_of_memory else ""
-    return {
-        "died": f"the command exited with {probe.exit_code}{memory} before every rank recorded two measured "
-        "logging steps",
-        "ended": "the command ended (exit 0) before every rank recorded two measured logging steps",
-        "timeout": f"no two measured logging steps on every rank within {options.probe_timeout_s:g} s",
-        "measured": "its records cannot be used",
-    }.get(probe.status, probe.status)
-
-
-def _output(probe: Probe, options: Options, lines: int) -> str:
-    """The probe's notes and its command's last output, for a message; its log named only where the
-    path lasts (--work-dir's, not a temporary folder's)."""
-    log = probe.folder / LOG_NAME
-    named = f" ({log})" if options.work_dir is not None and log.is_file() else ""
-    tail = probe.read_tail(lines)
-    return "".join(f"\n  {note}" for note in probe.notes) + (
-        f"\nthe command's last output{named}:\n{tail}" if tail else ""
-    )
-
-
-def _no_measurement(probe: Probe, options: Options) -> str:
-    return (
-        f"the first probe (micro-batch size {probe.micro_batch_size}) measured nothing: {_why(probe, options)} "
-        f"({probe.ranks_recorded} of {probe.world_size or '?'} ranks recorded)"
-        + (f"; its error: {probe.error_line}" if probe.error_line else "")
-        + ". A probe needs memory logging on "
-        "(log_memory_to_tensorboard), the model passed to training_log or a callback, and two logging "
-        "intervals of training; a size that runs (--start N)." + _output(probe, options, 15)
-    )
-
-
-def _could_not_measure(number: int, launch: Launch, best: Launch | None, options: Options) -> str:
-    probe = launch.probe
-    error = probe.error_line
-    so_far = f"; the largest size measured to fit so far is {best.probe.micro_batch_size}" if best else ""
-    return (
-        f"probe {number} (micro-batch size {probe.micro_batch_size}) could not measure: {_why(probe, options)}"
-        + (f"; its error: {error}" if error else "")
-        + f". fit cannot tell whether {probe.micro_batch_size} fits{so_far}."
-        + _output(probe, options, 12)
-    )
-
-
-def shown(command: list[str], secrets: Sequence[str] = ()) -> str:
-    """The command line as fit prints it: its secrets and URI passwords scrubbed."""
-    return scrubbed_text(shlex.join(command), list(secrets or command_secrets(command)))

@@ -10,7 +10,8 @@ import json
 
 from ..redaction import scrubbed_text
 from .advise import fix_dict
-from .fit import CANDIDATES_SHOWN, Launch, Options, Result, command_for, peaks, shown
+from .fit import CANDIDATES_SHOWN, Launch, Options, Result, command_for, peaks
+from .fit_words import shown
 from .tables import size_text
 
 
@@ -63,6 +64,7 @@ def as_json(result: Result, options: Options) -> str:
             "micro_batch_size": size,
             "command": shown(command_for(options.command, size), result.secrets) if size is not None else None,
             "error": result.error,
+            "interrupted": result.interrupted,
             "launches": len(result.launches),
             "seconds": round(result.seconds, 1),
             "margin": options.margin,

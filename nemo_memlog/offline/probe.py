@@ -19,7 +19,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,8 @@ PROBE_DIR_ENV = "NEMO_MEMLOG_PROBE_DIR"
 #: optimizer's state (Adam's moments appear at the first step), the second is a steady iteration.
 STEPS = 2
 POLL_S = 0.2
+#: How often a running probe says how far it is (``progress``), in seconds.
+PROGRESS_S = 10.0
 LOG_NAME = "probe.log"
 #: A line of the command's output that says why it ended: an exception, an OOM, a kill. No
 #: leading ``\w*``: it matched the same lines in time quadratic in a line's length.
@@ -136,13 +138,15 @@ def run_probe(
     grace_s: float,
     secrets: Sequence[str] = (),
     scratch: Path | None = None,
+    progress: Callable[[Probe, float], None] | None = None,
 ) -> Probe:
     """Launch ``command`` (the size already in it) under a guard (guard.py) with its records going to
     ``folder`` (emptied first); return when every rank has recorded STEPS measured logging steps, or
     the command ended, or ``timeout_s`` passed, with every process it started ended (also when this
     raises: KeyboardInterrupt; a second one during the grace makes it SIGKILL, never abandons).
     ``scratch``: the folder the guard removes should fit end without ending the probe (SIGKILL).
-    Its output goes to LOG_NAME with ``secrets`` and URI passwords scrubbed."""
+    Its output goes to LOG_NAME with ``secrets`` and URI passwords scrubbed. ``progress(probe, seconds)``
+    is called every PROGRESS_S while it runs (its ``ranks_recorded`` of ``world_size`` so far)."""
     fresh_folder(folder)
     probe = Probe(size, folder)
     started = time.monotonic()
@@ -151,7 +155,7 @@ def run_probe(
         copier = None
         try:
             copier = _Copier(guarded.stdout, log, list(secrets))
-            _watch(guarded, probe, started + timeout_s)
+            _watch(guarded, probe, started + timeout_s, progress)
         finally:
             late = guarded.end()
             probe.recent = copier.finish() if copier is not None else b""
@@ -217,7 +221,8 @@ class _Copier:
         return self.recent
 
 
-def _watch(guarded: Guarded, probe: Probe, deadline: float) -> None:
+def _watch(guarded: Guarded, probe: Probe, deadline: float, progress: Callable[[Probe, float], None] | None) -> None:
+    started = said = time.monotonic()
     while True:
         if _recorded(probe):
             probe.status = "measured"
@@ -227,9 +232,13 @@ def _watch(guarded: Guarded, probe: Probe, deadline: float) -> None:
             probe.exit_code = code
             probe.status = "measured" if _recorded(probe) else ("ended" if code == 0 else "died")
             return
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             probe.status = "timeout"
             return
+        if progress is not None and now - said >= PROGRESS_S:
+            said = now
+            progress(probe, now - started)
         time.sleep(POLL_S)
 
 

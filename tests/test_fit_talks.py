@@ -1,0 +1,63 @@
+"""``nemo-memlog fit`` says what it does as it goes, on stderr (a probe starting, how far it is, its
+verdict as soon as it ends), so ``--json`` stays one object on stdout; interrupted, it says what was
+measured so far and exits 130 (JSON: the object with the probes measured). Stub probes
+(nemo_memlog.testing.probe_stub): a record in well under a second."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nemo_memlog.testing.probe_stub import STUB
+from nemo_memlog.testing.torchrun import ROOT
+
+pytestmark = pytest.mark.processes
+FIT = [sys.executable, "-m", "nemo_memlog.offline.cli", "fit", "--capacity-gb", "8", "--json"]
+
+
+def _start(tmp_path, mode: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
+    command = [*FIT, "--", sys.executable, "-c", STUB, "{micro_batch_size:2}", mode]
+    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_each_probe_is_said_as_it_starts_and_as_it_ends_and_json_stays_one_object(tmp_path):
+    fit = _start(tmp_path, "ok")
+    out, err = fit.communicate(timeout=120)
+    assert fit.returncode == 0, err
+    answer = json.loads(out)  # stdout: the one object
+    lines = [line for line in err.splitlines() if line.startswith("nemo-memlog fit: probe ")]
+    assert len(lines) == 2 * answer["launches"], err  # each probe: started, then its verdict
+    assert "probe 1: micro-batch size 2: starting " in lines[0] and "{micro_batch_size" not in lines[0]
+    verdict = "nemo-memlog fit: probe 1: micro-batch size 2: fits (peaks per stage 5.20 GB against 7.20 GB; "
+    assert lines[1].startswith(verdict)
+    assert "probe 2: micro-batch size " in lines[2] and "predicted peaks per stage" in lines[2]
+
+
+def test_interrupted_it_says_what_was_measured_and_json_holds_it(tmp_path):
+    fit = _start(tmp_path, "hang-above-2")  # probe 1 (size 2) measures; probe 2 never records
+    said = []
+    try:
+        deadline = time.monotonic() + 90
+        while not any("probe 2: running" in line for line in said):  # the progress line, every 10 s
+            assert time.monotonic() < deadline and fit.poll() is None, said
+            said.append(fit.stderr.readline())
+        fit.send_signal(signal.SIGINT)
+        out, err = fit.communicate(timeout=60)
+    finally:
+        if fit.poll() is None:
+            fit.kill()
+            fit.communicate()
+    assert fit.returncode == 130, err
+    result = json.loads(out)
+    assert result["interrupted"] == "SIGINT"
+    assert [probe["outcome"] for probe in result["probes"]] == ["fits"]  # what was measured before the signal
+    assert "the largest size measured to fit so far is 2" in result["error"]
+    assert "ranks with 2 measured steps: none yet" in "".join(said)
+    assert "the largest size measured to fit so far is 2" in err
