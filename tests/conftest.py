@@ -3,8 +3,10 @@ import ctypes.util
 import functools
 import os
 import platform
+import resource
 import sys
 import sysconfig
+import time
 
 import pytest
 
@@ -184,7 +186,52 @@ def pytest_runtest_teardown(item, nextitem):
     return (yield from _watched(item))
 
 
+class _Costs:
+    """Where the suite's time goes: per test (setup, call and teardown), its wall seconds, this
+    process's CPU and its reaped child processes' CPU (RUSAGE_CHILDREN: torchrun, clusters, subprocesses)."""
+
+    tests: dict[str, tuple[float, float, float]] = {}
+
+
+def _cpu(who: int) -> float:
+    usage = resource.getrusage(who)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    wall, own, children = time.monotonic(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+    try:
+        return (yield)
+    finally:
+        _Costs.tests[item.nodeid] = (
+            time.monotonic() - wall,
+            _cpu(resource.RUSAGE_SELF) - own,
+            _cpu(resource.RUSAGE_CHILDREN) - children,
+        )
+
+
+def _cost_lines() -> list[str]:
+    """Per file, then the 15 tests whose child processes cost most CPU."""
+    files: dict[str, list[float]] = {}
+    for nodeid, costs in _Costs.tests.items():
+        total = files.setdefault(nodeid.split("::")[0], [0.0, 0.0, 0.0])
+        for index, value in enumerate(costs):
+            total[index] += value
+    lines = [f"{'wall s':>8}{'own CPU s':>11}{'child CPU s':>13}  file"]
+    for name, (wall, own, children) in sorted(files.items(), key=lambda entry: -entry[1][0]):
+        lines.append(f"{wall:8.1f}{own:11.1f}{children:13.1f}  {name}")
+    lines += ["", "the 15 tests whose child processes cost most CPU:"]
+    for nodeid, (wall, own, children) in sorted(_Costs.tests.items(), key=lambda entry: -entry[1][2])[:15]:
+        lines.append(f"{wall:8.1f}{own:11.1f}{children:13.1f}  {nodeid}")
+    return lines
+
+
 def pytest_terminal_summary(terminalreporter):
+    if _Costs.tests and len(_Costs.tests) > 20:  # a whole file or more: where the time went
+        terminalreporter.section("where the time goes (tests/conftest.py: wall, this process's CPU, children's CPU)")
+        for line in _cost_lines():
+            terminalreporter.line(line)
     if _Lanes.unmarked:
         terminalreporter.section("tests that started a process without @pytest.mark.processes")
         for nodeid, event in _Lanes.unmarked.items():
