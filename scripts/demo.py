@@ -61,6 +61,7 @@ import nemo_memlog.config
 from demo_model import DemoJob, build_job, learning_rate
 from nemo_memlog.commands import console_command, postmortem_command, report_command
 from nemo_memlog.config import did_you_mean
+from nemo_memlog.config.schema import PROBE_DIR_ENV
 from nemo_memlog.testing import megatron_cpu
 from nemo_memlog.testing.cluster import free_port
 from nemo_memlog.testing.tmp import private_tmpdir
@@ -175,6 +176,9 @@ def load_config(overrides: list[str]) -> DemoConfig:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as error:
         raise ConfigError(f"bad override in {ours!r}: {str(error.msg).splitlines()[0]}") from None
+    probe = os.environ.get(PROBE_DIR_ENV)
+    if probe and not any(item.startswith("run.root=") for item in ours):
+        cfg.run.root = os.path.join(probe, "runs")  # a probe of nemo-memlog fit: in fit's folder, not among your runs
     try:
         cfg.logger = nemo_memlog.from_overrides(overrides, base=logger_defaults(cfg.run))
     except ValueError as error:

@@ -470,3 +470,11 @@ def test_help_lists_every_key_with_its_default(demo_script):
         assert re.search(rf"^  logger\.{spec.name}=\S", text, re.MULTILINE), spec.name
     assert "  train.iters=8 " in text and "  parallel.pp=4 " in text and "  run.root=runs " in text
     assert "  logger.log_memory_to_tensorboard=true " in text and "  logger.memory_peak_window=run " in text
+
+
+def test_under_a_fit_probe_the_demo_writes_in_fits_folder_not_among_your_runs(demo_script, monkeypatch, tmp_path):
+    monkeypatch.setenv("NEMO_MEMLOG_PROBE_DIR", str(tmp_path / "probe-1-mbs-2"))
+    cfg = demo_script.load_config([])
+    assert cfg.run.root == str(tmp_path / "probe-1-mbs-2" / "runs")
+    assert cfg.logger.tensorboard_dir.startswith(str(tmp_path / "probe-1-mbs-2" / "runs"))
+    assert demo_script.load_config(["run.root=mine"]).run.root == "mine"  # one you gave stands
