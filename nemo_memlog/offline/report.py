@@ -107,8 +107,8 @@ def replica_line(run: MemoryRun, records: Any = None) -> str:
     if scope == "world":
         return f"per-stage values: each stage's max over its ranks in every data-parallel replica{dp} (scope world)"
     return (
-        f"per-stage values: the writer's data-parallel replica{dp} (rank world_size-1's pipeline group; "
-        "every replica: memory_reduce_scope=world)"
+        f"per-stage values: the writer's data-parallel replica{dp} (rank world_size-1's pipeline group); "
+        "all: scope world"
     )
 
 
