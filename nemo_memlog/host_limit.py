@@ -56,6 +56,20 @@ class Limit:
             return None
         return limit, usage
 
+    @property
+    def folder(self) -> str:
+        """The cgroup whose usage this limit is judged against (its folder)."""
+        return os.path.dirname(self.usage_path)
+
+    def peak_bytes(self) -> int | None:
+        """The cgroup's own peak charge since it was made (v1 ``memory.max_usage_in_bytes``, v2
+        ``memory.peak``, kernel 5.19+): the kernel's count, shared pages once; None where absent."""
+        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        try:
+            return _number(read_proc(os.path.join(self.folder, name)), None)
+        except (OSError, ValueError):
+            return None
+
 
 @dataclass(frozen=True)
 class Chain:
@@ -125,6 +139,12 @@ class ProcessLimit:
         if state is None or state[0] != cgroups:
             state = self.state = (cgroups, _chain(cgroups.decode(), self.mountinfo, self.host_bytes))
         return None if state[1] is None else state[1].read()
+
+    def binding(self) -> Limit | None:
+        """The Limit binding now (after a ``read``, which finds the chain); None without one."""
+        state = self.state
+        best = None if state is None or state[1] is None else state[1].binding()
+        return None if best is None else best[1]
 
 
 def find_chain(

@@ -393,6 +393,18 @@ def host_limit_bytes() -> tuple[int, int] | None:
     return None if limit is None else limit.read()
 
 
+def host_cgroup_peak() -> tuple[str, float] | None:
+    """(the binding memory cgroup as "<host>:<folder>", its own peak charge in GB: NaN where the
+    kernel keeps none) for the per-layer record; None without a limit. The ranks of a node that
+    name the same cgroup share its charge: shared pages once, as the kernel counts them."""
+    limit = limit_of_process(os.getpid(), host_total_bytes())
+    binding = None if limit is None or limit.read() is None else limit.binding()
+    if binding is None:
+        return None
+    peak = binding.peak_bytes()
+    return f"{os.uname().nodename}:{binding.folder}", MISSING if peak is None else peak / GB
+
+
 def host_available_bytes() -> int:
     try:
         return _kb_field(read_proc("/proc/meminfo"), b"MemAvailable:") * 1024

@@ -311,6 +311,10 @@ class MemoryMonitor:
                 stage_and_rows=layer_rows.stage_and_rows(report, measured, model, optimizer, self._state),
                 measured_steps=self._measured_steps,
             )
+            cgroup = memory.host_cgroup_peak()
+            if cgroup is not None:  # under a memory limit: what advise needs to judge the node as the kernel charges it
+                record["host_cgroup"] = cgroup[0]
+                record["stage"].update(layer_record.cgroup_figures(report, cgroup[1]))
             layer_record.write(self.record_dir, record)
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")

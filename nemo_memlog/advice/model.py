@@ -41,6 +41,18 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class Node:
+    """The ranks of a node that share one memory cgroup, judged as the kernel charges them: the
+    cgroup's peak charge (shared pages once) against its limit, in GB. ``stages``: each of its
+    ranks' pipeline stage, one entry a rank (a stage's predicted change counts once per rank)."""
+
+    name: str
+    limit_gb: float
+    charge_gb: float
+    stages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Run:
     """What the run's record says of the run as a whole."""
 
@@ -60,6 +72,9 @@ class Run:
     #: Per stage, the exponent p of the temporaries' growth with the micro-batch size (x F: x F**p),
     #: from two runs at two sizes (``growth_between``); None: 1, in proportion.
     temporaries_growth: tuple[float, ...] | None = None
+    #: The nodes whose ranks share a memory cgroup (offline/node_charge.py): where given, whether a
+    #: stage fits is its nodes' charge plus each of their ranks' predicted change against the limit.
+    nodes: tuple[Node, ...] = ()
 
     @classmethod
     def of(
@@ -174,6 +189,11 @@ class Outcome:
     assumptions: list[str] = field(default_factory=list)
     #: (low, high) where one run cannot tell a part's scaling (the temporaries under a micro-batch change).
     peak_range_gb: tuple[float, float] | None = None
+    #: Under a shared memory cgroup: the room its limit leaves the stage's node(s) under the change
+    #: (limit - peak charge - the node's ranks' predicted changes; the least over the stage's
+    #: nodes), and that limit. None: judged per rank against ``capacity_gb``.
+    node_room_gb: float | None = None
+    node_limit_gb: float | None = None
 
     @property
     def peak_now_gb(self) -> float:
@@ -194,11 +214,23 @@ class Outcome:
 
     @property
     def headroom_gb(self) -> float | None:
+        if self.node_room_gb is not None:
+            return self.node_room_gb
         return None if self.capacity_gb is None else self.capacity_gb - self.peak_high_gb
 
     @property
     def fits(self) -> bool | None:
-        return None if self.capacity_gb is None else self.peak_high_gb <= self.capacity_gb
+        return self.fits_with()
+
+    def fits_with(self, margin: float = 0.0, slack: float = 1.0) -> bool | None:
+        """Whether what the stage uses (its peak, the range's top; under a shared cgroup its node's
+        charge) stays within ``(1 - margin) * slack`` of its capacity (per rank, or the node's limit);
+        None unknown."""
+        basis = self.node_limit_gb if self.node_room_gb is not None else self.capacity_gb
+        headroom = self.headroom_gb
+        if basis is None or headroom is None:
+            return None
+        return basis - headroom <= basis * (1.0 - margin) * slack
 
 
 def peak(parts: dict) -> float:

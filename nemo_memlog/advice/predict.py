@@ -54,6 +54,16 @@ class _State:
         return cls(plans, run.microbatches, run.micro_batch_size, [])
 
     def outcomes(self, run: Run) -> list[Outcome]:
+        out = self._per_stage(run)
+        change = {outcome.stage: outcome.peak_gb - outcome.peak_now_gb for outcome in out}
+        for node in run.nodes:  # the node's charge plus each of its ranks' change: shared pages once
+            room = node.limit_gb - node.charge_gb - sum(change.get(stage, 0.0) for stage in node.stages)
+            for outcome in out:
+                if outcome.stage in node.stages and (outcome.node_room_gb is None or room < outcome.node_room_gb):
+                    outcome.node_room_gb, outcome.node_limit_gb = room, node.limit_gb
+        return out
+
+    def _per_stage(self, run: Run) -> list[Outcome]:
         out = []
         for stage, plan in zip(run.stages, self.plans):
             predicted = dict(plan.parts)
@@ -354,14 +364,13 @@ def max_micro_batch_size(run: Run, changes: Sequence[Change] = (), margin: float
         return candidates[index] if candidates is not None else index + 1
 
     others = [change for change in changes if change.name != "micro_batch_size"]
-    limit = run.capacity_gb * (1.0 - margin)
 
     def fits(size: int) -> bool:
         try:
             outcomes = predict(run, [*others, Change("micro_batch_size", ("n", size), f"micro_batch_size={size}")])
         except Refused:
             return False
-        return all(outcome.peak_gb <= limit for outcome in outcomes)
+        return all(outcome.fits_with(margin) for outcome in outcomes)
 
     if count <= _PREDICT_EACH:  # every candidate, as the rule reads
         best = None
@@ -424,6 +433,6 @@ def smallest_fix(run: Run, fraction: float) -> tuple[Change, list[Outcome]] | No
             outcomes = predict(run, change)
         except Refused:
             continue
-        if all((outcome.headroom_gb or 0.0) >= fraction * run.capacity_gb for outcome in outcomes):
+        if all(outcome.fits_with(fraction) for outcome in outcomes):
             return change[0], outcomes
     return None

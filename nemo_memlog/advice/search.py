@@ -42,12 +42,12 @@ def changes_that_fit(run: Run, margin: float) -> list[Fix]:
     fixes = []
     size, _ = max_micro_batch_size(run, margin=margin)
     if size is not None:
-        fixes.append(_fix(run, parse([f"micro_batch_size={size}"]), limit))
-    fixes.append(_fix(run, parse(["distributed_optimizer=true"]), limit))
-    fixes.append(_fix(run, parse(["recompute=full"]), limit))
+        fixes.append(_fix(run, parse([f"micro_batch_size={size}"]), margin))
+    fixes.append(_fix(run, parse(["distributed_optimizer=true"]), margin))
+    fixes.append(_fix(run, parse(["recompute=full"]), margin))
     split = balanced_split(run, limit)
     if split is not None:
-        fixes.append(_fix(run, parse([f"layers_per_stage={','.join(map(str, split))}"]), limit))
+        fixes.append(_fix(run, parse([f"layers_per_stage={','.join(map(str, split))}"]), margin))
     found = [fix for fix in fixes if fix is not None]
     if found:
         return found
@@ -57,17 +57,17 @@ def changes_that_fit(run: Run, margin: float) -> list[Fix]:
     size, _ = max_micro_batch_size(run, parse(together), margin=margin)
     if size is None:
         return []
-    fix = _fix(run, parse([*together, f"micro_batch_size={size}"]), limit)
+    fix = _fix(run, parse([*together, f"micro_batch_size={size}"]), margin)
     return [fix] if fix is not None else []
 
 
-def _fix(run: Run, changes: Sequence[Change], limit: float) -> Fix | None:
-    """A Fix of ``changes`` where the prediction keeps every stage within ``limit``, else None."""
+def _fix(run: Run, changes: Sequence[Change], margin: float) -> Fix | None:
+    """A Fix of ``changes`` where the prediction leaves ``margin`` of every stage's capacity free, else None."""
     try:
         outcomes = predict(run, list(changes))
     except Refused:
         return None
-    if all(outcome.peak_gb <= limit for outcome in outcomes):
+    if all(outcome.fits_with(margin) for outcome in outcomes):
         return Fix(tuple(changes), tuple(outcomes))
     return None
 

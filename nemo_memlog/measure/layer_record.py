@@ -8,11 +8,16 @@ then a rename) at each logging step whose activations were measured (measure/act
      "pp_rank": int, "pp_size": int, "tp_rank": int, "tp_size": int, "dp_rank": int, "dp_size": int,
      "iteration": int, "measured_steps": int (this rank's measured logging steps so far: nemo-memlog
      fit ends a probe at two), "time": float (unix time),
+     "host_cgroup": "<host>:<cgroup folder>" (under a memory cgroup limit only: the ranks naming
+                    the same one share its charge, nemo_memlog/offline/node_charge.py),
      "run": {...}   the run's facts, as known: "microbatches", "micro_batch_size", "optimizer",
                     "distributed_optimizer", ... (absent where unknown),
      "stage": {"params_gb", "grads_gb", "optimizer_state_gb", "model_state_gb", "activations_gb",
                "activations_per_microbatch_gb", "microbatches_in_flight", "microbatches",
-               "chunks"; on CPU also "host_idle_rss_gb" (measure/host_idle.py); on a GPU also
+               "chunks"; under a memory cgroup limit "host_limit_gb", "host_limit_used_gb" (its
+               charge now), "host_limit_peak_gb" (its own peak charge: v1 memory.max_usage_in_bytes,
+               v2 memory.peak, where the kernel has it), "host_rss_gb" (this rank's RSS now);
+               on CPU also "host_idle_rss_gb" (measure/host_idle.py); on a GPU also
                "peak_allocated_gb", "peak_reserved_gb", "temporaries_gb", "allocator_slack_gb",
                "device_other_gb", "device_total_gb"},
      "layers": [{"name": str, "kind": "layer"|"embedding"|"output"|"other", "chunk": int,
@@ -76,6 +81,15 @@ def step_record(
     record = {**layout, "iteration": iteration, "time": time, "run": dict(facts), **stage_and_rows}
     record["measured_steps"] = measured_steps
     return record
+
+
+def cgroup_figures(report: Mapping[str, Any], peak_gb: float) -> dict:
+    """The figures a rank under a memory limit adds to its stage: its RSS now (``host_rss_gb``) and
+    its cgroup's own peak charge (``host_limit_peak_gb``, where the kernel keeps one: NaN left out)."""
+    figures = {"host_rss_gb": report["host_rss_gb"]}
+    if peak_gb == peak_gb:
+        figures["host_limit_peak_gb"] = peak_gb
+    return figures
 
 
 def write(folder: str | os.PathLike[str], record: dict) -> Path:

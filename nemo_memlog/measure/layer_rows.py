@@ -24,6 +24,7 @@ RECORDED_STAGE_KEYS = (
     "peak_host_rss_gb",
     "host_total_gb",
     "host_limit_gb",
+    "host_limit_used_gb",
 )
 
 

@@ -10,5 +10,6 @@ no process group and no training code. One line per module, in the data's order:
     postmortem          RankFiles -> Postmortem (status per rank, the first failure)
     postmortem_render   Postmortem -> the text                      postmortem_plot  -> its PNG
     postmortem_json     Postmortem -> the JSON for a failure hook
+    node_charge         per-layer records -> the nodes whose ranks share a memory cgroup (advise, fit, report)
     tables, plotting    what the renderers share: table layout, number and time formats; figure and save
 """

@@ -8,6 +8,7 @@ highest peak. ``as_json`` and ``as_text`` render the outcomes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 from .. import advice, parts
 from ..measure import layer_record
 from ..parts import label_of
+from . import node_charge
 from .tables import size_text
 
 #: The files that make a folder a record folder.
@@ -64,7 +66,11 @@ def load(path: str | Path, capacity_gb: float | None = None) -> advice.Run:
     facts = first.get("run") or {}
     gpu = any("peak_reserved_gb" in record["stage"] for record in records)
     capacity, source = (capacity_gb, "--capacity-gb") if capacity_gb is not None else _capacity(records, gpu)
-    return advice.Run.of(stages, first, facts, gpu=gpu, capacity_gb=capacity, capacity_source=source)
+    nodes = node_charge.nodes_of(records) if capacity_gb is None and not gpu else ()
+    if nodes:
+        source += "; " + node_charge.capacity_text(nodes)
+    run = advice.Run.of(stages, first, facts, gpu=gpu, capacity_gb=capacity, capacity_source=source)
+    return dataclasses.replace(run, nodes=nodes)
 
 
 # ---- checking what a record says before any of it is used ------------------------------------

@@ -256,7 +256,7 @@ class _Search:
         except OSError as error:  # the folder: emptied and made before the launch
             raise FitError(f"{folder}: cannot be made an empty probe folder ({error.strerror or error})") from None
         run = self._read(probe)
-        fits = run is not None and probe.measured and all(peak <= self.limit for peak in peaks(run))
+        fits = run is not None and probe.measured and measured_fits(run, self.options.margin)
         launch = Launch(probe, run, predicted, fits)
         self.launches.append(launch)
         measured = ""
@@ -345,13 +345,17 @@ class _Search:
         return sizes[low]
 
     def _fits(self, size: int, slack: float = 1.0) -> bool:
-        assert self.limit is not None
-        predicted = self._predicted(size)
-        return predicted is not None and all(peak <= self.limit * slack for peak in predicted)
+        outcomes = self._outcomes(size)
+        return outcomes is not None and all(outcome.fits_with(self.options.margin, slack) for outcome in outcomes)
 
     def _predicted(self, size: int) -> list[float] | None:
-        """Each stage's predicted peak at ``size``: from the measured run nearest in size, its
-        temporaries growing as the two measured sizes nearest it show, where there are two."""
+        """Each stage's predicted peak at ``size`` (``_outcomes``)."""
+        outcomes = self._outcomes(size)
+        return None if outcomes is None else [outcome.peak_gb for outcome in outcomes]
+
+    def _outcomes(self, size: int) -> list[advice.Outcome] | None:
+        """Each stage at ``size``: from the measured run nearest in size, its temporaries growing as
+        the two measured sizes nearest it show, where there are two."""
         measured = [launch for launch in self.launches if launch.run is not None and launch.probe.measured]
         if not measured:
             return None
@@ -359,10 +363,15 @@ class _Search:
         assert base.run is not None
         run = dataclasses.replace(base.run, temporaries_growth=_growth(measured, size))
         try:
-            outcomes = advice.predict(run, advice.parse([f"micro_batch_size={size}"]))
+            return advice.predict(run, advice.parse([f"micro_batch_size={size}"]))
         except advice.Refused:
             return None
-        return [outcome.peak_high_gb for outcome in outcomes]  # the range's top, where one run cannot tell
+
+
+def measured_fits(run: advice.Run, margin: float) -> bool:
+    """Whether ``run`` as measured left ``margin`` free on every stage: each stage's peak against the
+    capacity per rank, or under a shared memory cgroup its node's peak charge against the limit."""
+    return all(outcome.fits_with(margin) for outcome in advice.predict(run, []))
 
 
 def peaks(run: advice.Run) -> list[float]:

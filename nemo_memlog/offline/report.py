@@ -136,7 +136,14 @@ def capacity_lines(run: MemoryRun, records: Any = None) -> list[str]:
 
         lines.append(capacity_line(records) + ", as `nemo-memlog advise` takes it")
         peaks = run.per_stage("peak_host_rss_gb") if per_rank_host else {}
-        if peaks:
+        if per_rank_host and records.nodes:  # ranks sharing a cgroup: its charge, shared pages once
+            node = min(records.nodes, key=lambda node: node.limit_gb - node.charge_gb)
+            lines.append(
+                f"least headroom: {size_text(node.limit_gb - node.charge_gb)} under the memory cgroup limit "
+                f"{size_text(node.limit_gb)} of {len(node.stages)} ranks (its peak charge {size_text(node.charge_gb)}, "
+                "shared pages once)"
+            )
+        elif peaks:
             stage, series = max(peaks.items(), key=lambda item: (item[1].latest, -item[0]))
             lines.append(
                 f"least headroom per rank: {size_text(records.capacity_gb - series.latest)} on stage {stage} "
