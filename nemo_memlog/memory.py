@@ -19,7 +19,7 @@ import torch
 
 from . import process_wide
 from .host_limit import limit_of_process
-from .process_wide import read_proc
+from .process_wide import proc_field, proc_fields
 from .warn import WarnOnce, misuse
 
 GB = 1e9
@@ -327,20 +327,14 @@ def _default_plan():
 
 def host_rss_bytes() -> tuple[int, int]:
     """(current, peak) resident set size of this process in bytes, from the OS."""
-    try:
-        text = read_proc("/proc/self/status")
-        return _kb_field(text, b"VmRSS:") * 1024, _kb_field(text, b"VmHWM:") * 1024
-    except OSError:
-        import resource  # not Linux: peak only, from getrusage
+    rss, peak = proc_fields("/proc/self/status", (b"VmRSS:", b"VmHWM:"), 1024)
+    if rss is not None and peak is not None:
+        return rss, peak
+    import resource  # not Linux: peak only, from getrusage
 
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        peak *= 1 if os.uname().sysname == "Darwin" else 1024
-        return peak, peak
-
-
-def _kb_field(text: bytes, name: bytes) -> int:
-    start = text.index(name) + len(name)
-    return int(text[start : text.index(b"kB", start)])
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if os.uname().sysname == "Darwin" else 1024
+    return peak, peak
 
 
 @lru_cache(maxsize=1)
@@ -406,7 +400,5 @@ def host_cgroup_peak() -> tuple[str, float] | None:
 
 
 def host_available_bytes() -> int:
-    try:
-        return _kb_field(read_proc("/proc/meminfo"), b"MemAvailable:") * 1024
-    except (OSError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    available = proc_field("/proc/meminfo", b"MemAvailable:", 1024)
+    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -201,6 +201,30 @@ def read_proc(path: str) -> bytes:
     return os.pread(cached[1], 16384, 0)
 
 
+def proc_field(path: str | None, key: bytes, scale: int = 1) -> int | None:
+    """The number after ``key`` at the start of a line of ``path`` (/proc/meminfo's ``MemAvailable:``,
+    a cgroup file's ``oom_kill ``), times ``scale`` (1024 for kB); None where the file or the line
+    is missing. Never raises."""
+    return proc_fields(path, (key,), scale)[0]
+
+
+def proc_fields(path: str | None, keys: tuple[bytes, ...], scale: int = 1) -> list[int | None]:
+    """``proc_field`` for several keys of one file, read once through ``read_proc``: the one reader of
+    those files' fields (memory.py, failure/evidence.py). Never raises."""
+    try:
+        text = b"\n" + read_proc(path) if path is not None else b""
+    except OSError:
+        text = b""
+    values: list[int | None] = []
+    for key in keys:
+        at = text.find(b"\n" + key)
+        try:
+            values.append(int(text[at + 1 + len(key) :].split(None, 1)[0]) * scale if at >= 0 else None)
+        except (ValueError, IndexError):
+            values.append(None)
+    return values
+
+
 # --------------------------------------------------------------------------------------------
 # Facts that stay true for the life of the process
 

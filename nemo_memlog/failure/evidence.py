@@ -5,7 +5,7 @@ is what the host looked like up to then: MemAvailable, the memory cgroup's limit
 (host_limit.py: SLURM, Kubernetes, containers), this process's RSS, /proc/vmstat's
 ``oom_kill`` and the job cgroup's ``oom_kill`` (cgroup v2 ``memory.events``, or v1
 ``memory.oom_control``). Each file is re-read through a descriptor kept open
-(``process_wide.read_proc``): the beat costs microseconds and never allocates a descriptor.
+(``process_wide.proc_field``): the beat costs microseconds and never allocates a descriptor.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 
 from ..host_limit import limit_of_process
-from ..process_wide import read_proc
+from ..memory import host_total_bytes
+from ..process_wide import proc_field
 
 GB = 1e9
 
@@ -26,17 +27,17 @@ class HostEvidence:
 
     def __init__(self):
         self.cgroup = cgroup_events_path()
-        self.limit = limit_of_process(os.getpid(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        self.limit = limit_of_process(os.getpid(), host_total_bytes())
 
     def read(self) -> dict:
         limit = None if self.limit is None else self.limit.read()
         return {
             "host_limit_gb": None if limit is None else limit[0] / GB,
             "host_limit_used_gb": None if limit is None else limit[1] / GB,
-            "host_available_gb": _gb(_field("/proc/meminfo", b"MemAvailable:", 1024)),
-            "host_rss_gb": _gb(_field("/proc/self/status", b"VmRSS:", 1024)),
-            "vmstat_oom_kill": _field("/proc/vmstat", b"oom_kill "),
-            "cgroup_oom_kill": _field(self.cgroup, b"oom_kill "),
+            "host_available_gb": _gb(proc_field("/proc/meminfo", b"MemAvailable:", 1024)),
+            "host_rss_gb": _gb(proc_field("/proc/self/status", b"VmRSS:", 1024)),
+            "vmstat_oom_kill": proc_field("/proc/vmstat", b"oom_kill "),
+            "cgroup_oom_kill": proc_field(self.cgroup, b"oom_kill "),
         }
 
 
@@ -62,21 +63,6 @@ def cgroup_events_path(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys
                 os.path.join(root, "memory", "memory.oom_control"),
             ]
     return next((path for path in candidates if os.access(path, os.R_OK)), None)
-
-
-def _field(path: str | None, key: bytes, scale: int = 1):
-    """The number after ``key`` at the start of a line of ``path``, times ``scale``; None where
-    the file or the line is missing."""
-    if path is None:
-        return None
-    try:
-        text = b"\n" + read_proc(path)
-        at = text.find(b"\n" + key)
-        if at < 0:
-            return None
-        return int(text[at + 1 + len(key) :].split(None, 1)[0]) * scale
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _gb(value):
