@@ -127,8 +127,8 @@ def test_advise_against_a_rerun_with_the_change_per_stage(megatron, change):
 RERUN_NOISE = 0.03
 
 
-@pytest.mark.parametrize("change", [name for name in CASES if name.startswith("micro_batch_size")])
-def test_the_peak_from_one_run_is_a_range_that_holds_the_rerun_and_never_under_it(megatron, change):
+@pytest.mark.parametrize("change", [name for name in CASES if name.startswith(("micro_batch_size", "microbatches"))])
+def test_the_peak_from_one_run_holds_the_rerun_within_10_percent_or_a_stated_range(megatron, change):
     before, after = CASES[change]
     run = advise.load(megatron(before)[0] / "memory_records")
     rerun = {
@@ -136,13 +136,16 @@ def test_the_peak_from_one_run_is_a_range_that_holds_the_rerun_and_never_under_i
     }
     for outcome in advice.predict(run, advice.parse([change])):
         measured = rerun[outcome.stage]  # the rerun's own peak, its parts summed as advise sums them
-        assert outcome.peak_range_gb is not None  # one run: the temporaries' scaling is a range
-        assert outcome.peak_low_gb * (1 - RERUN_NOISE) <= measured <= outcome.peak_high_gb * (1 + RERUN_NOISE), (
-            outcome.stage,
-            outcome.peak_low_gb,
-            measured,
-            outcome.peak_high_gb,
-        )
+        if change.startswith("micro_batch_size"):  # one run cannot tell how the temporaries scale: a range
+            assert outcome.peak_range_gb is not None
+            assert outcome.peak_low_gb * (1 - RERUN_NOISE) <= measured <= outcome.peak_high_gb * (1 + RERUN_NOISE), (
+                outcome.stage,
+                outcome.peak_low_gb,
+                measured,
+                outcome.peak_high_gb,
+            )
+        else:
+            assert outcome.peak_gb == pytest.approx(measured, rel=0.10), outcome.stage
         assert outcome.peak_high_gb >= 0.9 * measured  # the top, which fit and the headroom use, is never 10% low
 
 
