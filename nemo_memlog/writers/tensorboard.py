@@ -19,7 +19,7 @@ once. A stage run that fails to write is said once per kind: a permanent OS erro
 PERMANENT_ERRNOS) closes that stage's run for good, any other loses that point only; neither is
 raised, so the main run is never retried (and written twice) for a stage's sake.
 
-A custom-scalars layout (category ``memory per stage``) charts exactly the per-stage metrics:
+A custom-scalars layout (category LAYOUT_CATEGORY, which says what the run ``.`` is) charts exactly the per-stage metrics:
 one chart per ``memory/<name>``, over every run, so the max and the stages of the metrics
 logged per stage sit on one page without the other memory series (written at the first step
 with stage runs, again when a later step brings a new name).
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 CONFIG_TAG = "config"
 CONFIG_TENSOR_TAG = CONFIG_TAG + "/text_summary"
 #: The custom-scalars category holding one chart per per-stage metric.
-LAYOUT_CATEGORY = "memory per stage"
+LAYOUT_CATEGORY = "memory per stage (run '.' is the max over stages)"
 #: The other names a stage's run may take when ``pp_stage_{i}`` is taken: ``pp_stage_{i}-2`` onwards.
 OTHER_NAMES = 8
 #: What an earlier run of ours leaves in a stage's folder (a folder holding only these is reused).
