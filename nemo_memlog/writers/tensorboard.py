@@ -19,8 +19,8 @@ once. A stage run that fails to write is said once per kind: a permanent OS erro
 PERMANENT_ERRNOS) closes that stage's run for good, any other loses that point only; neither is
 raised, so the main run is never retried (and written twice) for a stage's sake.
 
-A custom-scalars layout (category LAYOUT_CATEGORY, which says what the run ``.`` is) charts exactly the per-stage metrics:
-one chart per ``memory/<name>``, over every run, so the max and the stages of the metrics
+A custom-scalars layout (category LAYOUT_CATEGORY, which says what the run ``.`` is) charts
+exactly the per-stage metrics: one chart per ``memory/<name>``, over every run, so the max and the stages of the metrics
 logged per stage sit on one page without the other memory series (written at the first step
 with stage runs, again when a later step brings a new name).
 
