@@ -71,7 +71,9 @@ def _bridge(function_name: str) -> Callable[[Any], None]:
 
         @functools.wraps(original)
         def with_callback(config: Any, forward_step_func: Any, callbacks: Any = None, *args: Any, **kwargs: Any):
-            return original(config, forward_step_func, with_bridge_callback(callbacks), *args, **kwargs)
+            if getattr(getattr(config, "logger", None), "log_memory_to_tensorboard", False):
+                callbacks = with_bridge_callback(callbacks)
+            return original(config, forward_step_func, callbacks, *args, **kwargs)
 
         setattr(module, function_name, with_callback)
 

@@ -117,20 +117,26 @@ class MemoryLogCallback:
                 wandb_save_dir=getattr(args, "wandb_save_dir", None),
             )
         )
-        settings = resolve_fields(
+        settings = resolve_fields(  # a setting that cannot work raises here, at the start, naming it
             log_memory_to_tensorboard=True,
             tensorboard_log_interval=args.tensorboard_log_interval,
             memory_keys=MEMORY_KEYS,
             **{**self.settings, "memory_record_dir": folder},
         )
-        monitor = MemoryMonitor(settings, run_config=_run_config(args))
-        monitor.place()
-        if monitor.is_writer_rank:
-            from ..writers import adopt_writers
+        try:
+            monitor = MemoryMonitor(settings, run_config=_run_config(args))
+            monitor.place()
+            if monitor.is_writer_rank:
+                from ..writers import adopt_writers
 
-            monitor.use_writers(adopt_writers([get_tensorboard_writer(), get_wandb_writer()]))
-        monitor.derived = megatron_lm_series
-        monitor.state_facts(**facts(args))
+                monitor.use_writers(adopt_writers([get_tensorboard_writer(), get_wandb_writer()]))
+            monitor.derived = megatron_lm_series
+            monitor.state_facts(**facts(args))
+        except Exception as error:  # noqa: BLE001 -- training goes on without memory logging, said once
+            log.warning(
+                "nemo_memlog: memory logging could not start in Megatron-LM's loop: %r; training goes on", error
+            )
+            return
         self.monitor = monitor
 
     def on_train_step_start(self, iteration: int) -> None:
