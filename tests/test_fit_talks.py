@@ -61,3 +61,13 @@ def test_interrupted_it_says_what_was_measured_and_json_holds_it(tmp_path):
     assert "the largest size measured to fit so far is 2" in result["error"]
     assert "ranks with 2 measured steps: none yet" in "".join(said)
     assert "the largest size measured to fit so far is 2" in err
+
+
+def test_a_command_that_keeps_its_microbatches_is_refused_at_the_second_probes_first_record(tmp_path):
+    fit = _start(tmp_path, "keeps-microbatches")  # probe 2 records one step, then would run 600 s
+    began = time.monotonic()
+    out, err = fit.communicate(timeout=120)
+    assert fit.returncode == 1, err
+    assert time.monotonic() - began < 60  # not its measured steps, nor its 600 s
+    result = json.loads(out)
+    assert "keeps its microbatches per iteration, not its global batch" in result["error"]

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import advice
+from ..measure import layer_record
 from ..redaction import command_secrets, environ_secrets, scrubbed_text
 from . import fit_words
 from .advise import AdviseError, load
@@ -251,7 +252,7 @@ class _Search:
         try:
             probe = run_probe(
                 command, size, folder, self.options.probe_timeout_s, self.options.grace_s, self.secrets,
-                self.scratch, progress,
+                self.scratch, progress, self._keeps_microbatches,
             )  # fmt: skip
         except OSError as error:  # the folder: emptied and made before the launch
             raise FitError(f"{folder}: cannot be made an empty probe folder ({error.strerror or error})") from None
@@ -292,6 +293,23 @@ class _Search:
             self.capacity, self.capacity_source = run.capacity_gb, run.capacity_source
             self.limit = self.capacity * (1.0 - self.options.margin)
         return dataclasses.replace(run, capacity_gb=self.capacity, capacity_source=self.capacity_source)
+
+    def _keeps_microbatches(self, probe: Probe) -> bool:
+        """Whether a later probe's first record already shows the command keeping its microbatches,
+        not its global batch (samples per replica unlike the first probe's): the probe is ended there,
+        and _check_global_batch says so, without waiting for its measured steps."""
+        first = self.launches[0].run if self.launches else None
+        expected = _samples(first) if first is not None else None
+        if expected is None:
+            return False
+        for path in probe.folder.glob("rank-*.layers.json"):
+            rank = layer_record.rank_of(path.name)
+            record = layer_record.read_rank(probe.folder, rank) if rank is not None else None
+            facts = (record or {}).get("run") or {}
+            microbatches, size = facts.get("microbatches"), facts.get("micro_batch_size")
+            if isinstance(microbatches, int) and isinstance(size, int) and microbatches * size != expected:
+                return True
+        return False
 
     def _check_global_batch(self, run: advice.Run) -> None:
         """FitError where this probe's samples per iteration differ from the first probe's: the

@@ -139,6 +139,7 @@ def run_probe(
     secrets: Sequence[str] = (),
     scratch: Path | None = None,
     progress: Callable[[Probe, float], None] | None = None,
+    stop: Callable[[Probe], bool] | None = None,
 ) -> Probe:
     """Launch ``command`` (the size already in it) under a guard (guard.py) with its records going to
     ``folder`` (emptied first); return when every rank has recorded STEPS measured logging steps, or
@@ -146,7 +147,8 @@ def run_probe(
     raises: KeyboardInterrupt; a second one during the grace makes it SIGKILL, never abandons).
     ``scratch``: the folder the guard removes should fit end without ending the probe (SIGKILL).
     Its output goes to LOG_NAME with ``secrets`` and URI passwords scrubbed. ``progress(probe, seconds)``
-    is called every PROGRESS_S while it runs (its ``ranks_recorded`` of ``world_size`` so far)."""
+    is called every PROGRESS_S while it runs (its ``ranks_recorded`` of ``world_size`` so far). ``stop(probe)``
+    true at a poll ends it there, status "stopped" (its first records already tell enough)."""
     fresh_folder(folder)
     probe = Probe(size, folder)
     started = time.monotonic()
@@ -155,7 +157,7 @@ def run_probe(
         copier = None
         try:
             copier = _Copier(guarded.stdout, log, list(secrets))
-            _watch(guarded, probe, started + timeout_s, progress)
+            _watch(guarded, probe, started + timeout_s, progress, stop)
         finally:
             late = guarded.end()
             probe.recent = copier.finish() if copier is not None else b""
@@ -221,11 +223,20 @@ class _Copier:
         return self.recent
 
 
-def _watch(guarded: Guarded, probe: Probe, deadline: float, progress: Callable[[Probe, float], None] | None) -> None:
+def _watch(
+    guarded: Guarded,
+    probe: Probe,
+    deadline: float,
+    progress: Callable[[Probe, float], None] | None,
+    stop: Callable[[Probe], bool] | None = None,
+) -> None:
     started = said = time.monotonic()
     while True:
         if _recorded(probe):
             probe.status = "measured"
+            return
+        if stop is not None and stop(probe):
+            probe.status = "stopped"
             return
         code = guarded.poll()
         if code is not None:

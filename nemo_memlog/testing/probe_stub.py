@@ -5,7 +5,8 @@ well under a second, as the tests of fit (tests/test_fit_hostile.py, tests/test_
 #: A probe in a few lines (``python -c STUB SIZE MODE``): one rank's record at the size it is
 #: given (peak 5 GB + 0.1 GB per sample, 64 samples per iteration), as MODE says: "ok"; "nofacts"
 #: (no microbatches); "norank" and "steps-text" (a bad field); "oom-above-N" and "hang-above-N"
-#: (above size N: an OOM, or no record).
+#: (above size N: an OOM, or no record); "keeps-microbatches" (32 microbatches at any size; above
+#: size 2 one measured step, then a 600 s wait).
 STUB = """
 import json, os, sys, time
 size, mode = int(sys.argv[1]), sys.argv[2]
@@ -14,7 +15,7 @@ if mode.startswith(("oom-above-", "hang-above-")) and size > int(mode.rsplit("-"
         print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", flush=True)
         sys.exit(1)
     time.sleep(600)
-facts = {} if mode == "nofacts" else {"microbatches": 64 // size}
+facts = {} if mode == "nofacts" else {"microbatches": 32 if mode == "keeps-microbatches" else 64 // size}
 figures = {"params_gb": 1.0, "grads_gb": 1.0, "optimizer_state_gb": 2.0}
 layer = {"name": "l", "kind": "layer", "chunk": 0, "number": 0, **figures,
          "activations_per_microbatch_gb": 0.1 * size, "input_per_microbatch_gb": 0.01}
@@ -27,6 +28,11 @@ if mode == "norank":
     del record["rank"]
 if mode == "steps-text":
     record["measured_steps"] = "two"
+slow = mode == "keeps-microbatches" and size != 2  # a later probe: its first measured step, then a long wait
+if slow:
+    record["measured_steps"] = 1
 with open(os.path.join(os.environ["NEMO_MEMLOG_PROBE_DIR"], "rank-00000.layers.json"), "w") as file:
     json.dump(record, file)
+if slow:
+    time.sleep(600)
 """
