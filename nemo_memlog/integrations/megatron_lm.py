@@ -276,17 +276,28 @@ def _loop():
     return training
 
 
-def _argument(signature: inspect.Signature, args: tuple, kwargs: dict, name: str) -> Any:
-    try:
-        return signature.bind_partial(*args, **kwargs).arguments.get(name)
-    except TypeError:
-        return None
+def _argument(signature: inspect.Signature, name: str) -> Callable[[tuple, dict], Any]:
+    """A reader of argument ``name`` of a call of the function with ``signature``, resolved once: by
+    keyword, else by its position (None where the call has neither). No binding per call: the reader
+    runs on every rank at every iteration."""
+    names = list(signature.parameters)
+    position = names.index(name) if name in names else None
+    default = signature.parameters[name].default if name in names else None
+    default = None if default is inspect.Parameter.empty else default
+
+    def read(args: tuple, kwargs: dict) -> Any:
+        if name in kwargs:
+            return kwargs[name]
+        return args[position] if position is not None and position < len(args) else default
+
+    return read
 
 
 def _train(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+    model_of, optimizer_of = _argument(signature, "model"), _argument(signature, "optimizer")
+
     def train(*args: Any, **kwargs: Any) -> Any:
-        model = _argument(signature, args, kwargs, "model")
-        callback.on_train_start(model, _argument(signature, args, kwargs, "optimizer"))
+        callback.on_train_start(model_of(args, kwargs), optimizer_of(args, kwargs))
         try:
             return original(*args, **kwargs)
         finally:
@@ -296,9 +307,11 @@ def _train(original: Callable, signature: inspect.Signature, callback: MemoryLog
 
 
 def _train_step(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+    iteration_of = _argument(signature, "iteration")
+
     def train_step(*args: Any, **kwargs: Any) -> Any:
         if callback.monitor is not None:
-            iteration = _argument(signature, args, kwargs, "iteration")
+            iteration = iteration_of(args, kwargs)
             if isinstance(iteration, int):
                 callback.on_train_step_start(iteration + 1)  # train() counts the iteration after it ran
         return original(*args, **kwargs)
@@ -307,19 +320,25 @@ def _train_step(original: Callable, signature: inspect.Signature, callback: Memo
 
 
 def _training_log(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
-    def training_log(*args: Any, **kwargs: Any) -> Any:
-        if callback.monitor is None:
-            return original(*args, **kwargs)
-        from megatron.training.global_vars import get_args
+    from megatron.training.global_vars import get_args
 
-        megatron_args = get_args()
-        flag = megatron_args.log_memory_to_tensorboard
-        megatron_args.log_memory_to_tensorboard = False  # its mem-* from the last rank alone: ours replace them
-        try:
-            result = original(*args, **kwargs)
-        finally:
-            megatron_args.log_memory_to_tensorboard = flag
-        callback.on_log(_argument(signature, args, kwargs, "iteration"))
+    iteration_of = _argument(signature, "iteration")
+
+    def training_log(*args: Any, **kwargs: Any) -> Any:
+        monitor = callback.monitor
+        iteration = iteration_of(args, kwargs)
+        if monitor is None or not isinstance(iteration, int) or not monitor.logs_at(iteration):
+            result = original(*args, **kwargs)  # Megatron-LM writes its mem-* on logging iterations only
+        else:
+            megatron_args = get_args()
+            flag = megatron_args.log_memory_to_tensorboard
+            megatron_args.log_memory_to_tensorboard = False  # its mem-* from the last rank alone: ours replace them
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                megatron_args.log_memory_to_tensorboard = flag
+        if monitor is not None:
+            callback.on_log(iteration)
         return result
 
     return training_log
@@ -327,10 +346,12 @@ def _training_log(original: Callable, signature: inspect.Signature, callback: Me
 
 def _phase(start: str, end: str) -> Callable:
     def wrap(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+        iteration_of = _argument(signature, "iteration")
+
         def phased(*args: Any, **kwargs: Any) -> Any:
             if callback.monitor is None:
                 return original(*args, **kwargs)
-            getattr(callback, start)(_argument(signature, args, kwargs, "iteration"))
+            getattr(callback, start)(iteration_of(args, kwargs))
             try:
                 return original(*args, **kwargs)
             finally:
