@@ -188,9 +188,15 @@ def pytest_runtest_teardown(item, nextitem):
 
 class _Costs:
     """Where the suite's time goes: per test (setup, call and teardown), its wall seconds, this
-    process's CPU and its reaped child processes' CPU (RUSAGE_CHILDREN: torchrun, clusters, subprocesses)."""
+    process's CPU and its reaped child processes' CPU (RUSAGE_CHILDREN: torchrun, clusters, subprocesses).
+    Measured where the test runs, carried on its teardown report (``user_properties``), so that the
+    process printing the summary (pytest's own, or pytest-xdist's controller) has every worker's."""
 
+    started: dict[str, tuple[float, float, float]] = {}
     tests: dict[str, tuple[float, float, float]] = {}
+
+
+COSTS = "nemo_memlog_costs"
 
 
 def _cpu(who: int) -> float:
@@ -198,17 +204,28 @@ def _cpu(who: int) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _now() -> tuple[float, float, float]:
+    return time.monotonic(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_logstart(nodeid, location):
+    _Costs.started[nodeid] = _now()
+
+
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    wall, own, children = time.monotonic(), _cpu(resource.RUSAGE_SELF), _cpu(resource.RUSAGE_CHILDREN)
-    try:
-        return (yield)
-    finally:
-        _Costs.tests[item.nodeid] = (
-            time.monotonic() - wall,
-            _cpu(resource.RUSAGE_SELF) - own,
-            _cpu(resource.RUSAGE_CHILDREN) - children,
-        )
+def pytest_runtest_makereport(item, call):
+    report = yield
+    began = _Costs.started.get(item.nodeid)
+    if report.when == "teardown" and began is not None:
+        report.user_properties.append((COSTS, tuple(now - then for now, then in zip(_now(), began))))
+    return report
+
+
+def pytest_runtest_logreport(report):
+    for name, costs in report.user_properties:
+        if name == COSTS:
+            _Costs.tests[report.nodeid] = costs
 
 
 def _cost_lines() -> list[str]:
@@ -221,6 +238,8 @@ def _cost_lines() -> list[str]:
     lines = [f"{'wall s':>8}{'own CPU s':>11}{'child CPU s':>13}  file"]
     for name, (wall, own, children) in sorted(files.items(), key=lambda entry: -entry[1][0]):
         lines.append(f"{wall:8.1f}{own:11.1f}{children:13.1f}  {name}")
+    wall, own, children = (sum(costs[index] for costs in files.values()) for index in range(3))
+    lines.append(f"{wall:8.1f}{own:11.1f}{children:13.1f}  all files (wall: summed over pytest-xdist's workers)")
     lines += ["", "the 15 tests whose child processes cost most CPU:"]
     for nodeid, (wall, own, children) in sorted(_Costs.tests.items(), key=lambda entry: -entry[1][2])[:15]:
         lines.append(f"{wall:8.1f}{own:11.1f}{children:13.1f}  {nodeid}")

@@ -1,6 +1,7 @@
 """MemoryLogCallback inside the installed Megatron-Bridge's real training pieces, on CPU gloo
-ranks. ``make test`` runs this file against Bridge 0.6.2 (.venv) and 0.3.1 (.venv-bridge03);
-what differs between releases is read from the installed version (``BRIDGE``).
+ranks. ``make test`` runs this file against Bridge 0.6.2 (.venv), and its tests marked ``versions``
+(those whose expectations read the installed version, ``BRIDGE``, or run Bridge code that changed
+between releases) again against 0.3.1 (.venv-bridge03).
 
 nemo_memlog/testing/bridge_harness.py drives Bridge's loop (real GlobalState, ConfigContainer, loggers,
 CallbackManager, training_log) with PP 2 (world 2) and PP 2 x DP 2 (world 4); stage 0
@@ -186,6 +187,7 @@ def check_bridge_metrics(run, tb, history, mlflow_metrics):
 # --- the baseline: Bridge alone, proving the harness and showing the problem -----------------
 
 
+@pytest.mark.versions
 def test_bridge_alone_logs_its_own_memory_into_all_three_backends(bridge_alone, pp2):
     run = bridge_alone
     files, tb = tensorboard_events(run.spec.root)
@@ -235,6 +237,7 @@ SPELLING_KEYS = [
 ]
 
 
+@pytest.mark.versions
 def test_callback_spells_mlflow_names_as_bridge_with_or_without_its_sanitiser(pp2):
     expected = bridge_mlflow_names_on(pp2, SPELLING_KEYS)
     spelled = pp2.run_ok(callback_mlflow_names, SPELLING_KEYS)[-1]
@@ -245,6 +248,7 @@ def test_callback_spells_mlflow_names_as_bridge_with_or_without_its_sanitiser(pp
     )
 
 
+@pytest.mark.versions
 def test_bridge_opens_comet_from_0_4(pp2):
     names = pp2.run_ok(bridge_logger_names)[-1]
     assert {"tensorboard_logger", "wandb_logger", "mlflow_logger"} <= set(names)
@@ -291,6 +295,7 @@ def test_flight_records_beside_the_recipes_logs_ended_at_on_train_end(with_callb
     assert len(found["ranks"]) == found["world_size"] >= 2
 
 
+@pytest.mark.versions
 def test_activations_measured_between_step_start_and_step_end_on_every_stage(with_callback):
     """The harness's step runs one microbatch through ``model[0]``, a Linear(8, 8) on a (4, 8) float32
     input, which autograd saves (128 bytes; its weight is a parameter, not counted): on every stage,
@@ -354,6 +359,7 @@ def test_wandb_one_run_memory_and_bridge_metrics_in_the_same_rows(with_callback,
 # --- the callback: MLflow -----------------------------------------------------------------------------
 
 
+@pytest.mark.versions
 def test_mlflow_one_run_bridge_spelling_first_stage_peak_and_recorded_flag(with_callback, bridge_alone, pp2):
     run = with_callback
     assert mlflow_experiments(run.spec.mlflow_uri) == ["Default", "memlog-bridge"]
@@ -474,6 +480,7 @@ def with_phases(pp2, tmp_path_factory):
     )
 
 
+@pytest.mark.versions
 def test_bridge_saves_and_evaluations_are_memory_phases_logged_at_the_next_logging_step(with_phases):
     run = with_phases
     _, tb = tensorboard_events(run.spec.root)
@@ -540,6 +547,7 @@ def bridge_megatron(pp2dp2_bridge, tmp_path_factory):
     return runs
 
 
+@pytest.mark.versions
 def test_callback_records_a_megatron_gptmodel_in_bridges_train_step_and_advise_predicts_the_rerun(bridge_megatron):
     from nemo_memlog import advice
     from nemo_memlog.offline import advise

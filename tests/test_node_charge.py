@@ -6,18 +6,14 @@ against the limit, not each rank's peak RSS against an even share of it.
   capacity, its largest micro-batch size, fit's verdict on a measured probe, report's headroom; a
   cgroup peak kept from an earlier, larger occupant; records without a cgroup unchanged.
 - The cgroup's own peak charge read from v1's and v2's files (host_limit.py), from fixture trees.
-- For real (root, cgroup v1 here; tests/test_fit.py's Megatron job under torchrun, 2 ranks): the
-  cgroup's peak charge measured at two sizes without a limit, then a limit between them: ``fit``
-  with no --capacity-gb answers the larger size that runs, and ``report`` of a run that finished
-  under the limit shows no negative headroom.
+- For real: tests/test_fit.py (its Megatron job under torchrun in a memory cgroup, the cgroup's
+  peak charge from its sweep, then a limit between two sizes': ``fit`` with no --capacity-gb answers
+  the larger size that runs, and ``report`` of what it measured there shows no negative headroom).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,8 +24,6 @@ from nemo_memlog.measure import layer_record
 from nemo_memlog.offline import node_charge, report
 from nemo_memlog.offline.advise import load
 from nemo_memlog.offline.fit import measured_fits
-from nemo_memlog.testing import cgroups
-from tests.test_fit import ENV, ROOT, fit, job, joining, left_behind, stage_peaks
 
 HOST = 64_000_000_000
 CGROUP = "node-a:/sys/fs/cgroup/memory/job"
@@ -173,53 +167,3 @@ def test_the_capacity_sentence_names_the_fullest_node():
     nodes = (advice.Node("a:/j", 2.0, 1.0, (0, 1)), advice.Node("b:/j", 2.0, 1.8, (2, 3)))
     assert node_charge.capacity_text(nodes).startswith("judged per node: the node's 2 ranks (of 2 nodes, the fullest)")
     assert "peak charge 1.80 GB" in node_charge.capacity_text(nodes)
-
-
-# ---- for real: a job under a cgroup limit between two sizes' peak charges ----------------------
-
-
-def peak_charge(out: Path, size: int, limit: int = 1 << 40, iters: int = 3) -> tuple[float, list[float], int]:
-    """The Megatron job at ``size`` run to its end in a fresh memory cgroup limited to ``limit``: (the
-    cgroup's own peak charge in GB, as the kernel counts it; each stage's peak RSS from the records;
-    the OOM kills)."""
-    with cgroups.memory_cgroup(limit) as group:
-        done = group.run(job(out, size, "--iters", str(iters)), env=ENV, cwd=ROOT, capture_output=True, timeout=300)
-        charge = int((group.path / "memory.max_usage_in_bytes").read_text()) / 1e9
-        kills = group.oom_kills()
-    assert done.returncode == 0, done.stderr[-3000:]
-    return charge, stage_peaks(out / "memory_records"), kills
-
-
-@pytest.mark.processes
-@pytest.mark.slow
-def test_fit_under_a_real_cgroup_answers_the_larger_size_that_runs_and_report_shows_no_negative_headroom(tmp_path):
-    if not cgroups.available()[0] or not Path("/sys/fs/cgroup/memory").is_dir():
-        pytest.skip("needs a writable cgroup v1 memory controller (memory.max_usage_in_bytes)")
-    charge4, peaks4, _ = peak_charge(tmp_path / "sweep-4", 4)
-    charge8, _, _ = peak_charge(tmp_path / "sweep-8", 8)
-    even_share = 2 * max(peaks4)  # the limit at which stage 0's RSS is half of it: the old judgment's edge
-    assert charge4 < min(charge8, even_share), (charge4, charge8, peaks4)
-    limit = int((charge4 + min(charge8, even_share)) / 2 * 1e9)  # size 4 runs under it, 8 does not
-    with cgroups.memory_cgroup(limit) as group:
-        code, out, text = fit(
-            "--margin", "0", "--work-dir", str(tmp_path / "work"),
-            "--", *joining(group), *job(tmp_path / "fit", "{micro_batch_size:2}"),
-        )  # fmt: skip
-    assert code == 0, text
-    assert out["micro_batch_size"] == 4, text
-    statuses = {probe["micro_batch_size"]: probe["status"] for probe in out["probes"]}
-    assert statuses[4] == "measured" and "judged per node" in out["capacity_source"]
-    four = load(next((tmp_path / "work").glob("probe-*-mbs-4")))
-    assert measured_fits(four, 0.0) and four.nodes[0].charge_gb <= limit / 1e9
-    assert not measured_fits(dataclasses.replace(four, nodes=()), 0.0)  # each rank's RSS against half: "no"
-    assert not left_behind(str(tmp_path))
-    charge, _, kills = peak_charge(tmp_path / "finished", 4, limit)  # to its end under the limit
-    reported = subprocess.run(
-        [sys.executable, "-m", "nemo_memlog.offline.cli", "report", str(tmp_path / "finished"),
-         "--png", str(tmp_path / "report.png")], env=ENV, cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
-    assert reported.returncode == 0, reported.stderr
-    headroom = next(line for line in reported.stdout.splitlines() if line.startswith("least headroom"))
-    assert kills == 0 and "-" not in headroom.split(":", 1)[1].split()[0], reported.stdout
-    print(json.dumps({"charge_gb": {4: charge4, 8: charge8, "4 under the limit": charge}, "peaks4": peaks4}))
-    print("limit", limit, "fit", statuses, "report:", headroom)

@@ -1,0 +1,121 @@
+"""How close ``nemo-memlog advise`` comes to a rerun, on the demo: the table in docs/advise.md.
+
+Runs the demo (megatron-core's GPTModel, DDP, Adam, 1F1B, PP 4 on 4 CPU processes, through
+scripts/demo.py as a user runs it) once as the base, once again unchanged (what a rerun of the same
+configuration moves by), and once per change (micro-batch size x2 and x0.5, microbatches x2). Then,
+per change and per stage, the base's prediction (``advise --what-if ... --json``: ``peak_gb``,
+``peak_low_gb``, ``peak_high_gb``) from one run, and from two (``--calibrate-with`` the run of
+another size), against the peak the rerun recorded (its records' ``peak_host_rss_gb``, read apart
+from advice/). Prints the table as markdown. About 10 minutes on 2 idle cores; a line per step.
+
+    .venv/bin/python scripts/advise_accuracy.py [--work-dir DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The demo as `make demo` runs it (micro-batch size 128, 4 microbatches: 512 samples per iteration,
+#: kept by a micro-batch change, as Megatron's global batch is), shorter (4 iterations, no checkpoint:
+#: the training peak is what advise predicts), TensorBoard only (the other backends live in the
+#: writer process).
+BASE = ["train.iters=4", "train.save_every=0", "train.global_batch_size=512"]
+BASE += ["logger.wandb_project=null", "logger.mlflow_experiment=null", "logger.comet_project=null"]
+#: label: (the demo's override for the rerun, advise's change, the run that calibrates it)
+CHANGES = {
+    "micro_batch_size=x2": ("train.micro_batch_size=256", "micro_batch_size=x2", "x0.5"),
+    "micro_batch_size=x0.5": ("train.micro_batch_size=64", "micro_batch_size=x0.5", "x2"),
+    "microbatches=8": ("train.global_batch_size=1024", "microbatches=8", "x2"),
+}
+RUNS = {"base": [], "same": [], "x2": [CHANGES["micro_batch_size=x2"][0]], "x0.5": [CHANGES["micro_batch_size=x0.5"][0]]}
+RUNS["mb8"] = [CHANGES["microbatches=8"][0]]
+RERUN_OF = {"micro_batch_size=x2": "x2", "micro_batch_size=x0.5": "x0.5", "microbatches=8": "mb8"}
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run_demo(root: Path, name: str, overrides: list[str]) -> Path:
+    started = time.monotonic()
+    say(f"demo '{name}' ({' '.join(overrides) or 'the base'}) ...")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    command = [sys.executable, "scripts/demo.py", *BASE, *overrides, f"run.root={root}", f"run.name={name}"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"demo '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    say(f"demo '{name}' done in {time.monotonic() - started:.0f} s")
+    return root / name
+
+
+def stage_peaks(run: Path) -> dict[int, float]:
+    """Per stage, the highest peak_host_rss_gb its ranks recorded (records read apart from advice/)."""
+    from nemo_memlog.measure import layer_record
+
+    peaks: dict[int, float] = {}
+    for record in layer_record.read_folder(run / "memory_records"):
+        stage = int(record["pp_rank"])
+        peaks[stage] = max(peaks.get(stage, 0.0), record["stage"]["peak_host_rss_gb"])
+    return peaks
+
+
+def advised(run: Path, change: str, calibrate: Path | None = None) -> dict[int, dict]:
+    command = [sys.executable, "-m", "nemo_memlog.offline.cli", "advise", str(run), "--what-if", change]
+    command += ["--json", "--no-png"] + (["--calibrate-with", str(calibrate)] if calibrate else [])
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
+    return {row["stage"]: row for row in json.loads(done.stdout)["stages"]}
+
+
+def pct(predicted: float, truth: float) -> str:
+    return f"{(predicted / truth - 1) * 100:+.1f}%"
+
+
+def table(runs: dict[str, Path]) -> str:
+    measured = {name: stage_peaks(path) for name, path in runs.items()}
+    lines = ["| change | stage | rerun | one run: peak | one run: range | range holds | two runs |"]
+    lines.append("|---|---:|---:|---:|---:|:---:|---:|")
+    for label, (_, change, calibrator) in CHANGES.items():
+        say(f"advise {change} (one run, and calibrated with '{calibrator}') ...")
+        one = advised(runs["base"], change)
+        two = advised(runs["base"], change, runs[calibrator])
+        for stage, truth in sorted(measured[RERUN_OF[label]].items()):
+            row = one[stage]
+            low, high = row.get("peak_low_gb") or row["peak_gb"], row.get("peak_high_gb") or row["peak_gb"]
+            holds = "yes" if low <= truth * 1.005 and high >= truth * 0.995 else "no"
+            cells = [f"`{change}`" if stage == 0 else "", str(stage), f"{truth:.3f} GB"]
+            cells += [pct(row["peak_gb"], truth), f"{pct(low, truth)} .. {pct(high, truth)}", holds]
+            cells += [pct(two[stage]["peak_gb"], truth)]
+            lines.append("| " + " | ".join(cells) + " |")
+    noise = [pct(measured["same"][s], measured["base"][s]) for s in sorted(measured["base"])]
+    lines.append("")
+    lines.append(f"The same configuration run again, per stage: {', '.join(noise)}.")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", help="where the runs go (default: a temporary folder, removed)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    args = parser.parse_args()
+    root = Path(args.work_dir or tempfile.mkdtemp(prefix="advise-accuracy-"))
+    try:
+        runs = {name: run_demo(root, name, overrides) for name, overrides in RUNS.items()}
+        print(table(runs))
+    finally:
+        if not args.work_dir and not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        elif args.keep:
+            say(f"runs kept in {root}")
+
+
+if __name__ == "__main__":
+    main()
