@@ -59,13 +59,15 @@ $(STAMP): pyproject.toml constraints.txt constraints-bridge-0.6.txt Makefile
 $(STAMP03): pyproject.toml constraints.txt constraints-bridge-0.3.txt Makefile
 	$(call build_env,$(VENV03),constraints-bridge-0.3.txt,)
 
-# Style and types first: a lint, format or type error fails in seconds, before the second
-# environment is built and before the suite (mypy over pyproject's [tool.mypy] files).
+# Style, types and the import layers first: an error fails in seconds, before the second
+# environment is built and before the suite (mypy over pyproject's [tool.mypy] files; the layers
+# and the other import contracts are pyproject's [tool.importlinter], checked by import-linter).
 # To fix what ruff finds: .venv/bin/ruff format . && .venv/bin/ruff check --fix .
 lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 test: lint $(STAMP03)
 	$(PY) -m pytest -q --durations=15 tests

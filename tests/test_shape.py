@@ -1,16 +1,23 @@
 """The package keeps the shape STYLE.md describes, read from the source (ast): nothing is
 imported and no process is started, so this runs in well under a second.
 
-- no module imports another in a circle (imports inside functions count too);
+The import layers, the circles between folders and modules, and the offline commands' no-torch
+rule are import-linter contracts in pyproject.toml ([tool.importlinter]), checked by `make lint`.
+What a contract cannot say is checked here:
+
+- every module of the package sits in one layer of that contract, and no package's __init__ is in a
+  circle with a module under it (the contract sees the modules under a package, not its __init__);
+- a package module is imported by an import statement, which the contracts read;
 - a backend's library (wandb, mlflow, comet_ml, TensorBoard's SummaryWriter, tensorboardX) is
   named only in its own writer module under nemo_memlog/writers/;
 - no torch.distributed collective outside the nemo_memlog/reduce/ package, and none of
   torch.distributed in its pure protocol module (nemo_memlog/reduce/protocol.py);
 - no module uses another module's private name;
-- nothing under nemo_memlog/offline imports torch, directly or through what it imports.
+- the memory parts are listed only in parts.py, per-process state stays in a handful of named
+  registries, no module is longer than a sitting, and public functions are annotated.
 
 Every module of the package is read, nemo_memlog/testing/ included: the helpers that tests and
-scripts share are code too, and a cycle or a private name there decays the same way. Only the
+scripts share are code too, and a private name there decays the same way. Only the
 collective rule exempts them: they build the test clusters and time the field's reductions.
 """
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +98,6 @@ class Import:
     target: str
     names: tuple[str, ...]  # from-import names; () for ``import target``
     node: ast.AST
-    top_level: bool  # runs when the module is imported (not inside a function)
 
 
 @functools.cache
@@ -114,40 +121,20 @@ def _absolute(module: Module, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def _function_nodes(tree: ast.AST) -> set[int]:
-    """ids of the nodes inside a function or lambda (imports there run only when it is called) or
-    under ``if TYPE_CHECKING:`` (they never run: a type checker reads them)."""
-    inside = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            inside.update(id(child) for child in ast.walk(node) if child is not node)
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
-            inside.update(id(child) for statement in node.body for child in ast.walk(statement))
-    return inside
-
-
-def _is_type_checking(test: ast.AST) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 @functools.cache
 def imports(name: str) -> tuple[Import, ...]:
     """Every import in module ``name``, at any depth, with string-literal import_module calls."""
     module = modules()[name]
-    inside = _function_nodes(module.tree)
     found = []
     for node in ast.walk(module.tree):
-        top = id(node) not in inside
         if isinstance(node, ast.Import):
-            found += [Import(alias.name, (), node, top) for alias in node.names]
+            found += [Import(alias.name, (), node) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            found.append(Import(_absolute(module, node), tuple(a.name for a in node.names), node, top))
+            found.append(Import(_absolute(module, node), tuple(a.name for a in node.names), node))
         elif isinstance(node, ast.Call) and _called_name(node) in DYNAMIC_IMPORTS and node.args:
             first = node.args[0]
             if isinstance(first, ast.Constant) and isinstance(first.value, str):
-                found.append(Import(first.value, (), node, top))
+                found.append(Import(first.value, (), node))
     return tuple(found)
 
 
@@ -207,41 +194,6 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-# ------------------------------------------------------------------------------------------
-# (a) no import cycle
-
-
-def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module, or of one importing itself."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-
-    def visit(node):
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for nxt in sorted(graph.get(node, ())):
-            if nxt not in index:
-                visit(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in on_stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
-                    break
-            if len(component) > 1 or node in graph.get(node, ()):
-                found.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
-
-
 def test_the_public_names_are_written_out_and_all_load():
     """``__all__`` is a literal list (a type checker reads it), equal to what loads lazily, and each
     name the ``TYPE_CHECKING`` block imports for type checkers is the one that loads."""
@@ -267,124 +219,69 @@ def test_no_script_or_package_module_imports_the_tests():
     assert not offenders, offenders
 
 
-def test_no_module_imports_another_in_a_circle():
-    graph, lines = {}, {}
-    for name, module in modules().items():
-        for imported in imports(name):
-            for target in package_targets(imported):
-                if target != name:
-                    graph.setdefault(name, set()).add(target)
-                    lines.setdefault((name, target), module.where(imported.node))
-    problems = []
-    for component in _cycles(graph):
-        members = set(component)
-        edges = [f"    {lines[a, b]}: {a} -> {b}" for a in component for b in sorted(graph[a] & members)]
-        problems.append(f"  cycle among {', '.join(component)}:\n" + "\n".join(edges))
-    assert not problems, "modules that import each other in a circle:\n" + "\n".join(problems)
-
-
 # ------------------------------------------------------------------------------------------
-# (a') layers that only look down (docs/architecture.md, "Layers")
-
-#: The package's layers, bottom to top, each by its modules (a name covers a package and all
-#: below it). A module imports from its own layer or those below it, never from one above.
-LAYERS = (
-    ("leaf", ("process_wide", "parts", "units", "bounded", "redaction", "commands", "warn")),
-    ("settings", ("config",)),
-    ("measurement and the failure path", ("memory", "host_limit", "megatron", "measure", "failure")),
-    ("reduction and writers", ("payload", "attribution", "metrics", "reduce", "writers")),
-    ("advice", ("advice",)),
-    ("the run", ("placement", "monitor", "hook")),
-    ("integrations and entry points", ("integrations", "bridge", "lightning", "megatron_lm", "cli", "")),
-)
-#: Apart from the layers: the offline commands (no torch; they read the layers' pure modules up to
-#: the advice, and only the entry points reach them) and the helpers of tests and scripts.
-OFFLINE, TESTING = f"{PACKAGE}.offline", f"{PACKAGE}.testing"
-OFFLINE_READS_UP_TO = "advice"
-ENTRY_POINTS = "integrations and entry points"
+# (a) the import contracts (pyproject.toml [tool.importlinter]): what they cannot say
 
 
-def _within(name: str, prefix: str) -> bool:
-    return name == prefix or name.startswith(prefix + ".")
+@functools.cache
+def contract_layers() -> tuple[tuple[str, ...], ...]:
+    """The layers contract's layers, bottom to top, each by its modules under the package (a name
+    covers a package and all below it): pyproject.toml holds the one list."""
+    config = tomllib.loads((PACKAGE_DIR.parent / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (contract,) = [c for c in config["contracts"] if c["type"] == "layers"]
+    assert contract["containers"] == [PACKAGE], contract["containers"]
+    return tuple(tuple(m.strip() for m in re.split(r"[:|]", layer)) for layer in reversed(contract["layers"]))
 
 
-def layer_of(name: str) -> int | None:
-    """The index in LAYERS of module ``name``; None for a module apart (offline/, testing/)."""
-    if _within(name, OFFLINE) or _within(name, TESTING):
-        return None
-    found = [
-        index
-        for index, (_, members) in enumerate(LAYERS)
-        for member in members
-        if (name == PACKAGE if member == "" else _within(name, f"{PACKAGE}.{member}"))
-    ]
-    assert len(found) == 1, f"{name} belongs to {len(found)} layers of LAYERS: place it in exactly one"
-    return found[0]
-
-
-def _import_edges():
-    for name, module in modules().items():
-        for imported in imports(name):
-            for target in package_targets(imported):
-                if target != name:
-                    yield module, name, target, imported.node
-
-
-def _layer_problem(name: str, target: str) -> str | None:
-    """What is wrong with module ``name`` importing module ``target``, or None."""
-    names = [title for title, _ in LAYERS]
-    if _within(name, TESTING):
-        return None
-    if _within(target, TESTING):
-        return "the package imports its test helpers"
-    source, wanted = layer_of(name), layer_of(target)
-    if _within(name, OFFLINE):
-        if wanted is not None and wanted > names.index(OFFLINE_READS_UP_TO):
-            return f"the offline commands read up to the {OFFLINE_READS_UP_TO} layer; {target} is in {names[wanted]!r}"
-        return None
-    if _within(target, OFFLINE):
-        return None if names[source] == ENTRY_POINTS else "only the entry points import the offline commands"
-    if wanted > source:
-        return f"upward: {names[source]!r} -> {names[wanted]!r}"
-    return None
-
-
-def test_every_module_sits_in_one_layer():
-    """A new module is placed in LAYERS (and docs/architecture.md), or apart, before it lands."""
+def test_every_module_sits_in_one_layer_of_the_contract():
+    """A new module is placed in the layers contract (and docs/architecture.md) before it lands; the
+    package's own __init__ is the entry points' (the contract that protects it says who imports it)."""
+    misplaced = []
     for name in modules():
-        layer_of(name)
+        if name != PACKAGE:
+            top = name.split(".")[1]
+            found = [members for members in contract_layers() if top in members]
+            if len(found) != 1:
+                misplaced.append(f"  {name}: in {len(found)} layers")
+    assert not misplaced, "place each in exactly one layer of pyproject's layers contract:\n" + "\n".join(misplaced)
 
 
-def test_no_import_runs_upward_through_the_layers():
-    """Imports inside functions count too (they run when called); ``if TYPE_CHECKING:`` ones do not."""
-    problems = []
-    for module, name, target, node in _import_edges():
-        problem = _layer_problem(name, target)
-        if problem:
-            problems.append(f"  {module.where(node)}: {name} -> {target} ({problem})")
-    assert not problems, "imports against the layers (tests/test_shape.py LAYERS):\n" + "\n".join(sorted(set(problems)))
+def test_no_package_is_in_a_circle_with_a_module_under_it():
+    """The acyclic_siblings contract sees the modules and folders under each package, squashed, not
+    the package's own __init__: a module that imports its package (or one above) while that package's
+    __init__ reaches it is a circle only this test sees (TYPE_CHECKING imports count, as there)."""
+    import grimp  # import-linter's graph: it reads the source and imports nothing
+
+    graph = grimp.build_graph(PACKAGE, cache_dir=None)
+    circles = [
+        f"  {importer} -> {package} -> ... -> {importer}"
+        for package in sorted(graph.modules)
+        for importer in sorted(graph.find_modules_that_directly_import(package))
+        if importer.startswith(package + ".") and graph.chain_exists(importer=package, imported=importer)
+    ]
+    assert not circles, "a package's __init__ in a circle with a module under it:\n" + "\n".join(circles)
 
 
-def test_the_layers_catch_an_import_upward_and_into_the_offline_commands():
-    """The rule itself, on made-up edges: it can fail."""
-    assert _layer_problem(f"{PACKAGE}.warn", f"{PACKAGE}.config") == "upward: 'leaf' -> 'settings'"
-    assert _layer_problem(f"{PACKAGE}.measure.phase", f"{PACKAGE}.monitor").startswith("upward")
-    assert _layer_problem(f"{PACKAGE}.advice.model", f"{PACKAGE}.offline.tables") is not None
-    assert _layer_problem(f"{PACKAGE}.offline.report", f"{PACKAGE}.monitor") is not None
-    assert _layer_problem(f"{PACKAGE}.monitor", f"{PACKAGE}.testing.cluster") is not None
-    assert _layer_problem(f"{PACKAGE}.monitor", f"{PACKAGE}.memory") is None
-    assert _layer_problem(f"{PACKAGE}.cli", f"{PACKAGE}.offline.cli") is None
+def test_a_package_module_is_imported_by_an_import_statement():
+    """The contracts read import statements: a package module loaded by a written-out name
+    (``importlib.import_module("nemo_memlog.x")``) is one they cannot see."""
+    by_name = [
+        f"  {module.where(imported.node)}: {imported.target}"
+        for name, module in modules().items()
+        for imported in imports(name)
+        if isinstance(imported.node, ast.Call) and (imported.target + ".").startswith(PACKAGE + ".")
+    ]
+    assert not by_name, "import these with an import statement:\n" + "\n".join(by_name)
 
 
 def test_the_layers_are_written_in_the_architecture_page():
-    """docs/architecture.md lists the same layers, bottom to top, each with its modules."""
+    """docs/architecture.md lists the contract's layers, bottom to top, each with its modules."""
     page = (PACKAGE_DIR.parent / "docs" / "architecture.md").read_text()
     section = page.split("## Layers", 1)[1].split("\n## ", 1)[0]
     rows = [" ".join(item.split()) for item in re.split(r"\n(?=\d+\. )", section) if re.match(r"\d+\. ", item)]
-    assert len(rows) == len(LAYERS), rows
-    for row, (title, members) in zip(rows, LAYERS):
-        assert f"**{title}**" in row, (row, title)
-        for member in filter(None, members):
+    assert len(rows) == len(contract_layers()), rows
+    for row, members in zip(rows, contract_layers()):
+        for member in members:
             assert f"`{member}" in row, (row, member)
 
 
@@ -594,45 +491,6 @@ def _private_uses(module: Module) -> list[str]:
 def test_no_module_uses_another_modules_private_name():
     problems = [f"  {use}" for module in modules().values() for use in _private_uses(module)]
     assert not problems, "private names used across modules:\n" + "\n".join(sorted(set(problems)))
-
-
-# ------------------------------------------------------------------------------------------
-# (e) the offline commands never import torch
-
-
-def _runs_on_import(name: str) -> list[str]:
-    """What importing ``name`` runs: its parent packages' __init__ and the module."""
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules()]
-
-
-def _torch_paths(start: str) -> list[str]:
-    """Import chains from offline module ``start`` to torch: every import of an offline module
-    counts (a command calls its functions); elsewhere only the imports run at import time."""
-    seen, found, queue = set(), [], [(m, []) for m in _runs_on_import(start)]
-    while queue:
-        name, chain = queue.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        offline = name.startswith(f"{PACKAGE}.offline")
-        for imported in imports(name):
-            if not (imported.top_level or offline):
-                continue
-            step = [*chain, f"{modules()[name].where(imported.node)} imports {imported.target}"]
-            if imported.target == "torch" or imported.target.startswith("torch."):
-                found.append(" -> ".join(step))
-            for target in package_targets(imported):
-                queue += [(m, step) for m in _runs_on_import(target)]
-    return found
-
-
-def test_the_offline_commands_never_import_torch():
-    problems = []
-    for name in modules():
-        if name.startswith(f"{PACKAGE}.offline"):
-            problems += [f"  {path}" for path in _torch_paths(name)]
-    assert not problems, "torch imported by the offline commands:\n" + "\n".join(sorted(set(problems)))
 
 
 #: The most lines a module of the package may have: one job per module, readable in a sitting.
