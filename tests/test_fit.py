@@ -148,7 +148,7 @@ def test_fit_under_a_real_cgroup_answers_the_larger_size_that_runs_and_report_sh
     """No --capacity-gb: the job's memory cgroup is the limit, judged as the kernel charges it (shared
     pages once: offline/node_charge.py), not each rank's RSS against an even share of it. The limit
     lies between the cgroup's own peak charges at sizes 4 and 8 (the sweep's): fit answers 4, and
-    ``report`` of the run fit measured there shows no negative headroom."""
+    ``report`` of that size run to its end under the limit shows no negative headroom."""
     peaks, jobs = sweep
     if not jobs or not Path("/sys/fs/cgroup/memory").is_dir():
         pytest.skip("needs a writable cgroup v1 memory controller (memory.max_usage_in_bytes)")
@@ -160,7 +160,6 @@ def test_fit_under_a_real_cgroup_answers_the_larger_size_that_runs_and_report_sh
             "--margin", "0", "--work-dir", str(tmp_path / "work"),
             "--", *joining(group), *job(tmp_path / "fit", "{micro_batch_size:2}"),
         )  # fmt: skip
-        kills = group.oom_kills()
     assert code == 0, text
     assert out["micro_batch_size"] == 4, text
     statuses = {probe["micro_batch_size"]: probe["status"] for probe in out["probes"]}
@@ -170,14 +169,20 @@ def test_fit_under_a_real_cgroup_answers_the_larger_size_that_runs_and_report_sh
     assert fit_module.measured_fits(measured, 0.0) and measured.nodes[0].charge_gb <= limit / 1e9
     assert not fit_module.measured_fits(dataclasses.replace(measured, nodes=()), 0.0)  # RSS against half: "no"
     assert not left_behind(str(tmp_path))
+    finished = tmp_path / "finished"  # size 4 to its end under the limit, in a cgroup of its own
+    with cgroups.memory_cgroup(limit) as group:
+        done = subprocess.run([*joining(group), *job(finished, 4, "--iters", "3")], env=ENV, cwd=ROOT,
+                              capture_output=True, timeout=300)  # fmt: skip
+        kills = group.oom_kills()
+    assert done.returncode == 0 and kills == 0, done.stderr[-3000:]
     reported = subprocess.run(
-        [sys.executable, "-m", "nemo_memlog.offline.cli", "report", str(four), "--png", str(tmp_path / "report.png")],
+        [sys.executable, "-m", "nemo_memlog.offline.cli", "report", str(finished), "--png", str(tmp_path / "r.png")],
         env=ENV, cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert reported.returncode == 0, reported.stderr
     headroom = next(line for line in reported.stdout.splitlines() if line.startswith("least headroom"))
     assert "-" not in headroom.split(":", 1)[1].split()[0], reported.stdout
-    print("limit", limit, "charges", jobs, "fit", statuses, "OOM kills", kills, "report:", headroom)
+    print("limit", limit, "charges", jobs, "fit", statuses, "report:", headroom)
 
 
 @pytest.mark.processes
