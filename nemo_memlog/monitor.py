@@ -13,6 +13,7 @@ the writers. ``before_iteration`` arms the activation meter for a logging iterat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -23,8 +24,9 @@ import torch.distributed as dist
 from . import advice, attribution, memory
 from .config import checked_facts, resolve, secrets_of
 from .failure import peers
-from .measure import composition, estimate, layer_record, layer_rows, phase
+from .measure import composition, estimate, layer_record, layer_rows
 from .measure.activations import ActivationMeter
+from .measure.step import StepMeasurement, measure_step
 from .metrics import merged
 from .placement import Placement, place
 from .reduce import Reduction, takes_part
@@ -90,10 +92,10 @@ class MemoryMonitor:
         self.derived: Callable[[dict], dict] | None = None
         self.facts: dict = {}  # the run's facts for the per-layer record (measure/layer_record.py): as known
         self.meter = ActivationMeter(self.warnings)  # armed on logging iterations only
-        self._state: dict | None = None  # the last model state counted (for the OOM record)
-        self._measured: Any = None  # the last activations measured (for the OOM record)
+        # The last logging step that counted a model, with the last activations measured: the OOM
+        # record's breakdown and the optimizer's facts (``run_facts``).
+        self._kept: StepMeasurement | None = None
         self._measured_steps = 0  # the logging steps whose activations were measured (per-layer record)
-        self._optimizer_facts: dict = {}  # the optimizer's class and whether it is sharded
         self._facts_given: Any = None  # a copy of the facts= last taken: checked again only when they change
         # Memory logging off: said once (rank 0) when a call brings what it ignores.
         self._off_unsaid = not self.enabled
@@ -189,7 +191,8 @@ class MemoryMonitor:
     @property
     def run_facts(self) -> dict:
         """The run's facts as known: the optimizer's (read at the last logging step), then the stated ones."""
-        return {**self._optimizer_facts, **self.facts}
+        optimizer = self._kept.optimizer_facts if self._kept is not None else None
+        return {**(optimizer or {}), **self.facts}
 
     def log_step(
         self,
@@ -199,60 +202,72 @@ class MemoryMonitor:
         model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
         optimizer: Any = None,
     ) -> dict:
-        """``log`` past its gate (an integration that has decided the step logs calls it directly).
-        Raises TypeError, naming the argument, for a ``model`` or ``optimizer`` it cannot count."""
+        """``log`` past its gate (an integration that has decided the step logs calls it directly):
+        measure, record, gather, attribute, advise, merge and write, in that order; returns the
+        unified dict. Raises TypeError, naming the argument, for a ``model`` or ``optimizer`` it
+        cannot count, before any collective (every rank alike)."""
         if model is not None or optimizer is not None:
             composition.check_model_and_optimizer(model, optimizer)  # before any collective: every rank alike
         placement = self.placement or self.place()
         settings = self.settings
-        report = self._report()
-        measured = self.meter.finish() if self.meter.armed else None
-        if model is not None:  # counted again only when it can change (composition.ModelState)
-            state = self.model_state.report(model, optimizer)
-            self._optimizer_facts = composition.optimizer_facts(optimizer)
-            if measured is not None:  # gradients freed before this call still count: the iteration's most
-                state = composition.with_iteration_grads(state, measured.grads)
-                self._measured = measured
-            self._state = state
-            report = composition.breakdown(report, state, measured)
-            if measured is not None and self.record_dir is not None:
-                self._write_layers(iteration, report, measured, model, optimizer)
-        report.update(phase.take_pending())  # the memory phases ended since the last logging step
+        # Measure: this rank's numbers, and what they are made of.
+        step = measure_step(self._report(), self.meter, self.model_state, model, optimizer)
+        self._keep(step)
+        # Record, before the collective: a rank that dies in it has this step.
+        if step.state is not None and step.measured is not None and self.record_dir is not None:
+            self._write_layers(iteration, step, model, optimizer)
         if settings.interval_peaks:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
-        if self.recorder is not None:  # before the collective: a rank that dies in it has this step
-            self.recorder.record(iteration, report)
-        if takes_part(report, placement.group):
+        if self.recorder is not None:
+            self.recorder.record(iteration, step.report)
+        # Gather: the one collective over the group (or this rank alone).
+        if takes_part(step.report, placement.group):
             gathered = self.reduction.gather(
-                report,
+                step.report,
                 placement.group,
                 iteration=iteration,
                 interval=self.interval,
                 timeout_s=settings.memory_reduce_timeout_s,
             )
         else:
-            gathered = self.reduction.single_rank(report)
-        if placement.world:
-            logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys, placement.coordinates)
-        else:
-            logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
-        if self.estimate:  # the framework's estimate beside the measurement
-            stage0 = attribution.stage_figures(
-                gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, stage_of=placement.stage_of
-            )
-            logged.update(estimate.derived(self.estimate, stage0))
-        run = self._advice_run(gathered, placement) if model is not None else None
+            gathered = self.reduction.single_rank(step.report)
+        logged = self._attributed(gathered, placement)
+        run = self._advice_run(gathered, placement) if model is not None else None  # advise
         logged.update(advice.step_metrics(run))  # the same arithmetic on every rank: one dict
         if self.derived is not None:
             logged.update(self.derived(logged))
         unified = merged(metrics, logged, self.warn_misuse)
-        if placement.is_writer_rank:
+        if placement.is_writer_rank:  # write
             self._writers().log(unified, iteration)
             # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
             # least can flip from step to step, and a warning per flip would be noise.
             for kind, sentence in advice.headroom_warnings(unified, settings.memory_headroom_warn_fraction, run):
                 self.warn_once(("headroom", kind), sentence)
         return unified
+
+    def _keep(self, step: StepMeasurement) -> None:
+        """Keep ``step`` where it counted a model (the OOM record's breakdown, ``run_facts``),
+        with the last activations measured where this step measured none."""
+        if step.state is None:
+            return
+        if step.measured is None and self._kept is not None:
+            step = dataclasses.replace(step, measured=self._kept.measured)
+        self._kept = step
+
+    def _attributed(self, gathered: Any, placement: Placement) -> dict:
+        """The gathered values as the logged metrics (attribution.py: max, where, per stage,
+        headroom), with the framework's estimate beside the measurement where one was given."""
+        settings = self.settings
+        if placement.world:
+            logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys, placement.coordinates)
+        else:
+            logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
+        if self.estimate:
+            stage0 = attribution.stage_figures(
+                gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, stage_of=placement.stage_of
+            )
+            logged.update(estimate.derived(self.estimate, stage0))
+        return logged
 
     @property
     def group(self) -> Any:
@@ -295,26 +310,31 @@ class MemoryMonitor:
 
     def _oom_report(self) -> dict:
         """The report the flight recorder writes at a CUDA OOM: with the breakdown, once a model was seen."""
-        report = self._report()
-        return report if self._state is None else composition.breakdown(report, self._state, self._measured)
+        report, kept = self._report(), self._kept
+        if kept is None or kept.state is None:
+            return report
+        return composition.breakdown(report, kept.state, kept.measured)
 
-    def _write_layers(self, iteration: int, report: dict, measured, model, optimizer) -> None:
-        """This rank's per-layer record (measure/layer_record.py), beside its flight record. Never raises."""
+    def _write_layers(self, iteration: int, step: StepMeasurement, model, optimizer) -> None:
+        """This rank's per-layer record (measure/layer_record.py) of a step whose activations were
+        measured, beside its flight record. Never raises."""
         try:
             self._measured_steps += 1  # nemo-memlog fit ends a probe once every rank has two (offline/fit.py)
             assert self.record_dir is not None and self.placement is not None  # a placed run with a folder
+            assert step.measured is not None and step.state is not None  # a measured step with a model
+            rows = layer_rows.stage_and_rows(step.report, step.measured, model, optimizer, step.state)
             record = layer_record.step_record(
                 self.placement.layout,
                 iteration=iteration,
                 time=time.time(),
                 facts=self.run_facts,
-                stage_and_rows=layer_rows.stage_and_rows(report, measured, model, optimizer, self._state),
+                stage_and_rows=rows,
                 measured_steps=self._measured_steps,
             )
             cgroup = memory.host_cgroup_peak()
             if cgroup is not None:  # under a memory limit: what advise needs to judge the node as the kernel charges it
                 record["host_cgroup"] = cgroup[0]
-                record["stage"].update(layer_record.cgroup_figures(report, cgroup[1]))
+                record["stage"].update(layer_record.cgroup_figures(step.report, cgroup[1]))
             layer_record.write(self.record_dir, record)
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")
