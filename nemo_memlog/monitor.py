@@ -5,10 +5,12 @@ state, its placement (placement.py: the group, the job's layout, the writer rank
 first logging step), the flight recorder, the writers (writer rank only) and its once-only
 warnings; ``close()`` releases them.
 
-``log(iteration)`` runs on every rank at every iteration: off the logging iterations it returns
-None after two attribute reads and a modulo, with no collective, no allocation and no backend
-call. A logging step reports, gathers, attributes, adds the advice (advice/) and hands one dict to
-the writers. ``before_iteration`` arms the activation meter for a logging iteration.
+Every way in (``on_iteration``, ``log``, ``before_iteration``) decides whether an iteration logs by
+``logs_at(iteration)`` alone, from the settings and the iteration, so every rank decides alike. Off
+the logging iterations that is the whole call: no collective, no measurement, no allocation, no
+backend call. A logging step (``log_step``, which an integration that has decided the step logs
+calls directly) measures (measure/step.py), records, gathers, attributes, advises, merges and
+writes, in that order. ``before_iteration`` arms the activation meter for a logging iteration.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class MemoryMonitor:
         if self.settings.interval_peaks:  # the process's CUDA peak counters are ours to reset
             memory.peak_counters.device_resets = True
         self.config = config if run_config is None else run_config  # recorded by the writers as the run config
-        # The gate, read on every rank at every iteration: two attribute reads.
+        # The gate's inputs (logs_at), read on every rank at every iteration.
         self.enabled = bool(self.settings.log_memory_to_tensorboard)
         self.interval = self.settings.tensorboard_log_interval
         self.record_dir = self.settings.record_dir  # absolute now, as the working directory is now; None: off
@@ -97,13 +99,16 @@ class MemoryMonitor:
         self._kept: StepMeasurement | None = None
         self._measured_steps = 0  # the logging steps whose activations were measured (per-layer record)
         self._facts_given: Any = None  # a copy of the facts= last taken: checked again only when they change
-        # Memory logging off: said once (rank 0) when a call brings what it ignores.
-        self._off_unsaid = not self.enabled
-        self._off_settings = [name for name in BACKEND_SETTINGS if getattr(self.settings, name)]
+        # Memory logging off: the backend settings it ignores, until said once (rank 0) to a call that
+        # brings something it ignores; None once said, and for a run that logs.
+        self._off_unsaid: list[str] | None = (
+            None if self.enabled else [name for name in BACKEND_SETTINGS if getattr(self.settings, name)]
+        )
 
     def logs_at(self, iteration: int) -> bool:
-        """The gate: whether ``iteration`` is a logging iteration. Read on every rank at every
-        iteration, from the settings and the iteration only, so every rank decides alike."""
+        """The gate, the only one: whether ``iteration`` is a logging iteration. Every way in reads
+        it, on every rank at every iteration, from the settings and the iteration only, so every
+        rank decides alike. Two attribute reads and a modulo; no call, no allocation."""
         return self.enabled and not iteration % self.interval
 
     def log(
@@ -115,14 +120,15 @@ class MemoryMonitor:
         optimizer: Any = None,
         facts: dict | None = None,
     ) -> dict | None:
-        """Every rank, every iteration. On logging iterations: report, reduce, merge with
-        ``metrics``, hand to the writers (writer rank), and return the unified dict. ``model``
-        and ``optimizer`` (read on logging iterations only): add what the memory is made of
-        (measure/composition.py); every rank of the group passes them, or none. ``facts``:
-        ``state_facts`` on logging iterations."""
+        """Every rank, every iteration. On logging iterations (``logs_at``): ``log_step``, which
+        measures, reduces, merges with ``metrics``, hands to the writers (writer rank), and returns
+        the unified dict. ``model`` and ``optimizer`` (read on logging iterations only): add what
+        the memory is made of (measure/composition.py); every rank of the group passes them, or
+        none. ``facts``: ``state_facts``, taken at the first call that carries them (any
+        iteration), and again when they change. Off the logging iterations: None, and nothing else."""
         if facts is not None and facts != self._facts_given:  # checked where they are given, once
             self._take_facts(facts)
-        if not self.logs_at(iteration):
+        if not self.logs_at(iteration):  # the fast path
             return None
         if metrics is not None and not isinstance(metrics, Mapping):  # before any collective: every rank alike
             raise TypeError(f"metrics= must be a dict of names to numbers, or None; got {type(metrics).__name__}")
@@ -137,18 +143,15 @@ class MemoryMonitor:
         facts: dict | None = None,
     ) -> dict | None:
         """``log`` at ``iteration``, then ``before_iteration(iteration + 1, model)``, in one call:
-        training_log's, on every rank at every iteration. It is ``logs_at`` written out, because
-        off the logging iterations this call is all the run costs: two modulos, no other call."""
-        if not self.enabled:
-            if self._off_unsaid:
+        training_log's, on every rank at every iteration. Whether an iteration logs is ``logs_at``'s
+        to say, in ``log`` and here. A run with memory logging off reads nothing a call brings (not
+        even ``facts``), and says so once, on rank 0, when a call brings something it ignores."""
+        if not self.enabled:  # the run is off: no iteration logs, and nothing the call brings is read
+            if self._off_unsaid is not None:
                 self._say_off(metrics, model, optimizer, facts)
             return None
-        if facts is not None and facts != self._facts_given:  # the first call that carries them, any iteration
-            self._take_facts(facts)
-        logged = None
-        if not iteration % self.interval:
-            logged = self.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
-        if model is not None and not (iteration + 1) % self.interval:  # the next iteration logs: measure it
+        logged = self.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
+        if model is not None and self.logs_at(iteration + 1):  # the next iteration logs: measure it
             self._arm(model)
         return logged
 
@@ -180,10 +183,12 @@ class MemoryMonitor:
 
     def _say_off(self, metrics, model, optimizer, facts) -> None:
         """Memory logging is off, and this call brings what it ignores: say so, once, on rank 0."""
-        text = logging_off_message(self._off_settings, model=model, optimizer=optimizer, facts=facts, metrics=metrics)
+        text = logging_off_message(
+            self._off_unsaid or [], model=model, optimizer=optimizer, facts=facts, metrics=metrics
+        )
         if text is None:
             return  # nothing ignored yet: a later call that brings something is told
-        self._off_unsaid = False
+        self._off_unsaid = None
         distributed = dist.is_available() and dist.is_initialized()
         if (dist.get_rank() if distributed else int(os.environ.get("RANK", "0") or 0)) == 0:
             self.warn_once(("off",), text, misuse=True)
