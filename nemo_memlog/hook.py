@@ -3,8 +3,8 @@
 Called on every rank at every iteration. The gate (``log_memory_to_tensorboard`` and
 ``iteration % tensorboard_log_interval``) depends only on the settings and the iteration,
 so every stage decides alike and enters the one collective together. Off the logging
-iterations it does one dictionary lookup and the run's two attribute reads, and returns
-None: no collective, no allocation, no backend call. With a ``model``, the call before a
+iterations it does one dictionary lookup and the run's gate (``MemoryMonitor.logs_at``), and
+returns None: no collective, no allocation, no backend call. With a ``model``, the call before a
 logging iteration also arms the activation meter (measure/activations.py) for that iteration. The
 caller's ``metrics`` are logged only on logging iterations, in the same dict, at the same step.
 

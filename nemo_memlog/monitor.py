@@ -5,14 +5,17 @@ state, its placement (placement.py: the group, the job's layout, the writer rank
 first logging step), the flight recorder, the writers (writer rank only) and its once-only
 warnings; ``close()`` releases them.
 
-``log(iteration)`` runs on every rank at every iteration: off the logging iterations it returns
-None after two attribute reads and a modulo, with no collective, no allocation and no backend
-call. A logging step reports, gathers, attributes, adds the advice (advice/) and hands one dict to
-the writers. ``before_iteration`` arms the activation meter for a logging iteration.
+Every way in (``on_iteration``, ``log``, ``before_iteration``) decides whether an iteration logs by
+``logs_at(iteration)`` alone, from the settings and the iteration, so every rank decides alike. Off
+the logging iterations that is the whole call: no collective, no measurement, no allocation, no
+backend call. A logging step (``log_step``, which an integration that has decided the step logs
+calls directly) measures (measure/step.py), records, gathers, attributes, advises, merges and
+writes, in that order. ``before_iteration`` arms the activation meter for a logging iteration.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -23,8 +26,9 @@ import torch.distributed as dist
 from . import advice, attribution, memory
 from .config import checked_facts, resolve, secrets_of
 from .failure import peers
-from .measure import composition, estimate, layer_record, layer_rows, phase
+from .measure import composition, estimate, layer_record, layer_rows
 from .measure.activations import ActivationMeter
+from .measure.step import StepMeasurement, measure_step
 from .metrics import merged
 from .placement import Placement, place
 from .reduce import Reduction, takes_part
@@ -70,7 +74,7 @@ class MemoryMonitor:
         if self.settings.interval_peaks:  # the process's CUDA peak counters are ours to reset
             memory.peak_counters.device_resets = True
         self.config = config if run_config is None else run_config  # recorded by the writers as the run config
-        # The gate, read on every rank at every iteration: two attribute reads.
+        # The gate's inputs (logs_at), read on every rank at every iteration.
         self.enabled = bool(self.settings.log_memory_to_tensorboard)
         self.interval = self.settings.tensorboard_log_interval
         self.record_dir = self.settings.record_dir  # absolute now, as the working directory is now; None: off
@@ -90,18 +94,21 @@ class MemoryMonitor:
         self.derived: Callable[[dict], dict] | None = None
         self.facts: dict = {}  # the run's facts for the per-layer record (measure/layer_record.py): as known
         self.meter = ActivationMeter(self.warnings)  # armed on logging iterations only
-        self._state: dict | None = None  # the last model state counted (for the OOM record)
-        self._measured: Any = None  # the last activations measured (for the OOM record)
+        # The last logging step that counted a model, with the last activations measured: the OOM
+        # record's breakdown and the optimizer's facts (``run_facts``).
+        self._kept: StepMeasurement | None = None
         self._measured_steps = 0  # the logging steps whose activations were measured (per-layer record)
-        self._optimizer_facts: dict = {}  # the optimizer's class and whether it is sharded
         self._facts_given: Any = None  # a copy of the facts= last taken: checked again only when they change
-        # Memory logging off: said once (rank 0) when a call brings what it ignores.
-        self._off_unsaid = not self.enabled
-        self._off_settings = [name for name in BACKEND_SETTINGS if getattr(self.settings, name)]
+        # Memory logging off: the backend settings it ignores, until said once (rank 0) to a call that
+        # brings something it ignores; None once said, and for a run that logs.
+        self._off_unsaid: list[str] | None = (
+            None if self.enabled else [name for name in BACKEND_SETTINGS if getattr(self.settings, name)]
+        )
 
     def logs_at(self, iteration: int) -> bool:
-        """The gate: whether ``iteration`` is a logging iteration. Read on every rank at every
-        iteration, from the settings and the iteration only, so every rank decides alike."""
+        """The gate, the only one: whether ``iteration`` is a logging iteration. Every way in reads
+        it, on every rank at every iteration, from the settings and the iteration only, so every
+        rank decides alike. Two attribute reads and a modulo; no call, no allocation."""
         return self.enabled and not iteration % self.interval
 
     def log(
@@ -113,14 +120,15 @@ class MemoryMonitor:
         optimizer: Any = None,
         facts: dict | None = None,
     ) -> dict | None:
-        """Every rank, every iteration. On logging iterations: report, reduce, merge with
-        ``metrics``, hand to the writers (writer rank), and return the unified dict. ``model``
-        and ``optimizer`` (read on logging iterations only): add what the memory is made of
-        (measure/composition.py); every rank of the group passes them, or none. ``facts``:
-        ``state_facts`` on logging iterations."""
+        """Every rank, every iteration. On logging iterations (``logs_at``): ``log_step``, which
+        measures, reduces, merges with ``metrics``, hands to the writers (writer rank), and returns
+        the unified dict. ``model`` and ``optimizer`` (read on logging iterations only): add what
+        the memory is made of (measure/composition.py); every rank of the group passes them, or
+        none. ``facts``: ``state_facts``, taken at the first call that carries them (any
+        iteration), and again when they change. Off the logging iterations: None, and nothing else."""
         if facts is not None and facts != self._facts_given:  # checked where they are given, once
             self._take_facts(facts)
-        if not self.logs_at(iteration):
+        if not self.logs_at(iteration):  # the fast path
             return None
         if metrics is not None and not isinstance(metrics, Mapping):  # before any collective: every rank alike
             raise TypeError(f"metrics= must be a dict of names to numbers, or None; got {type(metrics).__name__}")
@@ -135,18 +143,15 @@ class MemoryMonitor:
         facts: dict | None = None,
     ) -> dict | None:
         """``log`` at ``iteration``, then ``before_iteration(iteration + 1, model)``, in one call:
-        training_log's, on every rank at every iteration. It is ``logs_at`` written out, because
-        off the logging iterations this call is all the run costs: two modulos, no other call."""
-        if not self.enabled:
-            if self._off_unsaid:
+        training_log's, on every rank at every iteration. Whether an iteration logs is ``logs_at``'s
+        to say, in ``log`` and here. A run with memory logging off reads nothing a call brings (not
+        even ``facts``), and says so once, on rank 0, when a call brings something it ignores."""
+        if not self.enabled:  # the run is off: no iteration logs, and nothing the call brings is read
+            if self._off_unsaid is not None:
                 self._say_off(metrics, model, optimizer, facts)
             return None
-        if facts is not None and facts != self._facts_given:  # the first call that carries them, any iteration
-            self._take_facts(facts)
-        logged = None
-        if not iteration % self.interval:
-            logged = self.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
-        if model is not None and not (iteration + 1) % self.interval:  # the next iteration logs: measure it
+        logged = self.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
+        if model is not None and self.logs_at(iteration + 1):  # the next iteration logs: measure it
             self._arm(model)
         return logged
 
@@ -178,10 +183,12 @@ class MemoryMonitor:
 
     def _say_off(self, metrics, model, optimizer, facts) -> None:
         """Memory logging is off, and this call brings what it ignores: say so, once, on rank 0."""
-        text = logging_off_message(self._off_settings, model=model, optimizer=optimizer, facts=facts, metrics=metrics)
+        text = logging_off_message(
+            self._off_unsaid or [], model=model, optimizer=optimizer, facts=facts, metrics=metrics
+        )
         if text is None:
             return  # nothing ignored yet: a later call that brings something is told
-        self._off_unsaid = False
+        self._off_unsaid = None
         distributed = dist.is_available() and dist.is_initialized()
         if (dist.get_rank() if distributed else int(os.environ.get("RANK", "0") or 0)) == 0:
             self.warn_once(("off",), text, misuse=True)
@@ -189,7 +196,8 @@ class MemoryMonitor:
     @property
     def run_facts(self) -> dict:
         """The run's facts as known: the optimizer's (read at the last logging step), then the stated ones."""
-        return {**self._optimizer_facts, **self.facts}
+        optimizer = self._kept.optimizer_facts if self._kept is not None else None
+        return {**(optimizer or {}), **self.facts}
 
     def log_step(
         self,
@@ -199,60 +207,72 @@ class MemoryMonitor:
         model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
         optimizer: Any = None,
     ) -> dict:
-        """``log`` past its gate (an integration that has decided the step logs calls it directly).
-        Raises TypeError, naming the argument, for a ``model`` or ``optimizer`` it cannot count."""
+        """``log`` past its gate (an integration that has decided the step logs calls it directly):
+        measure, record, gather, attribute, advise, merge and write, in that order; returns the
+        unified dict. Raises TypeError, naming the argument, for a ``model`` or ``optimizer`` it
+        cannot count, before any collective (every rank alike)."""
         if model is not None or optimizer is not None:
             composition.check_model_and_optimizer(model, optimizer)  # before any collective: every rank alike
         placement = self.placement or self.place()
         settings = self.settings
-        report = self._report()
-        measured = self.meter.finish() if self.meter.armed else None
-        if model is not None:  # counted again only when it can change (composition.ModelState)
-            state = self.model_state.report(model, optimizer)
-            self._optimizer_facts = composition.optimizer_facts(optimizer)
-            if measured is not None:  # gradients freed before this call still count: the iteration's most
-                state = composition.with_iteration_grads(state, measured.grads)
-                self._measured = measured
-            self._state = state
-            report = composition.breakdown(report, state, measured)
-            if measured is not None and self.record_dir is not None:
-                self._write_layers(iteration, report, measured, model, optimizer)
-        report.update(phase.take_pending())  # the memory phases ended since the last logging step
+        # Measure: this rank's numbers, and what they are made of.
+        step = measure_step(self._report(), self.meter, self.model_state, model, optimizer)
+        self._keep(step)
+        # Record, before the collective: a rank that dies in it has this step.
+        if step.state is not None and step.measured is not None and self.record_dir is not None:
+            self._write_layers(iteration, step, model, optimizer)
         if settings.interval_peaks:
             memory.reset_peaks()  # the next report's peak_* cover the next interval only
-        if self.recorder is not None:  # before the collective: a rank that dies in it has this step
-            self.recorder.record(iteration, report)
-        if takes_part(report, placement.group):
+        if self.recorder is not None:
+            self.recorder.record(iteration, step.report)
+        # Gather: the one collective over the group (or this rank alone).
+        if takes_part(step.report, placement.group):
             gathered = self.reduction.gather(
-                report,
+                step.report,
                 placement.group,
                 iteration=iteration,
                 interval=self.interval,
                 timeout_s=settings.memory_reduce_timeout_s,
             )
         else:
-            gathered = self.reduction.single_rank(report)
-        if placement.world:
-            logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys, placement.coordinates)
-        else:
-            logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
-        if self.estimate:  # the framework's estimate beside the measurement
-            stage0 = attribution.stage_figures(
-                gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, stage_of=placement.stage_of
-            )
-            logged.update(estimate.derived(self.estimate, stage0))
-        run = self._advice_run(gathered, placement) if model is not None else None
+            gathered = self.reduction.single_rank(step.report)
+        logged = self._attributed(gathered, placement)
+        run = self._advice_run(gathered, placement) if model is not None else None  # advise
         logged.update(advice.step_metrics(run))  # the same arithmetic on every rank: one dict
         if self.derived is not None:
             logged.update(self.derived(logged))
         unified = merged(metrics, logged, self.warn_misuse)
-        if placement.is_writer_rank:
+        if placement.is_writer_rank:  # write
             self._writers().log(unified, iteration)
             # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
             # least can flip from step to step, and a warning per flip would be noise.
             for kind, sentence in advice.headroom_warnings(unified, settings.memory_headroom_warn_fraction, run):
                 self.warn_once(("headroom", kind), sentence)
         return unified
+
+    def _keep(self, step: StepMeasurement) -> None:
+        """Keep ``step`` where it counted a model (the OOM record's breakdown, ``run_facts``),
+        with the last activations measured where this step measured none."""
+        if step.state is None:
+            return
+        if step.measured is None and self._kept is not None:
+            step = dataclasses.replace(step, measured=self._kept.measured)
+        self._kept = step
+
+    def _attributed(self, gathered: Any, placement: Placement) -> dict:
+        """The gathered values as the logged metrics (attribution.py: max, where, per stage,
+        headroom), with the framework's estimate beside the measurement where one was given."""
+        settings = self.settings
+        if placement.world:
+            logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys, placement.coordinates)
+        else:
+            logged = attribution.memory_metrics(gathered, settings.memory_per_stage_keys)
+        if self.estimate:
+            stage0 = attribution.stage_figures(
+                gathered, estimate.ESTIMATED_STAGE, estimate.PARTS, stage_of=placement.stage_of
+            )
+            logged.update(estimate.derived(self.estimate, stage0))
+        return logged
 
     @property
     def group(self) -> Any:
@@ -295,26 +315,31 @@ class MemoryMonitor:
 
     def _oom_report(self) -> dict:
         """The report the flight recorder writes at a CUDA OOM: with the breakdown, once a model was seen."""
-        report = self._report()
-        return report if self._state is None else composition.breakdown(report, self._state, self._measured)
+        report, kept = self._report(), self._kept
+        if kept is None or kept.state is None:
+            return report
+        return composition.breakdown(report, kept.state, kept.measured)
 
-    def _write_layers(self, iteration: int, report: dict, measured, model, optimizer) -> None:
-        """This rank's per-layer record (measure/layer_record.py), beside its flight record. Never raises."""
+    def _write_layers(self, iteration: int, step: StepMeasurement, model, optimizer) -> None:
+        """This rank's per-layer record (measure/layer_record.py) of a step whose activations were
+        measured, beside its flight record. Never raises."""
         try:
             self._measured_steps += 1  # nemo-memlog fit ends a probe once every rank has two (offline/fit.py)
             assert self.record_dir is not None and self.placement is not None  # a placed run with a folder
+            assert step.measured is not None and step.state is not None  # a measured step with a model
+            rows = layer_rows.stage_and_rows(step.report, step.measured, model, optimizer, step.state)
             record = layer_record.step_record(
                 self.placement.layout,
                 iteration=iteration,
                 time=time.time(),
                 facts=self.run_facts,
-                stage_and_rows=layer_rows.stage_and_rows(report, measured, model, optimizer, self._state),
+                stage_and_rows=rows,
                 measured_steps=self._measured_steps,
             )
             cgroup = memory.host_cgroup_peak()
             if cgroup is not None:  # under a memory limit: what advise needs to judge the node as the kernel charges it
                 record["host_cgroup"] = cgroup[0]
-                record["stage"].update(layer_record.cgroup_figures(report, cgroup[1]))
+                record["stage"].update(layer_record.cgroup_figures(step.report, cgroup[1]))
             layer_record.write(self.record_dir, record)
         except Exception as error:  # a full disk, a read-only folder: logging goes on without the file
             self.warn_once(("layers",), f"could not write the per-layer record in {self.record_dir}: {error!r}")
