@@ -76,11 +76,13 @@ class _Lanes:
 #: Where a library runs a short helper command of its own, for whichever test is the first to need
 #: it (the answer is kept for the rest of the process): ctypes.util.find_library runs ldconfig
 #: (torch's and the backends' libraries look theirs up), platform runs ``uname -p`` (MLflow's telemetry
-#: asks), W&B runs git to name the program's repository. Not the processes the lanes are about.
+#: asks), W&B runs git to name the program's repository, and megatron-core runs ``git rev-parse``
+#: on its first import (its version's suffix). Not the processes the lanes are about.
 HELPER_COMMANDS = (
     ctypes.util.__file__,
     platform.__file__,
     os.path.join("wandb", "sdk", "lib", "gitlib.py"),
+    os.path.join("megatron", "core", "package_info.py"),
 )
 
 
