@@ -1,31 +1,31 @@
-"""training_log: the per-iteration hook users call. It finds the run (a MemoryMonitor) for its config.
+"""training_log: the per-iteration hook users call. It finds the monitor (a MemoryMonitor) for its config.
 
 Called on every rank at every iteration. The gate (``log_memory_to_tensorboard`` and
 ``iteration % tensorboard_log_interval``) depends only on the settings and the iteration,
 so every stage decides alike and enters the one collective together. Off the logging
-iterations it does one dictionary lookup and the run's gate (``MemoryMonitor.logs_at``), and
+iterations it does one dictionary lookup and the monitor's gate (``MemoryMonitor.logs_at``), and
 returns None: no collective, no allocation, no backend call. With a ``model``, the call before a
 logging iteration also arms the activation meter (measure/activations.py) for that iteration. The
 caller's ``metrics`` are logged only on logging iterations, in the same dict, at the same step.
 
-Which run a call belongs to:
+Which monitor a call belongs to:
 
-- A run is found by its settings (``config.Settings``, compared by value) and the
+- A monitor is found by its settings (``config.Settings``, compared by value) and the
   ``writers`` object given (by identity). A config object rebuilt at every call, with the
-  same settings, reuses the run: one set of writers (one writer process), one flight record.
-- The config object last seen for each run is held, so the common case, the same object at
+  same settings, reuses the monitor: one set of writers (one writer process), one flight record.
+- The config object last seen for each monitor is held, so the common case, the same object at
   every call, costs a lookup by that object and no reading of the settings. Its id cannot
   be reused by another object while it is held.
-- A config whose settings differ from every open run's starts a new run, as a new config
-  always did. Settings that change at every call would start a run (and its writers) at
-  every call: past ``MANY_RUNS`` open runs, training_log warns once per process, saying so.
-- The groups (``pg_collection``, ``pp_group``) are read when the run is placed, at its
-  first logging step; a later call that finds the run does not change them. The run
+- A config whose settings differ from every open monitor's starts a new monitor, as a new config
+  always did. Settings that change at every call would start a monitor (and its writers) at
+  every call: past ``MANY_RUNS`` open monitors, training_log warns once per process, saying so.
+- The groups (``pg_collection``, ``pp_group``) are read when the monitor is placed, at its
+  first logging step; a later call that finds the monitor does not change them. The run
   config the writers record is the first config object's.
-- ``close_writers()`` ends every run training_log made; the next call starts a new one.
+- ``close_writers()`` ends every monitor training_log made; the next call starts a new one.
 
-What lives here is per process by nature (a free function has to find its run): the open
-runs training_log made, and its one warning.
+What lives here is per process by nature (a free function has to find its monitor): the open
+monitors training_log made, and its one warning.
 """
 
 from __future__ import annotations
@@ -46,22 +46,22 @@ if TYPE_CHECKING:
 
     from .writers.base import Writers
 
-#: Open runs made by training_log past which a new one warns (once per process).
+#: Open monitors made by training_log past which a new one warns (once per process).
 MANY_RUNS = 4
 
 
 class _Entry:
-    """A run training_log made: its settings and given writers (what finds it), and the
+    """A monitor training_log made: its settings and given writers (what finds it), and the
     config object last seen for it (held: the fast path's key is that object's id)."""
 
-    __slots__ = ("run", "writers", "config", "key")
+    __slots__ = ("monitor", "writers", "config", "key")
 
-    def __init__(self, run: MemoryMonitor, writers, config, key):
-        self.run, self.writers, self.config, self.key = run, writers, config, key
+    def __init__(self, monitor: MemoryMonitor, writers, config, key):
+        self.monitor, self.writers, self.config, self.key = monitor, writers, config, key
 
 
-class _OpenRuns:
-    """The runs training_log made in this process, and its one warning."""
+class _OpenMonitors:
+    """The monitors training_log made in this process, and its one warning."""
 
     def __init__(self) -> None:
         self.entries: list[_Entry] = []  # oldest first
@@ -69,9 +69,9 @@ class _OpenRuns:
         self.warnings = WarnOnce()
 
 
-# Per process, not per run: training_log is a free function, called with a config, and this is
-# how it finds the run that config belongs to (close_writers() ends them all).
-_open_runs = _OpenRuns()
+# Per process, not per monitor: training_log is a free function, called with a config, and this is
+# how it finds the monitor that config belongs to (close_writers() ends them all).
+_open_monitors = _OpenMonitors()
 
 
 def training_log(
@@ -92,7 +92,7 @@ def training_log(
     ``log_memory_to_tensorboard`` is on and ``iteration % tensorboard_log_interval == 0``;
     there every rank of the group enters one gather. Off them the call costs a lookup: no
     collective, no allocation, no backend call. Calls with the same settings (and the same
-    ``writers``) share one run: one set of writers, one flight record (module docstring).
+    ``writers``) share one monitor: one set of writers, one flight record (module docstring).
 
     Args:
         iteration: the training iteration, an int >= 0, the same on every rank.
@@ -129,12 +129,12 @@ def training_log(
         A backend that fails (a full disk, a lost W&B connection) warns and never raises here.
     """
     key = id(config) if writers is None else (id(config), id(writers))
-    entry = _open_runs.by_object.get(key)
+    entry = _open_monitors.by_object.get(key)
     if entry is None or entry.config is not config:  # the entry holds its config: an id match is that object
         entry = _entry_for(config, writers, key, pg_collection, pp_group, iteration)
-    # The run's gate decides (facts are read on logging iterations only); when the next iteration
+    # The monitor's gate decides (facts are read on logging iterations only); when the next iteration
     # logs, its activations are measured.
-    return entry.run.on_iteration(iteration, metrics, model, optimizer, facts)
+    return entry.monitor.on_iteration(iteration, metrics, model, optimizer, facts)
 
 
 def check_iteration(iteration: Any) -> None:
@@ -149,14 +149,14 @@ def check_iteration(iteration: Any) -> None:
 
 
 def _entry_for(config, writers, key, pg_collection, pp_group, iteration) -> _Entry:
-    """The open run for ``config``'s settings and ``writers``, or a new one; seen with ``config`` from now on."""
+    """The open monitor for ``config``'s settings and ``writers``, or a new one; seen with ``config`` from now on."""
     settings = resolve(config)  # raises, naming the field, for a config that cannot work
     check_iteration(iteration)
     entry = _find(settings, writers)
     if entry is None:
-        started = len(_open_runs.entries) + 1
+        started = len(_open_monitors.entries) + 1
         if started > MANY_RUNS:
-            _open_runs.warnings(
+            _open_monitors.warnings(
                 ("many runs",),
                 f"training_log has started {started} runs in this process, one for each config whose "
                 f"settings differ from every earlier one's; each run has its own writers (a writer process), "
@@ -165,39 +165,41 @@ def _entry_for(config, writers, key, pg_collection, pp_group, iteration) -> _Ent
                 stacklevel=3,
                 category=RuntimeWarning,  # misuse, at the caller's line
             )
-        run = MemoryMonitor(
+        monitor = MemoryMonitor(
             settings, run_config=config, pg_collection=pg_collection, pp_group=pp_group, writers=writers
         )
-        entry = _Entry(run, writers, config, key)
-        _open_runs.entries.append(entry)
+        entry = _Entry(monitor, writers, config, key)
+        _open_monitors.entries.append(entry)
     else:
-        _open_runs.by_object.pop(entry.key, None)  # one object per run: the map stays as small as the runs
+        _open_monitors.by_object.pop(entry.key, None)  # one object per monitor: the map stays as small as the monitors
         entry.config, entry.key = config, key
-    _open_runs.by_object[key] = entry
+    _open_monitors.by_object[key] = entry
     return entry
 
 
 def _find(settings, writers) -> _Entry | None:
-    matching = (entry for entry in _open_runs.entries if entry.writers is writers and entry.run.settings == settings)
+    matching = (
+        entry for entry in _open_monitors.entries if entry.writers is writers and entry.monitor.settings == settings
+    )
     return next(matching, None)
 
 
 def run_of(config: Any, *, writers: Writers | None = None) -> MemoryMonitor | None:
-    """The open run training_log made for ``config``'s settings (and ``writers``), or None.
+    """The open monitor training_log made for ``config``'s settings (and ``writers``), or None.
     Never starts one. Raises as training_log does for a config it cannot read."""
     entry = _find(resolve(config), writers)
-    return None if entry is None else entry.run
+    return None if entry is None else entry.monitor
 
 
 def runs() -> tuple[MemoryMonitor, ...]:
-    """The open runs training_log made, oldest first."""
-    return tuple(entry.run for entry in _open_runs.entries)
+    """The open monitors training_log made, oldest first."""
+    return tuple(entry.monitor for entry in _open_monitors.entries)
 
 
 def close_writers() -> None:
-    """End every run training_log made on this rank; the next training_log call starts a new one.
+    """End every monitor training_log made on this rank; the next training_log call starts a new one.
 
-    Ends each run's flight record ("close"), releases its reduction state (channels and
+    Ends each monitor's flight record ("close"), releases its reduction state (channels and
     gloo group), and drains and closes the writers it built (writers passed to training_log
     are flushed, not closed). Not needed at exit: at interpreter exit and on SIGTERM the
     writers are closed and the records marked anyway.
@@ -206,13 +208,13 @@ def close_writers() -> None:
     loop, or on none. It communicates nothing itself.
 
     Raises:
-        Nothing itself. MemoryReduceError comes later, from the new run's first logging
+        Nothing itself. MemoryReduceError comes later, from the new monitor's first logging
         step, when the ranks of its group have not all called it as often (after waiting
         up to ``memory_reduce_timeout_s``, naming the ranks that did not).
     """
-    entries = list(_open_runs.entries)
-    _open_runs.entries.clear()
-    _open_runs.by_object.clear()
+    entries = list(_open_monitors.entries)
+    _open_monitors.entries.clear()
+    _open_monitors.by_object.clear()
     for entry in entries:
-        entry.run.close()
+        entry.monitor.close()
     runs_ended()

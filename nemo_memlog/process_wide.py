@@ -1,7 +1,7 @@
-"""What belongs to the process, not to a run: each hook installed once, dispatching to the live runs.
+"""What belongs to the process, not to a monitor: each hook installed once, dispatching to the live monitors.
 
-A run (``MemoryMonitor``), its flight recorder and its writers register what they need here
-and unregister it when they close; this module holds no run state of its own.
+A monitor (``MemoryMonitor``), its flight recorder and its writers register what they need here
+and unregister it when they close; this module holds no monitor state of its own.
 
 - ``on_sigterm``: SIGTERM (preemption, a scheduler's time limit) runs the callbacks, those
   registered with ``first=True`` first (the recorders' end markers take microseconds,
@@ -19,7 +19,7 @@ and unregister it when they close; this module holds no run state of its own.
 - ``known`` / ``remember``: facts that, once true, stay true for the process's life (CUDA
   initialised, a device's context made), so a hot path checks them once.
 
-Bound methods are held weakly (a run that is garbage-collected drops out by itself); plain
+Bound methods are held weakly (a monitor that is garbage-collected drops out by itself); plain
 functions strongly. ``forget(callback)`` unregisters from every hook. Every dispatch
 swallows the callbacks' exceptions: exit and signal paths must not fail, and a CUDA OOM
 must surface as torch's own error. Nothing here issues a collective.
@@ -73,7 +73,7 @@ def _dispatch(registry: list, *args) -> None:
 
 
 def forget(callback: Callable[..., object]) -> None:
-    """Unregister ``callback`` from every hook (a run that closed)."""
+    """Unregister ``callback`` from every hook (a monitor that closed)."""
     with _lock:
         for registry in (_sigterm, _exit, _exception, _fork_child, _cuda_oom):
             registry[:] = [ref for ref in registry if ref() not in (None, callback)]

@@ -8,7 +8,7 @@ logging configured, Python prints them on stderr as they are. ``warnings`` is ke
 said at the caller's line (``misuse``); even then nothing is raised: a filter that makes the
 warning an error sends it to the log instead.
 
-A run, a writer and the process each hold one ``WarnOnce``, so a failing disk or a flapping
+A monitor (MemoryMonitor), a writer and the process each hold one ``WarnOnce``, so a failing disk or a flapping
 backend is said once per kind, not once per step. Every message starts with ``nemo_memlog:``
 (the writer process forwards those lines) and has configured secrets scrubbed.
 """

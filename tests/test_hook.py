@@ -283,6 +283,6 @@ def test_settings_that_change_at_every_call_make_new_runs_and_warn_once():
             )
     made = runs()
     close_writers()
-    assert len(made) == 2 * MANY_RUNS and len({id(run) for run in made}) == len(made), "a run for each settings"
+    assert len(made) == 2 * MANY_RUNS and len({id(monitor) for monitor in made}) == len(made), "a run for each settings"
     warned = [w for w in caught if "runs in this process" in w]
     assert len(warned) == 1 and "Build the config once" in warned[0], [w for w in caught]

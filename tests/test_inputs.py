@@ -63,8 +63,8 @@ def test_bad_facts_are_refused_at_the_first_call_that_carries_them(facts, messag
         training_log(1, cfg, facts=facts)  # not a logging iteration: refused anyway
     with pytest.raises((TypeError, ValueError), match=message):
         training_log(2, cfg, facts=facts)  # still refused: nothing was taken
-    (run,) = __import__("nemo_memlog").hook.runs()
-    assert run.facts == {}
+    (monitor,) = __import__("nemo_memlog").hook.runs()
+    assert monitor.facts == {}
 
 
 def test_good_facts_are_checked_once_and_recorded_with_secrets_redacted(tmp_path):

@@ -381,14 +381,14 @@ def log_with_exchange(exchange_by_stage):
     config = LoggerConfig(
         log_memory_to_tensorboard=True, memory_reduce_exchange=exchange_by_stage[stage], memory_record_dir="off"
     )
-    run = MemoryMonitor(config, pp_group=_pp_group())
+    monitor = MemoryMonitor(config, pp_group=_pp_group())
     try:
-        run.log(1, {"step_metric": 1.0})  # the handshake
+        monitor.log(1, {"step_metric": 1.0})  # the handshake
         with count_collectives() as calls:
-            unified = run.log(2, {"step_metric": 2.0})  # the steady state: the exchange itself
+            unified = monitor.log(2, {"step_metric": 2.0})  # the steady state: the exchange itself
         return {"calls": calls, "peak_stage": unified.get("memory/peak_stage/peak_host_rss_gb")}
     finally:
-        run.close()
+        monitor.close()
 
 
 @pytest.mark.processes

@@ -107,8 +107,8 @@ class MemoryLogCallback(Callback):
 
     def on_train_start(self, context: Any) -> None:
         bridge_logger = context.state.cfg.logger
-        for run in [run for run in _holding if run._bridge_logger is bridge_logger]:
-            run._end_training(flush=False)  # it exited by sys.exit (a caught SystemExit): hand the flag back
+        for callback in [callback for callback in _holding if callback._bridge_logger is bridge_logger]:
+            callback._end_training(flush=False)  # it exited by sys.exit (a caught SystemExit): hand the flag back
         if not bridge_logger.log_memory_to_tensorboard:
             return
         # The flight records' default folder is beside the recipe's own logs (its tensorboard_dir).

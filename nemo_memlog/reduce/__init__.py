@@ -17,7 +17,7 @@ from one rank's own keys. Every wait is bounded, so a rank that does not join ma
 others raise MemoryReduceError instead of hanging.
 
 State: a ``Reduction`` holds a channel per group (the agreed layout and its buffers) and the
-gloo twins it made. A run (MemoryMonitor) owns one and closes it when it closes; the free
+gloo twins it made. A monitor (MemoryMonitor) owns one and closes it when it closes; the free
 functions here share one of their own (see ``Reduction``). What belongs to the process (the
 open Reductions, the free functions' one, close_writers' count) is one registry, state.PROCESS.
 

@@ -33,7 +33,7 @@ class Reduction:
     """The reduction state of one run: a ``Channel`` per group it gathers over (the agreed key
     layout and its buffers), the gloo twins it made, and the warnings about report values.
 
-    A run (MemoryMonitor) makes one, with its own WarnOnce, and ``close``s it when it closes.
+    A monitor (MemoryMonitor) makes one, with its own WarnOnce, and ``close``s it when it closes.
     The free functions (helpers.py: ``gather_memory``, ``single_rank``, ``reduction_group``)
     share one of their own (``PROCESS.shared``), never closed, that warns once per process.
 

@@ -101,7 +101,7 @@ def _timed(group, plan: dict) -> dict:
     one = torch.zeros(1)
     last = {}
     # The all_to_all exchange, passed to Reductions of their own: one for reduce_a2a (as gather_memory
-    # uses the free functions'), one swapped into the run (made by its first call: ours, the first
+    # uses the free functions'), one swapped into the monitor (made by its first call: ours, the first
     # variant of the first repetition).
     a2a = {"reduce": Reduction(exchange="all_to_all")}
 
@@ -109,10 +109,10 @@ def _timed(group, plan: dict) -> dict:
         last["unified"] = training_log(iteration, cfg, pp_group=group, writers=fanout)
 
     def ours_a2a(iteration):
-        if "run" not in a2a:
-            a2a["run"] = run_of(cfg, writers=fanout)
-            a2a["ours"] = Reduction(a2a["run"].warnings, exchange="all_to_all")
-        with exchange(a2a["run"], a2a["ours"]):
+        if "monitor" not in a2a:
+            a2a["monitor"] = run_of(cfg, writers=fanout)
+            a2a["ours"] = Reduction(a2a["monitor"].warnings, exchange="all_to_all")
+        with exchange(a2a["monitor"], a2a["ours"]):
             ours(iteration)
 
     def reduce_a2a(iteration):
@@ -139,8 +139,8 @@ def _timed(group, plan: dict) -> dict:
     for reduction in (a2a["reduce"], a2a["ours"]):
         reduction.close()
     out["unified"] = last["unified"]
-    run = run_of(cfg, writers=fanout)  # the run training_log used: its channel and warnings
-    out.update(_pieces_timed(run, report, last["unified"], plan, barrier))
+    monitor = run_of(cfg, writers=fanout)  # the monitor training_log used: its channel and warnings
+    out.update(_pieces_timed(monitor, report, last["unified"], plan, barrier))
     if plan["non_logging"]:
         dist.barrier(group=group)
         if dist.get_rank() == dist.get_world_size() - 1:
@@ -167,10 +167,10 @@ def _collectives_and_exchange(ours, ours_a2a, reduce_a2a, report: dict, group, i
     return out
 
 
-def _pieces_timed(run, report: dict, unified: dict, plan: dict, barrier) -> dict:
+def _pieces_timed(monitor, report: dict, unified: dict, plan: dict, barrier) -> dict:
     """The pieces cold on every rank; hot on the writer rank, the other ranks blocked meanwhile."""
-    group = run.group
-    steps = pieces(run, report, unified)
+    group = monitor.group
+    steps = pieces(monitor, report, unified)
     out = {"pieces": summarise(interleaved(steps, plan["piece_iters"], 3, barrier)[0])}
     dist.barrier(group=group)
     if dist.get_rank() == dist.get_world_size() - 1:
@@ -183,12 +183,12 @@ def _pieces_timed(run, report: dict, unified: dict, plan: dict, barrier) -> dict
     return out
 
 
-def pieces(run, report, unified) -> dict:
-    """The steps of ``ours`` one by one, on the run's buffers and the data of its last logging call."""
+def pieces(monitor, report, unified) -> dict:
+    """The steps of ``ours`` one by one, on the monitor's buffers and the data of its last logging call."""
     from nemo_memlog import attribution, memory, payload, reduce
 
-    group = run.group
-    channel = run.reduction.channel(group)
+    group = monitor.group
+    channel = monitor.reduction.channel(group)
     layout = channel.layout
     reports = payload.unpack(layout, channel.recv_words, channel.ranks)
     gathered = attribution.line_up(layout.keys, reports)
@@ -197,7 +197,7 @@ def pieces(run, report, unified) -> dict:
     return {
         "report_memory": lambda it: memory.report_memory(),
         "capacity_report": lambda it: memory.capacity_report(),
-        "pack": lambda it: payload.pack_into(channel.send_words, layout, report, it, run.reduction.warn_value),
+        "pack": lambda it: payload.pack_into(channel.send_words, layout, report, it, monitor.reduction.warn_value),
         "all_gather": lambda it: reduce.all_gather_single(channel.recv, channel.send_row, group).wait(),
         "all_to_all": lambda it: reduce.all_to_all_single(channel.recv, channel.send, group).wait(),
         "unpack": lambda it: payload.unpack(layout, channel.recv_words, channel.ranks),

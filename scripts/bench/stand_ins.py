@@ -53,15 +53,15 @@ def fed_statistics(nested: dict):
 
 
 @contextlib.contextmanager
-def exchange(run, reduction):
-    """``run`` (a MemoryMonitor) gathers through ``reduction`` inside the block: one made with
-    another exchange, ``Reduction(run.warnings, exchange="all_to_all")``, kept across blocks so
-    that its channel agrees on the keys once, as the run's own does."""
-    previous, run.reduction = run.reduction, reduction
+def exchange(monitor, reduction):
+    """``monitor`` (a MemoryMonitor) gathers through ``reduction`` inside the block: one made with
+    another exchange, ``Reduction(monitor.warnings, exchange="all_to_all")``, kept across blocks so
+    that its channel agrees on the keys once, as the monitor's own does."""
+    previous, monitor.reduction = monitor.reduction, reduction
     try:
         yield
     finally:
-        run.reduction = previous
+        monitor.reduction = previous
 
 
 class NullBackend:
