@@ -237,8 +237,8 @@ class MemoryMonitor:
         else:
             gathered = self.reduction.single_rank(step.report)
         logged = self._attributed(gathered, placement)
-        run = self._advice_run(gathered, placement) if model is not None else None  # advise
-        logged.update(advice.step_metrics(run))  # the same arithmetic on every rank: one dict
+        measured = self._measurement(gathered, placement) if model is not None else None  # advise
+        logged.update(advice.step_metrics(measured))  # the same arithmetic on every rank: one dict
         if self.derived is not None:
             logged.update(self.derived(logged))
         unified = merged(metrics, logged, self.warn_misuse)
@@ -246,7 +246,7 @@ class MemoryMonitor:
             self._writers().log(unified, iteration)
             # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
             # least can flip from step to step, and a warning per flip would be noise.
-            for kind, sentence in advice.headroom_warnings(unified, settings.memory_headroom_warn_fraction, run):
+            for kind, sentence in advice.headroom_warnings(unified, settings.memory_headroom_warn_fraction, measured):
                 self.warn_once(("headroom", kind), sentence)
         return unified
 
@@ -364,8 +364,8 @@ class MemoryMonitor:
                 )
         return self.writers
 
-    def _advice_run(self, gathered: Any, placement: Placement) -> advice.Run | None:
-        """advice.Run of this step (per-stage parts, the run's facts), or None where they were not measured."""
+    def _measurement(self, gathered: Any, placement: Placement) -> advice.Measurement | None:
+        """advice.Measurement of this step (per-stage parts, the run's facts), or None where they were not measured."""
         try:
             return advice.run_from_gathered(gathered, self.run_facts, placement.layout, stage_of=placement.stage_of)
         except (TypeError, ValueError):  # a value that is not a number where a part should be

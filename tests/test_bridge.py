@@ -70,8 +70,8 @@ BRIDGE_WANDB_MLFLOW = ["learning-rate", "batch-size", "lm loss", "loss-scale", "
 BRIDGE_EVERY_STEP = "iteration-time"
 
 
-class Run:
-    """One harness run: its spec and every rank's record, with the ranks that matter."""
+class Recorded:
+    """One harness run's spec and records: every rank's record, with the ranks that matter."""
 
     def __init__(self, spec, records):
         self.spec, self.records = spec, records
@@ -98,7 +98,7 @@ class Run:
 
 def _run(cluster, root, **spec_fields):
     spec = RunSpec(root=str(root), ballast_mb=BALLAST_MB, **spec_fields)
-    return Run(spec, cluster.run_ok(train, spec, timeout=RUN_TIMEOUT_S))
+    return Recorded(spec, cluster.run_ok(train, spec, timeout=RUN_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")
@@ -543,7 +543,7 @@ def bridge_megatron(pp2dp2_bridge, tmp_path_factory):
             ballast_mb=0,
             backends=("tensorboard",),
         )
-        runs[name] = Run(spec, pp2dp2_bridge.run_ok(train, spec, timeout=RUN_TIMEOUT_S))
+        runs[name] = Recorded(spec, pp2dp2_bridge.run_ok(train, spec, timeout=RUN_TIMEOUT_S))
     return runs
 
 

@@ -231,9 +231,11 @@ def test_candidates_keep_the_global_batch_and_the_interleaved_schedules_group():
     from nemo_memlog.offline.fit import _candidates
 
     stages = [advice.Stage(s, {"params_gb": 0.1}, 2 - s, chunks=2) for s in range(2)]
-    run = advice.Run.of(stages, {"pp_size": 2}, {"micro_batch_size": 4, "microbatches": 4}, gpu=False, capacity_gb=1)
+    run = advice.Measurement.of(
+        stages, {"pp_size": 2}, {"micro_batch_size": 4, "microbatches": 4}, gpu=False, capacity_gb=1
+    )
     assert _candidates(run) == [1, 2, 4, 8]  # 16 samples; one microbatch of 16 is below the group of PP 2
-    one_chunk = advice.Run.of(
+    one_chunk = advice.Measurement.of(
         [dataclasses.replace(stage, chunks=1) for stage in stages],
         {"pp_size": 2}, {"micro_batch_size": 4, "microbatches": 4}, gpu=False, capacity_gb=1,
     )  # fmt: skip

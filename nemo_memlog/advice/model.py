@@ -1,5 +1,6 @@
-"""The words of the advice: a stage's measured parts (``Stage``), the run (``Run``), a change
-(``Change``, from ``parse``) and a predicted stage (``Outcome``). Pure: no torch, no I/O."""
+"""The words of the advice: a stage's measured parts (``Stage``), the run's measurement
+(``Measurement``), a change (``Change``, from ``parse``) and a predicted stage (``Outcome``).
+Pure: no torch, no I/O."""
 
 from __future__ import annotations
 
@@ -53,8 +54,8 @@ class Node:
 
 
 @dataclass(frozen=True)
-class Run:
-    """What the run's record says of the run as a whole."""
+class Measurement:
+    """One run's measurement, as advice reads it from the records: the run as a whole."""
 
     stages: tuple[Stage, ...]
     pp_size: int
@@ -86,8 +87,8 @@ class Run:
         gpu: bool,
         capacity_gb: float | None,
         capacity_source: str = "",
-    ) -> Run:
-        """A run from its stages, its ``layout`` (``pp_size``, ``dp_size``: a per-layer record has
+    ) -> Measurement:
+        """The measurement from the run's stages, its ``layout`` (``pp_size``, ``dp_size``: a per-layer record has
         them) and its ``facts`` (the record's ``"run"``: measure/layer_record.py)."""
         sharded = facts.get("optimizer_sharded") or facts.get("distributed_optimizer")
         return cls(
@@ -116,14 +117,14 @@ MAX_GROWTH = 1.5
 SAME_PARAMS_SHARE = 0.02
 
 
-def global_batch(run: Run) -> int | None:
+def global_batch(run: Measurement) -> int | None:
     """Samples per iteration: micro-batch size x microbatches x data-parallel size, where known."""
     if not run.micro_batch_size or not run.microbatches:
         return None
     return run.micro_batch_size * run.microbatches * run.dp_size
 
 
-def job_difference(first: Run, second: Run) -> str | None:
+def job_difference(first: Measurement, second: Measurement) -> str | None:
     """What makes ``second`` another job than ``first`` (only the micro-batch size, and with it the
     microbatches, may differ): the first fact or figure that differs, in words; None when none does.
     Facts a record does not state are not compared."""
@@ -149,7 +150,7 @@ def job_difference(first: Run, second: Run) -> str | None:
     return None
 
 
-def growth_between(first: Run, second: Run) -> tuple[float, ...]:
+def growth_between(first: Measurement, second: Measurement) -> tuple[float, ...]:
     """Per stage, the exponent p with which the temporaries grew from ``first``'s micro-batch size to
     ``second``'s: T2 / T1 = (s2 / s1) ** p, kept in [0, MAX_GROWTH]; 1 where a stage's temporaries
     were not measured in both. Raises ValueError for runs of other layouts or without two sizes
