@@ -1,7 +1,8 @@
 """End to end: ``python scripts/demo.py ...`` run exactly as a user would (it re-launches
 itself under torchrun, 4 gloo processes, PP 4: megatron-core's GPTModel, DDP, optimizer and
 1F1B schedule through megatron_cpu's stand-ins), then its TensorBoard events read back; then
-a second run in a row, its closing lines' commands run as printed and ``nemo-memlog report``.
+a second run in a row, on Megatron's interleaved schedule (``parallel.vpp=2``), its closing
+lines' commands run as printed and ``nemo-memlog report``.
 
 Smaller than the default job so it takes seconds, not a minute, with interval peaks
 (``logger.memory_peak_window=interval``; the default, "run", is the demo of test_sigterm.py),
@@ -171,25 +172,6 @@ def test_megatrons_stack_trains_through_the_named_stand_ins(demo):
 
 @pytest.mark.processes
 @pytest.mark.slow
-def test_the_interleaved_schedule_runs_with_parallel_vpp(tmp_path):
-    result = run_demo(
-        f"run.root={tmp_path}",
-        "parallel.vpp=2",
-        "train.iters=2",
-        "train.micro_batch_size=8",
-        "train.seq_len=32",
-        "train.save_every=0",
-        "logger.wandb_project=null",
-        "logger.mlflow_experiment=null",
-        "logger.comet_project=null",
-    )
-    assert result.returncode == 0, f"demo failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    assert "PP 4, interleaved, VPP 2" in result.stderr
-    assert "Peak host RSS per pipeline stage at iteration 2" in result.stdout
-
-
-@pytest.mark.processes
-@pytest.mark.slow
 def test_loss_falls_below_chance(demo):
     _, _, scalars = demo
     assert scalars["loss"][LOGGED_STEPS[-1]] < math.log(VOCAB)
@@ -244,9 +226,9 @@ def test_a_secret_on_the_command_line_is_written_nowhere(demo):
 
 # ---- the demo twice in a row, as a newcomer runs it ----------------------------------------
 # The second run follows the first (the `demo` fixture, no run.name either) into the same
-# run.root, with all four backends, the default peak window and fewer iterations, starting
-# over at step 1: the case that used to be stitched onto the first run's steps and called
-# "resumed" ("interval -> run").
+# run.root, with all four backends, the default peak window, Megatron's interleaved schedule
+# (parallel.vpp=2) and fewer iterations, starting over at step 1: the case that used to be
+# stitched onto the first run's steps and called "resumed" ("interval -> run").
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +237,7 @@ def two_runs(demo):
     first, first_run, _ = demo
     second = run_demo(
         f"run.root={first_run.parent}",
+        "parallel.vpp=2",
         "train.iters=2",
         "train.micro_batch_size=16",
         "train.seq_len=32",
@@ -274,6 +257,14 @@ def command_after(stdout: str, heading: str) -> list[str]:
             break
         commands.append(line.strip())
     return commands
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_the_second_run_trains_on_the_interleaved_schedule(two_runs):
+    _, _, second = two_runs
+    assert "PP 4, interleaved, VPP 2" in second.stderr  # the progress bar
+    assert "Peak host RSS per pipeline stage at iteration 2" in second.stdout
 
 
 @pytest.mark.processes
