@@ -9,6 +9,7 @@ Smaller than the default job so it takes seconds, not a minute, with interval pe
 and TensorBoard is the only backend: the others add time, and their memory on the writer rank (the last stage)
 would need bigger activations to stay below the first stage's. Each backend's own handling
 (secrets included) is tested in tests/writers/, all four under the demo in test_sigterm.py.
+The failure demo (``fail.kill_stage=0``) and its post-mortem are test_teardown.py's.
 """
 
 import math
@@ -353,30 +354,6 @@ def test_every_printed_command_runs_as_printed(demo):
             (footer,) = re.findall(r"flight records found under \S+: `([^`]+)` says which rank", done.stdout)
             assert run_as_printed(footer).returncode == 0, footer
     assert "no failure: all 4 ranks recorded a clean end (4 closed by the run)" in done.stdout
-
-
-@pytest.mark.processes
-@pytest.mark.slow
-def test_the_failure_demo_kills_a_stage_and_its_post_mortem_tells_one_story(tmp_path):
-    result = run_demo(
-        f"run.root={tmp_path}",
-        "fail.kill_stage=0",
-        "train.iters=4",
-        "train.micro_batch_size=16",
-        "train.seq_len=32",
-        "logger.wandb_project=null",
-        "logger.mlflow_experiment=null",
-        "logger.comet_project=null",
-    )
-    assert result.returncode == 0, f"failure demo:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    assert "SIGKILLs itself at iteration 3 of 4" in result.stdout
-    (command,) = command_after(result.stdout, "Which rank failed first, and what every rank held")
-    done = run_as_printed(command)
-    assert done.returncode == 1, (done.stdout[-3000:], done.stderr[-2000:])
-    text = done.stdout
-    assert "FIRST FAILURE: rank 0 (pp stage 0, tp 0, dp 0)" in text and "vanished" in text
-    assert "died of rank 0's loss (3): ranks 1-3" in text
-    assert "cannot tell" not in text and "from outside" not in text
 
 
 @pytest.mark.processes
