@@ -440,6 +440,12 @@ def test_help_lists_every_key_with_its_default(demo_script):
     assert "  logger.log_memory_to_tensorboard=true " in text and "  logger.memory_peak_window=run " in text
 
 
+def test_the_failure_demo_kills_its_stage_in_the_middle_of_the_run_unless_told(demo_script):
+    """fail.kill_at's default (test_teardown.py runs the failure demo with it given)."""
+    assert demo_script.load_config(["fail.kill_stage=0", "train.iters=4"]).fail.kill_at == 3
+    assert demo_script.load_config(["fail.kill_stage=0", "fail.kill_at=30", "train.iters=40"]).fail.kill_at == 30
+
+
 def test_under_a_fit_probe_the_demo_writes_in_fits_folder_not_among_your_runs(demo_script, monkeypatch, tmp_path):
     monkeypatch.setenv("NEMO_MEMLOG_PROBE_DIR", str(tmp_path / "probe-1-mbs-2"))
     cfg = demo_script.load_config([])
