@@ -446,6 +446,41 @@ def test_the_failure_demo_kills_its_stage_in_the_middle_of_the_run_unless_told(d
     assert demo_script.load_config(["fail.kill_stage=0", "fail.kill_at=30", "train.iters=40"]).fail.kill_at == 30
 
 
+@pytest.mark.parametrize("exit_code", [1, 0])
+def test_the_failure_demos_launcher_says_when_its_stage_dies_and_prints_the_post_mortem(
+    demo_script, monkeypatch, capsys, tmp_path, exit_code
+):
+    """The launcher's side of ``fail.kill_stage=0``, its torchrun faked (test_teardown.py runs the
+    post-mortem of a rank 0 SIGKILLed under the demo, as a user pastes the printed command)."""
+    import nemo_memlog.config
+
+    for name, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true")):
+        monkeypatch.setenv(name, value)  # main() sets these defaults: keep them out of this process
+    monkeypatch.setenv("MLFLOW_LOGGING_LEVEL", "WARNING")
+    monkeypatch.setenv("COMET_LOGGING_CONSOLE", "WARNING")
+    monkeypatch.delenv("RANK", raising=False)
+    launched = []
+
+    def torchrun(overrides, log=None):  # the job: its flight records, then torchrun's exit code
+        launched.append((overrides, log))
+        cfg = demo_script.load_config(overrides)
+        Path(nemo_memlog.config.resolve(cfg.logger).record_dir).mkdir(parents=True)
+        return exit_code
+
+    monkeypatch.setattr(demo_script, "relaunch", torchrun)
+    code = demo_script.main([f"run.root={tmp_path}", "run.name=failing", "fail.kill_stage=0", "train.iters=4"])
+    out, err = capsys.readouterr()
+    assert "stage 0's first rank SIGKILLs itself at iteration 3 of 4" in out
+    ((overrides, log),) = launched
+    assert "fail.kill_stage=0" in overrides and log == tmp_path / "failing" / demo_script.LAUNCH_LOG
+    if exit_code == 0:
+        assert code == 1 and "the job did not fail as planned (torchrun's exit code 0" in err
+        return
+    assert code == 0 and "the job failed as planned (torchrun's exit code 1)" in out
+    (command,) = command_after(out, "Which rank failed first, and what every rank held")
+    assert command.endswith(f"postmortem {tmp_path / 'failing' / 'memory_records'}"), command
+
+
 def test_under_a_fit_probe_the_demo_writes_in_fits_folder_not_among_your_runs(demo_script, monkeypatch, tmp_path):
     monkeypatch.setenv("NEMO_MEMLOG_PROBE_DIR", str(tmp_path / "probe-1-mbs-2"))
     cfg = demo_script.load_config([])
