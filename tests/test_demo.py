@@ -1,13 +1,15 @@
 """End to end: ``python scripts/demo.py ...`` run exactly as a user would (it re-launches
 itself under torchrun, 4 gloo processes, PP 4: megatron-core's GPTModel, DDP, optimizer and
 1F1B schedule through megatron_cpu's stand-ins), then its TensorBoard events read back; then
-a second run in a row, its closing lines' commands run as printed and ``nemo-memlog report``.
+a second run in a row, on Megatron's interleaved schedule (``parallel.vpp=2``), its closing
+lines' commands run as printed and ``nemo-memlog report``.
 
 Smaller than the default job so it takes seconds, not a minute, with interval peaks
 (``logger.memory_peak_window=interval``; the default, "run", is the demo of test_sigterm.py),
 and TensorBoard is the only backend: the others add time, and their memory on the writer rank (the last stage)
 would need bigger activations to stay below the first stage's. Each backend's own handling
 (secrets included) is tested in tests/writers/, all four under the demo in test_sigterm.py.
+The failure demo (``fail.kill_stage=0``) and its post-mortem are test_teardown.py's.
 """
 
 import math
@@ -171,25 +173,6 @@ def test_megatrons_stack_trains_through_the_named_stand_ins(demo):
 
 @pytest.mark.processes
 @pytest.mark.slow
-def test_the_interleaved_schedule_runs_with_parallel_vpp(tmp_path):
-    result = run_demo(
-        f"run.root={tmp_path}",
-        "parallel.vpp=2",
-        "train.iters=2",
-        "train.micro_batch_size=8",
-        "train.seq_len=32",
-        "train.save_every=0",
-        "logger.wandb_project=null",
-        "logger.mlflow_experiment=null",
-        "logger.comet_project=null",
-    )
-    assert result.returncode == 0, f"demo failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    assert "PP 4, interleaved, VPP 2" in result.stderr
-    assert "Peak host RSS per pipeline stage at iteration 2" in result.stdout
-
-
-@pytest.mark.processes
-@pytest.mark.slow
 def test_loss_falls_below_chance(demo):
     _, _, scalars = demo
     assert scalars["loss"][LOGGED_STEPS[-1]] < math.log(VOCAB)
@@ -244,9 +227,9 @@ def test_a_secret_on_the_command_line_is_written_nowhere(demo):
 
 # ---- the demo twice in a row, as a newcomer runs it ----------------------------------------
 # The second run follows the first (the `demo` fixture, no run.name either) into the same
-# run.root, with all four backends, the default peak window and fewer iterations, starting
-# over at step 1: the case that used to be stitched onto the first run's steps and called
-# "resumed" ("interval -> run").
+# run.root, with all four backends, the default peak window, Megatron's interleaved schedule
+# (parallel.vpp=2) and fewer iterations, starting over at step 1: the case that used to be
+# stitched onto the first run's steps and called "resumed" ("interval -> run").
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +238,7 @@ def two_runs(demo):
     first, first_run, _ = demo
     second = run_demo(
         f"run.root={first_run.parent}",
+        "parallel.vpp=2",
         "train.iters=2",
         "train.micro_batch_size=16",
         "train.seq_len=32",
@@ -274,6 +258,14 @@ def command_after(stdout: str, heading: str) -> list[str]:
             break
         commands.append(line.strip())
     return commands
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_the_second_run_trains_on_the_interleaved_schedule(two_runs):
+    _, _, second = two_runs
+    assert "PP 4, interleaved, VPP 2" in second.stderr  # the progress bar
+    assert "Peak host RSS per pipeline stage at iteration 2" in second.stdout
 
 
 @pytest.mark.processes
@@ -366,30 +358,6 @@ def test_every_printed_command_runs_as_printed(demo):
 
 @pytest.mark.processes
 @pytest.mark.slow
-def test_the_failure_demo_kills_a_stage_and_its_post_mortem_tells_one_story(tmp_path):
-    result = run_demo(
-        f"run.root={tmp_path}",
-        "fail.kill_stage=0",
-        "train.iters=4",
-        "train.micro_batch_size=16",
-        "train.seq_len=32",
-        "logger.wandb_project=null",
-        "logger.mlflow_experiment=null",
-        "logger.comet_project=null",
-    )
-    assert result.returncode == 0, f"failure demo:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
-    assert "SIGKILLs itself at iteration 3 of 4" in result.stdout
-    (command,) = command_after(result.stdout, "Which rank failed first, and what every rank held")
-    done = run_as_printed(command)
-    assert done.returncode == 1, (done.stdout[-3000:], done.stderr[-2000:])
-    text = done.stdout
-    assert "FIRST FAILURE: rank 0 (pp stage 0, tp 0, dp 0)" in text and "vanished" in text
-    assert "died of rank 0's loss (3): ranks 1-3" in text
-    assert "cannot tell" not in text and "from outside" not in text
-
-
-@pytest.mark.processes
-@pytest.mark.slow
 def test_no_backend_info_lines_in_the_output(two_runs):
     _, _, second = two_runs
     output = second.stdout + second.stderr
@@ -470,6 +438,47 @@ def test_help_lists_every_key_with_its_default(demo_script):
         assert re.search(rf"^  logger\.{spec.name}=\S", text, re.MULTILINE), spec.name
     assert "  train.iters=8 " in text and "  parallel.pp=4 " in text and "  run.root=runs " in text
     assert "  logger.log_memory_to_tensorboard=true " in text and "  logger.memory_peak_window=run " in text
+
+
+def test_the_failure_demo_kills_its_stage_in_the_middle_of_the_run_unless_told(demo_script):
+    """fail.kill_at's default (test_teardown.py runs the failure demo with it given)."""
+    assert demo_script.load_config(["fail.kill_stage=0", "train.iters=4"]).fail.kill_at == 3
+    assert demo_script.load_config(["fail.kill_stage=0", "fail.kill_at=30", "train.iters=40"]).fail.kill_at == 30
+
+
+@pytest.mark.parametrize("exit_code", [1, 0])
+def test_the_failure_demos_launcher_says_when_its_stage_dies_and_prints_the_post_mortem(
+    demo_script, monkeypatch, capsys, tmp_path, exit_code
+):
+    """The launcher's side of ``fail.kill_stage=0``, its torchrun faked (test_teardown.py runs the
+    post-mortem of a rank 0 SIGKILLed under the demo, as a user pastes the printed command)."""
+    import nemo_memlog.config
+
+    for name, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true")):
+        monkeypatch.setenv(name, value)  # main() sets these defaults: keep them out of this process
+    monkeypatch.setenv("MLFLOW_LOGGING_LEVEL", "WARNING")
+    monkeypatch.setenv("COMET_LOGGING_CONSOLE", "WARNING")
+    monkeypatch.delenv("RANK", raising=False)
+    launched = []
+
+    def torchrun(overrides, log=None):  # the job: its flight records, then torchrun's exit code
+        launched.append((overrides, log))
+        cfg = demo_script.load_config(overrides)
+        Path(nemo_memlog.config.resolve(cfg.logger).record_dir).mkdir(parents=True)
+        return exit_code
+
+    monkeypatch.setattr(demo_script, "relaunch", torchrun)
+    code = demo_script.main([f"run.root={tmp_path}", "run.name=failing", "fail.kill_stage=0", "train.iters=4"])
+    out, err = capsys.readouterr()
+    assert "stage 0's first rank SIGKILLs itself at iteration 3 of 4" in out
+    ((overrides, log),) = launched
+    assert "fail.kill_stage=0" in overrides and log == tmp_path / "failing" / demo_script.LAUNCH_LOG
+    if exit_code == 0:
+        assert code == 1 and "the job did not fail as planned (torchrun's exit code 0" in err
+        return
+    assert code == 0 and "the job failed as planned (torchrun's exit code 1)" in out
+    (command,) = command_after(out, "Which rank failed first, and what every rank held")
+    assert command.endswith(f"postmortem {tmp_path / 'failing' / 'memory_records'}"), command
 
 
 def test_under_a_fit_probe_the_demo_writes_in_fits_folder_not_among_your_runs(demo_script, monkeypatch, tmp_path):

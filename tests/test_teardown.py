@@ -1,18 +1,31 @@
-"""A launcher's teardown loses no logged step. torchrun starts the demo's 4 ranks, all four backends
-in the default writer process, inside a memory cgroup of their own (the job step's, as SLURM makes
-it). Rank 0 is SIGKILLed, as the kernel's OOM killer would, either before the backends have opened
-(two steps in: the writer process is still importing them) or after (TensorBoard holds steps).
-torchrun then tears the job down as it always does (SIGTERM to every worker's process group, SIGKILL
-30 s later), and the moment torchrun exits every process left in the cgroup is SIGKILLed, as SLURM
+"""A launcher's teardown loses no logged step. torchrun starts a job inside a memory cgroup of its
+own (the job step's, as SLURM makes it), its last rank the writer rank, with all four backends.
+Rank 0 is SIGKILLed, as the kernel's OOM killer would, either before the backends have opened (a
+couple of steps handed, the writer process in its main(), which ignores the launcher's SIGTERM,
+still importing them: TensorBoard opens after the kill) or after (TensorBoard holds steps). torchrun
+then tears the job down as it always does (SIGTERM to every worker's process group, SIGKILL 30 s
+later), and the moment its launcher exits every process left in the cgroup is SIGKILLed, as SLURM
 and Kubernetes end a step. Every step the writer rank's training_log returned must then be in
 TensorBoard, in MLflow (read with its own client: the store must not be half-created), in the W&B
-run's records and in the Comet archive."""
+run's records and in the Comet archive, and none may hold a step never logged.
+
+Two cases run tests/trainer.py (2 ranks; rank 1, the writer rank, prints ``handed <step>`` once
+each call has returned): before the backends opened, in the default writer process; after, in
+threads of the writer rank (``--mode thread``). The third, after, in the writer process, runs the
+demo (4 ranks, megatron-core, PP 4), which also stands for its failure demo (``python
+scripts/demo.py fail.kill_stage=0``): the post-mortem command rank 0 printed at start, pasted as a
+user would, tells one story, rank 0 vanished first and the other ranks died of its loss. Rank 0 is
+SIGKILLed from outside in every case: the demo's own fail.kill_at counts iterations, and how many
+pass before the writer process (at nice +10) has opened TensorBoard varies from a few to over 30
+with the machine's load.
+"""
 
 import os
 import re
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,42 +37,100 @@ from tests.readback import stored_steps, tensorboard_steps
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
+TRAINER = ROOT / "tests" / "trainer.py"
 JOB_LIMIT = 16_000_000_000  # roomy: this cgroup is the job's boundary, not a memory limit under test
 
 
-def _progress(lines) -> int:
-    done = [int(m.group(1)) for line in lines for m in re.finditer(r"\b(\d+)/100000\b", line)]
-    return max(done, default=0)
-
-
-def _rank_zero(group) -> int | None:
-    """The pid of the demo's rank 0 in ``group`` (its environment says RANK=0)."""
+def _rank_zero(group, script: bytes) -> int | None:
+    """The pid of ``script``'s rank 0 in ``group`` (its environment says RANK=0)."""
     for pid in group.pids():
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"demo.py" in cmdline and b"RANK=0" in environ and b"torch.distributed.run" not in cmdline:
+        if script in cmdline and b"RANK=0" in environ and b"torch.distributed.run" not in cmdline:
             return pid
     return None
 
 
-@pytest.fixture(
-    scope="module",
-    params=["before_the_backends_opened", "after_the_backends_opened", "after_the_backends_opened-thread"],
-)
-def torn_down(request, tmp_path_factory):
-    ok, why = cgroups.available()
-    if not ok:
-        pytest.skip(f"cannot create a memory cgroup here: {why}")
-    root = tmp_path_factory.mktemp("teardown")
+def _handed(out: Path) -> list[int]:
+    """The steps the writer rank's training_log returned, as the trainer printed them."""
+    return [int(line.split()[1]) for line in out.read_text().splitlines() if re.fullmatch(r"handed \d+", line)]
+
+
+def _tensorboard_opened(run: Path) -> float | None:
+    """When TensorBoard opened its first event file (the wall time of the file's first event), or
+    None if it never did (the test of every backend then says which steps are lost)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    files = (run / "tensorboard").rglob("events.out.tfevents.*")
+    return min((next(iter(EventFileLoader(str(events)).Load())).wall_time for events in files), default=None)
+
+
+def _ignores_sigterm(pid: int) -> bool:
+    """``pid`` ignores SIGTERM (the writer process does from the start of its main())."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        (mask,) = [line.split()[1] for line in status if line.startswith("SigIgn:")]
+    except (OSError, ValueError):
+        return False
+    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
+
+
+def _writer_pid(out: Path) -> int | None:
+    """The writer process's pid, as the trainer printed it (``trainer <pid> writer <pid>``)."""
+    found = re.search(r"^trainer \d+ writer (\d+)$", out.read_text(), re.MULTILINE)
+    return int(found.group(1)) if found else None
+
+
+def trainer_torn_down(root: Path, case: str) -> dict:
+    """tests/trainer.py on 2 ranks, all four backends, until rank 0 is SIGKILLed from outside."""
+    run, out, err = root / "job", root / "stdout", root / "stderr"
+    mode = "thread" if case.endswith("-thread") else "process"
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    # Files, not pipes: the writer process shares them, and would hold a pipe open.
+    with cgroups.memory_cgroup(JOB_LIMIT) as group, open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = torchrun.start(
+            TRAINER, run, "--steps", "0", "--mode", mode, nproc=2, env=env, cgroup=group, stdout=stdout, stderr=stderr
+        )
+        try:
+            if case.startswith("before"):
+                # The writer process's main() has begun (it ignores the launcher's SIGTERM from there on):
+                # it is importing and opening its backends.
+                def started() -> bool:
+                    writer = _writer_pid(out)
+                    return len(_handed(out)) >= 2 and writer is not None and _ignores_sigterm(writer)
+
+                what = "two steps handed, the writer process in its main()"
+                wait_for(started, 150, what, proc=proc, detail=err.read_text, interval_s=0.01)
+            else:
+                wait_for(lambda: len(tensorboard_steps(run)) >= 6, 150, "six steps in TensorBoard", proc=proc)
+            victim = _rank_zero(group, b"trainer.py")
+            assert victim is not None, "rank 0 not found in the job's cgroup"
+            killed_at = time.time()
+            os.kill(victim, signal.SIGKILL)
+            proc.wait(timeout=150)  # torchrun's own teardown: SIGTERM, then SIGKILL after 30 s
+        finally:
+            torchrun.kill_group(proc)
+            group.kill_all()  # torchrun has exited: SLURM ends whatever is left in the step
+    handed = _handed(out)
+    assert handed == list(range(1, len(handed) + 1)) and len(handed) >= 2, (handed[-5:], err.read_text()[-3000:])
+    if case.startswith("before"):
+        opened = _tensorboard_opened(run)
+        print(f"{case}: rank 0 SIGKILLed at step {len(handed)} at {killed_at}; TensorBoard opened at {opened}")
+        assert opened is None or opened > killed_at, "TensorBoard had opened before rank 0 was killed"
+    # A call cut short after it handed its step over (and before its print) logged one more.
+    return {"run": run, "returned": set(handed), "logged": set(range(1, len(handed) + 2))}
+
+
+def demo_killed(root: Path) -> dict:
+    """The demo (4 ranks, PP 4) under torchrun, all four backends in the writer process, until rank 0
+    is SIGKILLed from outside once TensorBoard holds six steps."""
     run = root / "job"
     env = {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     args = ["train.iters=100000", "logger.tensorboard_log_interval=1", f"run.root={root}", "run.name=job"]
     args += ["train.save_every=0", "train.micro_batch_size=4", "train.seq_len=16"]
-    if request.param.endswith("-thread"):  # the backends in threads of the writer rank's own process
-        args += ["logger.writer_mode=thread"]
     lines: list[str] = []
     with cgroups.memory_cgroup(JOB_LIMIT) as group:
         proc = torchrun.start(
@@ -74,36 +145,72 @@ def torn_down(request, tmp_path_factory):
         )
         threading.Thread(target=_read_into, args=(proc.stderr, lines), daemon=True).start()
         try:
-            if request.param.startswith("before"):
-                wait_for(lambda: _progress(list(lines)) >= 2, 150, "two logged steps", proc=proc)
-            else:
-                wait_for(lambda: len(tensorboard_steps(run)) >= 6, 150, "six steps in TensorBoard", proc=proc)
-            victim = _rank_zero(group)
+            wait_for(lambda: len(tensorboard_steps(run)) >= 6, 150, "six steps in TensorBoard", proc=proc)
+            victim = _rank_zero(group, b"demo.py")
             assert victim is not None, "rank 0 not found in the job's cgroup"
             os.kill(victim, signal.SIGKILL)
             proc.wait(timeout=150)  # torchrun's own teardown: SIGTERM, then SIGKILL after 30 s
         finally:
             torchrun.kill_group(proc)
-            left = group.kill_all()  # torchrun has exited: SLURM ends whatever is left in the step
-    return run, left, lines
+            group.kill_all()  # torchrun has exited: SLURM ends whatever is left in the step
+    return {"run": run, "stderr": list(lines)}
 
 
-def _read_into(stream, lines):
+def _read_into(stream, lines: list[str]) -> None:
     for line in iter(stream.readline, ""):
         lines.extend(re.split(r"[\r\n]", line))
 
 
-def test_every_step_training_log_returned_is_in_every_backend(torn_down):
+@pytest.fixture(scope="module")
+def killed_demo(tmp_path_factory):
+    ok, why = cgroups.available()
+    if not ok:
+        pytest.skip(f"cannot create a memory cgroup here: {why}")
+    return demo_killed(tmp_path_factory.mktemp("teardown"))
+
+
+@pytest.fixture(
+    scope="module",
+    params=["before_the_backends_opened", "after_the_backends_opened", "after_the_backends_opened-thread"],
+)
+def torn_down(request, tmp_path_factory):
+    """{"run": the run folder, "returned": the steps training_log returned on the writer rank,
+    "logged": the steps it may have handed over}."""
+    ok, why = cgroups.available()
+    if not ok:
+        pytest.skip(f"cannot create a memory cgroup here: {why}")
+    if request.param != "after_the_backends_opened":
+        return trainer_torn_down(tmp_path_factory.mktemp("teardown"), request.param)
     from tests.test_postmortem_e2e import postmortem
 
-    run, left, lines = torn_down
-    _, found = postmortem(run / "memory_records")
+    demo = request.getfixturevalue("killed_demo")
+    _, found = postmortem(demo["run"] / "memory_records")
     assert found["first_failure"]["rank"] == 0, found["sentence"]
     writer = next(r for r in found["ranks"] if r["rank"] == 3)
     last = writer["last_iteration"]  # recorded before its gather: returned up to it, or up to the one before
     assert last and last >= 2, writer
-    stored = stored_steps(run)
-    for backend, steps in stored.items():
-        missing = set(range(1, last)) - steps
-        assert not missing, f"{backend} lost steps {sorted(missing)} of 1..{last - 1} ({len(steps)} stored)"
-        assert steps <= set(range(1, last + 1)), f"{backend} holds steps never logged: {sorted(steps)}"
+    return {"run": demo["run"], "returned": set(range(1, last)), "logged": set(range(1, last + 1))}
+
+
+def test_every_step_training_log_returned_is_in_every_backend(torn_down):
+    run, returned, logged = torn_down["run"], torn_down["returned"], torn_down["logged"]
+    for backend, steps in stored_steps(run).items():
+        missing = returned - steps
+        assert not missing, f"{backend} lost steps {sorted(missing)} of {len(returned)} returned ({len(steps)} stored)"
+        assert steps <= logged, f"{backend} holds steps never logged: {sorted(steps - logged)}"
+
+
+def test_the_killed_demos_post_mortem_tells_one_story(killed_demo):
+    """The command rank 0 printed at start for after a failure, pasted as a user would, names rank 0
+    first and every other rank as its loss's (what ``python scripts/demo.py fail.kill_stage=0`` shows)."""
+    from tests.test_demo import run_as_printed
+
+    printed = [m for line in killed_demo["stderr"] for m in re.findall(r"\(after a failure: (.+)\)$", line)]
+    (command,) = set(printed)
+    assert str(killed_demo["run"] / "memory_records") in command
+    done = run_as_printed(command)
+    assert done.returncode == 1, (done.stdout[-3000:], done.stderr[-2000:])
+    text = done.stdout
+    assert "FIRST FAILURE: rank 0 (pp stage 0, tp 0, dp 0)" in text and "vanished" in text
+    assert "died of rank 0's loss (3): ranks 1-3" in text
+    assert "cannot tell" not in text and "from outside" not in text
