@@ -1,8 +1,9 @@
 """A launcher's teardown loses no logged step. torchrun starts a job inside a memory cgroup of its
 own (the job step's, as SLURM makes it), its last rank the writer rank, with all four backends.
 Rank 0 is SIGKILLed, as the kernel's OOM killer would, either before the backends have opened (a
-couple of steps handed, the writer process in its main(), which ignores the launcher's SIGTERM,
-still importing them: TensorBoard opens after the kill) or after (TensorBoard holds steps). torchrun
+couple of steps handed, the writer process just started, its interpreter still starting or
+importing them: TensorBoard opens after the kill; torchrun's SIGTERM then reaches the writer
+process in its start-up, which must hold it) or after (TensorBoard holds steps). torchrun
 then tears the job down as it always does (SIGTERM to every worker's process group, SIGKILL 30 s
 later), and the moment its launcher exits every process left in the cgroup is SIGKILLed, as SLURM
 and Kubernetes end a step. Every step the writer rank's training_log returned must then be in
@@ -68,16 +69,6 @@ def _tensorboard_opened(run: Path) -> float | None:
     return min((next(iter(EventFileLoader(str(events)).Load())).wall_time for events in files), default=None)
 
 
-def _ignores_sigterm(pid: int) -> bool:
-    """``pid`` ignores SIGTERM (the writer process does from the start of its main())."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text().splitlines()
-        (mask,) = [line.split()[1] for line in status if line.startswith("SigIgn:")]
-    except (OSError, ValueError):
-        return False
-    return bool(int(mask, 16) >> (signal.SIGTERM - 1) & 1)
-
-
 def _writer_pid(out: Path) -> int | None:
     """The writer process's pid, as the trainer printed it (``trainer <pid> writer <pid>``)."""
     found = re.search(r"^trainer \d+ writer (\d+)$", out.read_text(), re.MULTILINE)
@@ -96,13 +87,12 @@ def trainer_torn_down(root: Path, case: str) -> dict:
         )
         try:
             if case.startswith("before"):
-                # The writer process's main() has begun (it ignores the launcher's SIGTERM from there on):
-                # it is importing and opening its backends.
+                # As early as the writer process can be: started at step 1, its interpreter still
+                # starting or importing its backends (it holds the launcher's SIGTERM from its fork on).
                 def started() -> bool:
-                    writer = _writer_pid(out)
-                    return len(_handed(out)) >= 2 and writer is not None and _ignores_sigterm(writer)
+                    return len(_handed(out)) >= 2 and _writer_pid(out) is not None
 
-                what = "two steps handed, the writer process in its main()"
+                what = "two steps handed, the writer process started"
                 wait_for(started, 150, what, proc=proc, detail=err.read_text, interval_s=0.01)
             else:
                 wait_for(lambda: len(tensorboard_steps(run)) >= 6, 150, "six steps in TensorBoard", proc=proc)

@@ -12,8 +12,8 @@ trainer died: SIGKILL, segfault, ``os._exit``), it closes every backend within t
 exits; a watchdog ends it half a second after the budget whatever a backend does, so it
 never outlives its job. It also polls its parent, in case a forked child of the trainer
 still holds the socket. It ignores SIGINT and SIGTERM, which a terminal or a scheduler
-sends to the whole process group: the trainer's own handler (process_wide.py) or its death
-decides when the writer process closes. It runs at nice +10.
+sends to the whole process group, from its fork on (held blocked until its main() ignores them):
+the trainer's own handler (process_wide.py) or its death decides when the writer process closes. It runs at nice +10.
 
 Notices. Ours (the "nemo_memlog" logger's records) go back to the training process as
 ``wire.Warned``, to be said there on its own "nemo_memlog" logger; once the trainer is gone,
@@ -153,6 +153,8 @@ def main(argv: list[str]) -> int:
         pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Blocked since the fork (parent.HELD_SIGNALS): one that came meanwhile is pending, now ignored.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     serve(socket.socket(fileno=int(argv[1])), os.getppid())
     return 0
 

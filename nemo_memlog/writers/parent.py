@@ -34,6 +34,7 @@ import collections
 import itertools
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -52,6 +53,10 @@ if TYPE_CHECKING:
 
 CHILD_MODULE = "nemo_memlog.writers.child"
 SEND_BUFFER = 8 << 20  # asked for; the kernel caps it at net.core.wmem_max (x2)
+#: Blocked from the writer process's fork on (a signal mask survives exec), until its main() ignores
+#: them: a launcher's teardown signals the whole process group, and one arriving while the writer
+#: process's interpreter starts would otherwise end it with every step handed to it.
+HELD_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 REPLY_GRACE_S = 2.0  # a reply may take this much longer than the budget it answers for
 STATS_WAIT_S = 10.0
 
@@ -96,12 +101,16 @@ class ProcessFanOut:
         try:
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
             public, private = split_environment(os.environ, secrets)
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", CHILD_MODULE, str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
-                env=_with_package_path(public),
-                stdin=subprocess.DEVNULL,
-            )
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, HELD_SIGNALS)  # this thread's, for the fork
+            try:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", CHILD_MODULE, str(theirs.fileno())],
+                    pass_fds=[theirs.fileno()],
+                    env=_with_package_path(public),
+                    stdin=subprocess.DEVNULL,
+                )
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         except BaseException:
             ours.close()
             raise
