@@ -261,7 +261,13 @@ class _Search:
         launch = Launch(probe, run, predicted, fits)
         self.launches.append(launch)
         measured = ""
-        if run is not None and self.limit is not None:
+        if run is not None and run.nodes:  # judged as the kernel charges the node: its charge against the limit
+            node = max(run.nodes, key=lambda node: node.charge_gb / node.limit_gb)
+            measured = f"peaks per stage {fit_words.sizes(peaks(run))}; the node's peak charge "
+            measured += (
+                f"{fit_words.sizes([node.charge_gb])} against its cgroup's limit {fit_words.sizes([node.limit_gb])}; "
+            )
+        elif run is not None and self.limit is not None:
             measured = f"peaks per stage {fit_words.sizes(peaks(run))} against {fit_words.sizes([self.limit])}; "
         self._say(f"probe {number}: micro-batch size {size}: {launch.outcome} ({measured}{probe.seconds:.0f} s)")
         if fits:
