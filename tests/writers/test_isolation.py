@@ -4,10 +4,13 @@ warns once per kind, and a backend that comes back gets every buffered step.
 Each runs in the writer process (the default), and the cheap ones in thread mode too: the
 same backends, in the training process."""
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -147,31 +150,88 @@ class MlflowServer:
             self.proc.wait()
 
 
+class Outage:
+    """A TCP proxy on 127.0.0.1 in front of a server's ``port``: ``stop()`` closes its port and cuts
+    every connection (a client sees what a server that died gives: refused, reset), ``start()`` serves
+    again on the same port. One server start for an outage and a return, not two."""
+
+    def __init__(self, port: int):
+        self.target, self.port = port, free_port()
+        self.listener: socket.socket | None = None
+        self.open: set[socket.socket] = set()
+        self.lock = threading.Lock()
+
+    def start(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(16)
+        self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                if listener.fileno() == -1:
+                    return  # stopped
+                continue
+            with self.lock:
+                self.open.update((client, upstream))
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+
+    def stop(self) -> None:
+        listener, self.listener = self.listener, None
+        if listener is not None:
+            with contextlib.suppress(OSError):
+                listener.shutdown(socket.SHUT_RDWR)  # wakes its accept()
+            listener.close()
+        with self.lock:
+            cut, self.open = self.open, set()
+        for end in cut:
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+            end.close()
+
+
 @pytest.mark.processes
-def test_mlflow_server_killed_and_restarted_loses_nothing(tmp_path, monkeypatch):
+def test_mlflow_server_gone_and_back_loses_nothing(tmp_path, monkeypatch):
     # Fail fast per attempt: our BufferedBackend does the retrying, with backoff, from its buffer.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
     server = MlflowServer(tmp_path / "server.db", free_port())
-    uri = f"http://127.0.0.1:{server.port}"
+    outage = Outage(server.port)  # the tracking server as the client reaches it
+    uri = f"http://127.0.0.1:{outage.port}"
     cfg = LoggerConfig(mlflow_experiment="outage", mlflow_run_name="r", mlflow_tracking_uri=uri)
     server.start()
+    outage.start()
     try:
         with said(warned=False) as caught:
             fanout = build_writers(cfg)
             for step in (1, 2, 3):
                 fanout.log({"memory/peak_reserved_gb": float(step), "memory/alloc_retries": step}, step)
             assert fanout.flush(timeout_s=60)
-            server.stop()  # the tracking server dies mid-run
+            outage.stop()  # the tracking server is gone mid-run
             for step in (4, 5, 6):
                 fanout.log({"memory/peak_reserved_gb": float(step), "memory/alloc_retries": step}, step)
             assert fanout.flush(timeout_s=3) is False  # nowhere to write: steps stay buffered
-            outage = fanout.stats()["mlflow"]
-            server.start()  # ... and comes back
+            during = fanout.stats()["mlflow"]
+            outage.start()  # ... and comes back
             assert fanout.flush(timeout_s=90), fanout.stats()
             final = fanout.stats()["mlflow"]
             fanout.close()
-        assert outage["pending"] == 3 and outage["failures"] >= 1
+        assert during["pending"] == 3 and during["failures"] >= 1
         assert final == {**final, "written": 6, "pending": 0, "dropped": 0}
         failing = [m for m in _messages(caught, "mlflow") if "log failed" in m]
         assert 1 <= len(failing) <= 2, f"one warning per kind of failure, not per attempt: {failing}"
@@ -184,4 +244,5 @@ def test_mlflow_server_killed_and_restarted_loses_nothing(tmp_path, monkeypatch)
         history = client.get_metric_history(run.info.run_id, "memory/peak_reserved_gb")
         assert sorted((m.step, m.value) for m in history) == [(s, float(s)) for s in range(1, 7)]
     finally:
+        outage.stop()
         server.stop()
