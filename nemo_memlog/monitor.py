@@ -150,7 +150,11 @@ class MemoryMonitor:
             if self._off_unsaid is not None:
                 self._say_off(metrics, model, optimizer, facts)
             return None
-        logged = self.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
+        if facts is not None and facts != self._facts_given:  # the first call that carries them, any iteration
+            self._take_facts(facts)
+        logged = None  # off the logging iterations: one gate read, no other call
+        if self.logs_at(iteration):
+            logged = self.log(iteration, metrics, model=model, optimizer=optimizer)
         if model is not None and self.logs_at(iteration + 1):  # the next iteration logs: measure it
             self._arm(model)
         return logged
@@ -237,8 +241,8 @@ class MemoryMonitor:
         else:
             gathered = self.reduction.single_rank(step.report)
         logged = self._attributed(gathered, placement)
-        measured = self._measurement(gathered, placement) if model is not None else None  # advise
-        logged.update(advice.step_metrics(measured))  # the same arithmetic on every rank: one dict
+        profile = self._profile(gathered, placement) if model is not None else None  # advise
+        logged.update(advice.step_metrics(profile))  # the same arithmetic on every rank: one dict
         if self.derived is not None:
             logged.update(self.derived(logged))
         unified = merged(metrics, logged, self.warn_misuse)
@@ -246,7 +250,7 @@ class MemoryMonitor:
             self._writers().log(unified, iteration)
             # Once per kind (device, host): a node's ranks share its RAM, so the stage with the
             # least can flip from step to step, and a warning per flip would be noise.
-            for kind, sentence in advice.headroom_warnings(unified, settings.memory_headroom_warn_fraction, measured):
+            for kind, sentence in advice.headroom_warnings(unified, settings.memory_headroom_warn_fraction, profile):
                 self.warn_once(("headroom", kind), sentence)
         return unified
 
@@ -364,8 +368,8 @@ class MemoryMonitor:
                 )
         return self.writers
 
-    def _measurement(self, gathered: Any, placement: Placement) -> advice.Measurement | None:
-        """advice.Measurement of this step (per-stage parts, the run's facts), or None where they were not measured."""
+    def _profile(self, gathered: Any, placement: Placement) -> advice.Profile | None:
+        """advice.Profile of this step (per-stage parts, the run's facts), or None where they were not measured."""
         try:
             return advice.run_from_gathered(gathered, self.run_facts, placement.layout, stage_of=placement.stage_of)
         except (TypeError, ValueError):  # a value that is not a number where a part should be

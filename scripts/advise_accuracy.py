@@ -58,17 +58,6 @@ def run_demo(root: Path, name: str, overrides: list[str]) -> Path:
     return root / name
 
 
-def stage_peaks(run: Path) -> dict[int, float]:
-    """Per stage, the highest peak_host_rss_gb its ranks recorded (records read apart from advice/)."""
-    from nemo_memlog.measure import layer_record
-
-    peaks: dict[int, float] = {}
-    for record in layer_record.read_folder(run / "memory_records"):
-        stage = int(record["pp_rank"])
-        peaks[stage] = max(peaks.get(stage, 0.0), record["stage"]["peak_host_rss_gb"])
-    return peaks
-
-
 def advised(run: Path, change: str, calibrate: Path | None = None) -> dict[int, dict]:
     command = [sys.executable, "-m", "nemo_memlog.offline.cli", "advise", str(run), "--what-if", change]
     command += ["--json", "--no-png"] + (["--calibrate-with", str(calibrate)] if calibrate else [])
@@ -81,7 +70,9 @@ def pct(predicted: float, truth: float) -> str:
 
 
 def table(runs: dict[str, Path]) -> str:
-    measured = {name: stage_peaks(path) for name, path in runs.items()}
+    from nemo_memlog.testing.megatron_cpu import recorded_stage_peaks
+
+    measured = {name: recorded_stage_peaks(path / "memory_records") for name, path in runs.items()}
     lines = ["| change | stage | rerun | one run: peak | one run: range | range holds | two runs |"]
     lines.append("|---|---:|---:|---:|---:|:---:|---:|")
     for label, (_, change, calibrator) in CHANGES.items():

@@ -229,12 +229,12 @@ def test_the_low_headroom_sentence_names_the_smallest_change_that_restores_it(ru
     worst = max(advice.peak(stage.parts) for stage in run.stages)
     capacity = worst + 0.5 * saved
     fraction = 0.9 * saved / capacity  # today 0.5 * saved free < fraction * capacity; after: 1.5 * saved
-    tight = advice.Measurement(**{**run.__dict__, "capacity_gb": capacity})
+    tight = advice.Profile(**{**run.__dict__, "capacity_gb": capacity})
     sentence = advice.fix_sentence(tight, fraction)
     assert "The smallest listed change that restores it: distributed_optimizer=true" in sentence, sentence
     outcomes = advice.predict(tight, advice.parse(["distributed_optimizer=true"]))
     assert all(outcome.headroom_gb >= fraction * capacity for outcome in outcomes)
-    assert "No change" in advice.fix_sentence(advice.Measurement(**{**run.__dict__, "capacity_gb": 0.5 * worst}), 0.1)
+    assert "No change" in advice.fix_sentence(advice.Profile(**{**run.__dict__, "capacity_gb": 0.5 * worst}), 0.1)
 
 
 def warn_job(folder: str, per_stage_keys: list[str] | None = None) -> list[str]:
@@ -307,7 +307,7 @@ def _layer(activations: float, params: float = 0.01) -> dict:
 
 def _run(
     capacity: float, layers=((0.1, 0.1), (0.1, 0.1)), in_flight=(2, 1), temporaries=0.05, **facts
-) -> advice.Measurement:
+) -> advice.Profile:
     """PP 2, 1F1B, 4 microbatches of 4 samples: each stage's parts from its layers' rows."""
     stages = []
     for stage, (rows, held) in enumerate(zip(layers, in_flight)):
@@ -316,7 +316,7 @@ def _run(
         per_microbatch = sum(row["activations_per_microbatch_gb"] for row in rows)
         parts.update(activations_gb=per_microbatch * held, temporaries_gb=temporaries, outside_gb=0.5)
         stages.append(advice.Stage(stage, parts, held, layers=tuple(rows)))
-    return advice.Measurement.of(
+    return advice.Profile.of(
         stages, {"pp_size": 2, "dp_size": 2}, {"micro_batch_size": 4, "microbatches": 4, **facts},
         gpu=False, capacity_gb=capacity,
     )  # fmt: skip

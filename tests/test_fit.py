@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from nemo_memlog.measure import layer_record
 from nemo_memlog.offline import advise
 from nemo_memlog.offline import fit as fit_module
-from nemo_memlog.testing import cgroups
+from nemo_memlog.testing import cgroups, megatron_cpu
 from nemo_memlog.testing.torchrun import ROOT
 from nemo_memlog.testing.wait import left_behind
 
@@ -39,11 +38,8 @@ def job(out: Path, size="{micro_batch_size}", *extra: str) -> list[str]:
 
 
 def stage_peaks(folder: Path) -> list[float]:
-    """Per pipeline stage, the highest peak_host_rss_gb its ranks recorded: read apart from advice/."""
-    peaks: dict[int, float] = {}
-    for record in layer_record.read_folder(folder):
-        stage = int(record["pp_rank"])
-        peaks[stage] = max(peaks.get(stage, 0.0), record["stage"]["peak_host_rss_gb"])
+    """Per pipeline stage, first to last, the highest peak_host_rss_gb its ranks recorded."""
+    peaks = megatron_cpu.recorded_stage_peaks(folder)
     return [peaks[stage] for stage in sorted(peaks)]
 
 
@@ -231,11 +227,11 @@ def test_candidates_keep_the_global_batch_and_the_interleaved_schedules_group():
     from nemo_memlog.offline.fit import _candidates
 
     stages = [advice.Stage(s, {"params_gb": 0.1}, 2 - s, chunks=2) for s in range(2)]
-    run = advice.Measurement.of(
+    run = advice.Profile.of(
         stages, {"pp_size": 2}, {"micro_batch_size": 4, "microbatches": 4}, gpu=False, capacity_gb=1
     )
     assert _candidates(run) == [1, 2, 4, 8]  # 16 samples; one microbatch of 16 is below the group of PP 2
-    one_chunk = advice.Measurement.of(
+    one_chunk = advice.Profile.of(
         [dataclasses.replace(stage, chunks=1) for stage in stages],
         {"pp_size": 2}, {"micro_batch_size": 4, "microbatches": 4}, gpu=False, capacity_gb=1,
     )  # fmt: skip

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..attribution import GatheredMemory, low_headroom, stage_value
 from ..parts import ACTIVATIONS, ALLOCATOR_SLACK, IN_FLIGHT, OUTSIDE, PARAMS, TEMPORARIES
-from .model import MODEL_STATE, Measurement, Stage, fmt, parse
+from .model import MODEL_STATE, Profile, Stage, fmt, parse
 from .predict import Refused, max_micro_batch_size, predict, smallest_fix
 
 # ---- live: from a logging step's gathered values ----------------------------------------------
@@ -53,7 +53,7 @@ def _gb(value) -> float:
 
 def run_from_gathered(
     gathered: GatheredMemory, facts: dict, layout: dict, *, stage_of: Sequence[int] | None = None
-) -> Measurement | None:
+) -> Profile | None:
     """The run as one logging step gathered it: each stage's parts, whatever is logged per stage.
 
     Args:
@@ -64,7 +64,7 @@ def run_from_gathered(
             a stage's figure is then the largest over its ranks.
 
     Returns:
-        The ``Measurement``, or None where a stage has no measured activations or parameters.
+        The ``Profile``, or None where a stage has no measured activations or parameters.
     """
     maximum = gathered.maximum
     stages, gpu = [], "peak_reserved_gb" in maximum
@@ -79,10 +79,10 @@ def run_from_gathered(
     else:
         total = maximum.get("host_limit_gb") or maximum.get("host_total_gb")
         capacity = total / max(int(layout.get("local_world_size", 1)), 1) if total else None
-    return Measurement.of(stages, layout, facts, gpu=gpu, capacity_gb=capacity)
+    return Profile.of(stages, layout, facts, gpu=gpu, capacity_gb=capacity)
 
 
-def step_metrics(run: Measurement | None) -> dict:
+def step_metrics(run: Profile | None) -> dict:
     """The advice a logging step logs: ``MAX_MICRO_BATCH`` where the run states its micro-batch size."""
     if run is None or not run.micro_batch_size:
         return {}
@@ -90,7 +90,7 @@ def step_metrics(run: Measurement | None) -> dict:
     return {} if best is None else {MAX_MICRO_BATCH: best}
 
 
-def headroom_warnings(unified: dict, fraction: float, run: Measurement | None) -> list[tuple[str, str]]:
+def headroom_warnings(unified: dict, fraction: float, run: Profile | None) -> list[tuple[str, str]]:
     """(kind, sentence) for each headroom below ``fraction`` of capacity (``attribution.low_headroom``),
     with the smallest change that would restore it where ``run`` measured that kind of memory."""
     found = []
@@ -101,7 +101,7 @@ def headroom_warnings(unified: dict, fraction: float, run: Measurement | None) -
     return found
 
 
-def fix_sentence(run: Measurement, fraction: float) -> str:
+def fix_sentence(run: Profile, fraction: float) -> str:
     """The low-headroom warning's advice: the smallest listed change that leaves every stage
     ``fraction`` of its capacity free, with the predicted figure; or that none of them does."""
     found = smallest_fix(run, fraction)
@@ -119,7 +119,7 @@ def fix_sentence(run: Measurement, fraction: float) -> str:
     )
 
 
-def would_have_fit(run: Measurement) -> list[tuple[str, float]]:
+def would_have_fit(run: Profile) -> list[tuple[str, float]]:
     """(change, predicted peak GB) for each listed change after which every stage fits its capacity."""
     fits = []
     for text in ("expandable_segments=true", "distributed_optimizer=true", "micro_batch_size=x0.5", "recompute=full"):
@@ -132,8 +132,8 @@ def would_have_fit(run: Measurement) -> list[tuple[str, float]]:
     return fits
 
 
-def oom_run(report: dict, oom: dict, record: dict | None) -> Measurement | None:
-    """The failing rank at a CUDA OOM as a one-stage Measurement: its breakdown (``report``, from the OOM
+def oom_run(report: dict, oom: dict, record: dict | None) -> Profile | None:
+    """The failing rank at a CUDA OOM as a one-stage Profile: its breakdown (``report``, from the OOM
     record), the request it could not serve added to its temporaries, the device's limit as the
     capacity; the run's facts and sizes from its per-layer ``record`` where there is one."""
     parts = {name: report.get(name) for name in (*MODEL_STATE, "activations_gb")}
@@ -146,4 +146,4 @@ def oom_run(report: dict, oom: dict, record: dict | None) -> Measurement | None:
     in_flight = report.get("microbatches_in_flight")
     stage = Stage(int(record.get("pp_rank", 0)), parts, int(in_flight) if isinstance(in_flight, int) else None)
     limit = oom.get("device_limit")
-    return Measurement.of((stage,), record, facts, gpu=True, capacity_gb=limit / 1e9 if limit else None)
+    return Profile.of((stage,), record, facts, gpu=True, capacity_gb=limit / 1e9 if limit else None)

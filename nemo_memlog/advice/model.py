@@ -1,5 +1,5 @@
 """The words of the advice: a stage's measured parts (``Stage``), the run's measurement
-(``Measurement``), a change (``Change``, from ``parse``) and a predicted stage (``Outcome``).
+(``Profile``), a change (``Change``, from ``parse``) and a predicted stage (``Outcome``).
 Pure: no torch, no I/O."""
 
 from __future__ import annotations
@@ -54,8 +54,10 @@ class Node:
 
 
 @dataclass(frozen=True)
-class Measurement:
-    """One run's measurement, as advice reads it from the records: the run as a whole."""
+class Profile:
+    """One run's memory profile, as advice reads it from the records: each stage's parts and
+    microbatches in flight, and the facts of the run as a whole (not the activation meter's
+    ``measure.activations.Measurement``, one rank's iteration)."""
 
     stages: tuple[Stage, ...]
     pp_size: int
@@ -87,7 +89,7 @@ class Measurement:
         gpu: bool,
         capacity_gb: float | None,
         capacity_source: str = "",
-    ) -> Measurement:
+    ) -> Profile:
         """The measurement from the run's stages, its ``layout`` (``pp_size``, ``dp_size``: a per-layer record has
         them) and its ``facts`` (the record's ``"run"``: measure/layer_record.py)."""
         sharded = facts.get("optimizer_sharded") or facts.get("distributed_optimizer")
@@ -117,14 +119,14 @@ MAX_GROWTH = 1.5
 SAME_PARAMS_SHARE = 0.02
 
 
-def global_batch(run: Measurement) -> int | None:
+def global_batch(run: Profile) -> int | None:
     """Samples per iteration: micro-batch size x microbatches x data-parallel size, where known."""
     if not run.micro_batch_size or not run.microbatches:
         return None
     return run.micro_batch_size * run.microbatches * run.dp_size
 
 
-def job_difference(first: Measurement, second: Measurement) -> str | None:
+def job_difference(first: Profile, second: Profile) -> str | None:
     """What makes ``second`` another job than ``first`` (only the micro-batch size, and with it the
     microbatches, may differ): the first fact or figure that differs, in words; None when none does.
     Facts a record does not state are not compared."""
@@ -150,7 +152,7 @@ def job_difference(first: Measurement, second: Measurement) -> str | None:
     return None
 
 
-def growth_between(first: Measurement, second: Measurement) -> tuple[float, ...]:
+def growth_between(first: Profile, second: Profile) -> tuple[float, ...]:
     """Per stage, the exponent p with which the temporaries grew from ``first``'s micro-batch size to
     ``second``'s: T2 / T1 = (s2 / s1) ** p, kept in [0, MAX_GROWTH]; 1 where a stage's temporaries
     were not measured in both. Raises ValueError for runs of other layouts or without two sizes

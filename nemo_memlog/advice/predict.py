@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .model import CHANGES, MODEL_STATE, Change, Measurement, Outcome, Refused, Stage, parse, peak, with_model_state
+from .model import CHANGES, MODEL_STATE, Change, Outcome, Profile, Refused, Stage, parse, peak, with_model_state
 
 # ---- predicting ------------------------------------------------------------------------------
 
 
-def predict(run: Measurement, changes: list[Change]) -> list[Outcome]:
+def predict(run: Profile, changes: list[Change]) -> list[Outcome]:
     """Every stage under ``changes`` applied together (in the order CHANGES lists them). Raises Refused."""
     state = _State.of(run)
     order = list(CHANGES)
@@ -39,7 +39,7 @@ class _State:
     assumptions: list[str]
 
     @classmethod
-    def of(cls, run: Measurement) -> _State:
+    def of(cls, run: Profile) -> _State:
         plans = []
         for stage in run.stages:
             held = stage.in_flight or 1
@@ -53,7 +53,7 @@ class _State:
             )
         return cls(plans, run.microbatches, run.micro_batch_size, [])
 
-    def outcomes(self, run: Measurement) -> list[Outcome]:
+    def outcomes(self, run: Profile) -> list[Outcome]:
         out = self._per_stage(run)
         change = {outcome.stage: outcome.peak_gb - outcome.peak_now_gb for outcome in out}
         for node in run.nodes:  # the node's charge plus each of its ranks' change: shared pages once
@@ -63,7 +63,7 @@ class _State:
                     outcome.node_room_gb, outcome.node_limit_gb = room, node.limit_gb
         return out
 
-    def _per_stage(self, run: Measurement) -> list[Outcome]:
+    def _per_stage(self, run: Profile) -> list[Outcome]:
         out = []
         for stage, plan in zip(run.stages, self.plans):
             predicted = dict(plan.parts)
@@ -98,7 +98,7 @@ SCHEDULES = {
 }
 
 
-def schedule_name(run: Measurement) -> str:
+def schedule_name(run: Profile) -> str:
     """The run's pipeline schedule: its stated fact, else "interleaved" for several chunks per stage,
     else "1f1b". Raises Refused for a stated schedule whose rule is not known (never guessed)."""
     stated = run.schedule
@@ -127,7 +127,7 @@ def in_flight(schedule: str, pp_size: int, stage: int, chunks: int, microbatches
     return total if warmup >= total else warmup + 1
 
 
-def _in_flight_for(run: Measurement, state: _State, microbatches: int) -> None:
+def _in_flight_for(run: Profile, state: _State, microbatches: int) -> None:
     if run.microbatches is None:  # today's count unknown: the measured count as each stage's limit
         for stage, plan in zip(run.stages, state.plans):
             if stage.in_flight is not None:
@@ -152,7 +152,7 @@ def _in_flight_for(run: Measurement, state: _State, microbatches: int) -> None:
     state.assumptions.append(f"in flight: the {schedule} schedule's rule, {SCHEDULES[schedule]}; it matched the run")
 
 
-def _micro_batch_size(run: Measurement, state: _State, change: Change) -> None:
+def _micro_batch_size(run: Profile, state: _State, change: Change) -> None:
     kind, amount = change.value
     if kind == "n":
         if state.micro_batch_size is None:
@@ -201,7 +201,7 @@ def _micro_batch_size(run: Measurement, state: _State, change: Change) -> None:
     _in_flight_for(run, state, round(samples))
 
 
-def _microbatches(run: Measurement, state: _State, change: Change) -> None:
+def _microbatches(run: Profile, state: _State, change: Change) -> None:
     if run.microbatches is None and any(stage.in_flight for stage in run.stages):
         state.assumptions.append(
             "today's microbatches per iteration unknown: 1F1B's PP - s taken as each stage's limit"
@@ -209,7 +209,7 @@ def _microbatches(run: Measurement, state: _State, change: Change) -> None:
     _in_flight_for(run, state, change.value)
 
 
-def _layers_per_stage(run: Measurement, state: _State, change: Change) -> None:
+def _layers_per_stage(run: Profile, state: _State, change: Change) -> None:
     counts = change.value
     if len(counts) != run.pp_size:
         raise Refused(f"{change.text}: {len(counts)} counts for {run.pp_size} pipeline stages; give one per stage")
@@ -251,7 +251,7 @@ def _has_layers(stage: Stage) -> bool:
     return any(row.get("kind") == "layer" for row in stage.layers)
 
 
-def _distributed_optimizer(run: Measurement, state: _State, change: Change) -> None:
+def _distributed_optimizer(run: Profile, state: _State, change: Change) -> None:
     if run.optimizer_sharded:
         raise Refused(f"{change.text}: the optimizer state is already sharded over data parallelism in this run")
     if run.dp_size <= 1:
@@ -267,7 +267,7 @@ def _distributed_optimizer(run: Measurement, state: _State, change: Change) -> N
     )
 
 
-def _recompute(run: Measurement, state: _State, change: Change) -> None:
+def _recompute(run: Profile, state: _State, change: Change) -> None:
     if run.recompute == change.value:
         raise Refused(f"{change.text}: the run already recomputes ({run.recompute})")
     if not all(_has_layers(stage) for stage in run.stages):
@@ -300,7 +300,7 @@ def _recompute(run: Measurement, state: _State, change: Change) -> None:
         )
 
 
-def _expandable_segments(run: Measurement, state: _State, change: Change) -> None:
+def _expandable_segments(run: Profile, state: _State, change: Change) -> None:
     if not run.gpu:
         raise Refused(f"{change.text}: a CUDA allocator setting; this run measured no allocator (CPU)")
     for plan in state.plans:
@@ -336,9 +336,7 @@ _TRIAL_DIVISOR = 1 << 20
 MAX_DIVISORS = 1 << 20
 
 
-def max_micro_batch_size(
-    run: Measurement, changes: Sequence[Change] = (), margin: float = 0.0
-) -> tuple[int | None, str]:
+def max_micro_batch_size(run: Profile, changes: Sequence[Change] = (), margin: float = 0.0) -> tuple[int | None, str]:
     """(the largest micro-batch size whose prediction, with ``changes`` other than the micro-batch
     size applied too, leaves ``margin`` of the capacity free on every stage; how it was searched),
     or (None, why not). With microbatches known, only sizes that keep the global batch whole.
@@ -422,7 +420,7 @@ def divisors(*numbers: int) -> list[int] | None:
     return sorted(divisors)
 
 
-def smallest_fix(run: Measurement, fraction: float) -> tuple[Change, list[Outcome]] | None:
+def smallest_fix(run: Profile, fraction: float) -> tuple[Change, list[Outcome]] | None:
     """The first change of a short list, least disruptive first, after which every stage keeps at
     least ``fraction`` of its capacity free; None if none does (or nothing can be predicted)."""
     if run.capacity_gb is None:

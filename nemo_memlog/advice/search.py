@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .model import Change, Measurement, Outcome, Refused, parse
+from .model import Change, Outcome, Profile, Refused, parse
 from .predict import max_micro_batch_size, predict
 
 #: The order of the search, cheapest first: what each costs the run.
@@ -31,7 +31,7 @@ class Fix:
         return " + ".join(change.text for change in self.changes)
 
 
-def changes_that_fit(run: Measurement, margin: float) -> list[Fix]:
+def changes_that_fit(run: Profile, margin: float) -> list[Fix]:
     """Each change of COSTS's order that alone leaves ``margin`` of the capacity free on every
     stage (the largest micro-batch size that does, for the first); where none alone does, the
     distributed optimizer, recompute and a layer split together, with the largest micro-batch size
@@ -61,7 +61,7 @@ def changes_that_fit(run: Measurement, margin: float) -> list[Fix]:
     return [fix] if fix is not None else []
 
 
-def _fix(run: Measurement, changes: Sequence[Change], margin: float) -> Fix | None:
+def _fix(run: Profile, changes: Sequence[Change], margin: float) -> Fix | None:
     """A Fix of ``changes`` where the prediction leaves ``margin`` of every stage's capacity free, else None."""
     try:
         outcomes = predict(run, list(changes))
@@ -72,7 +72,7 @@ def _fix(run: Measurement, changes: Sequence[Change], margin: float) -> Fix | No
     return None
 
 
-def balanced_split(run: Measurement, limit: float) -> tuple[int, ...] | None:
+def balanced_split(run: Profile, limit: float) -> tuple[int, ...] | None:
     """Transformer layers per stage that lower the highest predicted peak the most, moving one layer
     at a time off the stage that holds it (at most layers x stages moves); None where the run's
     record cannot predict a layer move or no move lowers the peak."""
@@ -105,7 +105,7 @@ def balanced_split(run: Measurement, limit: float) -> tuple[int, ...] | None:
     return tuple(best) if best != counts else None
 
 
-def _peaks(run: Measurement, text: str) -> list[float] | None:
+def _peaks(run: Profile, text: str) -> list[float] | None:
     """Each stage's predicted peak under the change ``text``, or None where it cannot be predicted."""
     try:
         return [outcome.peak_gb for outcome in predict(run, parse([text]))]

@@ -2,7 +2,7 @@
 per-layer records (measure/layer_record.py), by advice/'s arithmetic. No torch.
 
 ``load(path, capacity_gb)`` finds the records (the run folder, its TensorBoard folder beside them, or
-the record folder itself) and builds an ``advice.Measurement``: per stage, the data-parallel rank with the
+the record folder itself) and builds an ``advice.Profile``: per stage, the data-parallel rank with the
 highest peak. ``as_json`` and ``as_text`` render the outcomes.
 """
 
@@ -46,7 +46,7 @@ def record_folder(path: str | Path) -> Path:
     )
 
 
-def load(path: str | Path, capacity_gb: float | None = None) -> advice.Measurement:
+def load(path: str | Path, capacity_gb: float | None = None) -> advice.Profile:
     """The run as its records describe it, with ``capacity_gb`` (None: from the records). Raises
     AdviseError naming the file and field of a record that cannot be used, and for a folder whose
     records are not one run's: several layouts (stale records of another run), or a stage missing."""
@@ -69,7 +69,7 @@ def load(path: str | Path, capacity_gb: float | None = None) -> advice.Measureme
     nodes = node_charge.nodes_of(records) if capacity_gb is None and not gpu else ()
     if nodes:
         source += "; " + node_charge.capacity_text(nodes)
-    run = advice.Measurement.of(stages, first, facts, gpu=gpu, capacity_gb=capacity, capacity_source=source)
+    run = advice.Profile.of(stages, first, facts, gpu=gpu, capacity_gb=capacity, capacity_source=source)
     return dataclasses.replace(run, nodes=nodes)
 
 
@@ -243,7 +243,7 @@ def _capacity(records: list[dict], gpu: bool) -> tuple[float | None, str]:
     return None, "unknown"
 
 
-def capacity_line(run: advice.Measurement) -> str:
+def capacity_line(run: advice.Profile) -> str:
     """The capacity per rank and where it came from, as ``report`` and ``advise`` both say it:
     "capacity per rank: 6.32 GB (host memory 25.28 GB, shared by 4 ranks on this node)"."""
     if not run.capacity_gb:
@@ -251,7 +251,7 @@ def capacity_line(run: advice.Measurement) -> str:
     return f"capacity per rank: {size_text(run.capacity_gb)} ({run.capacity_source})"
 
 
-def replica_line(run: advice.Measurement) -> str:
+def replica_line(run: advice.Profile) -> str:
     """Whose record each stage's figures are: per stage, the data-parallel rank with the highest peak."""
     ranks = ", ".join(f"stage {stage.stage} rank {stage.rank}" for stage in run.stages)
     if run.dp_size <= 1:
@@ -281,7 +281,7 @@ class Advice:
     """What ``advise`` prints, as data: the run, the change, every stage under it, the largest
     micro-batch size that fits (size, how searched), and with ``--fit`` the changes that fit."""
 
-    run: advice.Measurement
+    run: advice.Profile
     changes: list[advice.Change]
     outcomes: list[advice.Outcome]
     best: tuple
@@ -320,9 +320,7 @@ def _finite(value, where: str, reasons: dict[str, str]):
     return value
 
 
-def _as_dict(
-    run: advice.Measurement, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple
-) -> dict:
+def _as_dict(run: advice.Profile, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> dict:
     return dict(
         {
             "changes": [change.text for change in changes],

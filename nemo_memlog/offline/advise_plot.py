@@ -14,12 +14,12 @@ from .plotting import PART_COLOURS, integer_ticks, new_figure, save
 from .tables import size_scale, size_text
 
 if TYPE_CHECKING:
-    from ..advice import Change, Measurement, Outcome
+    from ..advice import Change, Outcome, Profile
 
 COLOURS = PART_COLOURS  # bottom to top, as the composition PNG colours them
 
 
-def write_png(run: Measurement, changes: list[Change], outcomes: list[Outcome], path: str | Path) -> Path:
+def write_png(run: Profile, changes: list[Change], outcomes: list[Outcome], path: str | Path) -> Path:
     """Two bars per stage (today, predicted) into the PNG at ``path``, the stage holding the peak
     today and predicted named over its bar and in the title; returns the path."""
     from .advise import capacity_line, peak_line, replica_line

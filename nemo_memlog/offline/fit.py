@@ -84,7 +84,7 @@ class Launch:
     predicted for its size before it ran, and whether every stage stayed within the limit."""
 
     probe: Probe
-    run: advice.Measurement | None
+    run: advice.Profile | None
     predicted: list[float] | None
     fits: bool
 
@@ -277,7 +277,7 @@ class _Search:
             self.ceiling = size
         return launch
 
-    def _read(self, probe: Probe) -> advice.Measurement | None:
+    def _read(self, probe: Probe) -> advice.Profile | None:
         if not probe.folder.is_dir():
             probe.notes.append(f"the command removed its probe folder ({PROBE_DIR_ENV}) while it ran")
             return None
@@ -317,7 +317,7 @@ class _Search:
                 return True
         return False
 
-    def _check_global_batch(self, run: advice.Measurement) -> None:
+    def _check_global_batch(self, run: advice.Profile) -> None:
         """FitError where this probe's samples per iteration differ from the first probe's: the
         candidates (and every prediction) hold the global batch fixed."""
         first = self.launches[0].run if self.launches else None
@@ -392,23 +392,23 @@ class _Search:
             return None
 
 
-def measured_fits(run: advice.Measurement, margin: float) -> bool:
+def measured_fits(run: advice.Profile, margin: float) -> bool:
     """Whether ``run`` as measured left ``margin`` free on every stage: each stage's peak against the
     capacity per rank, or under a shared memory cgroup its node's peak charge against the limit."""
     return all(outcome.fits_with(margin) for outcome in advice.predict(run, []))
 
 
-def peaks(run: advice.Measurement) -> list[float]:
+def peaks(run: advice.Profile) -> list[float]:
     """Each stage's measured peak in ``run`` (its parts' sum: advise's peak today)."""
     return [advice.peak(stage.parts) for stage in run.stages]
 
 
-def _samples(run: advice.Measurement) -> int | None:
+def _samples(run: advice.Profile) -> int | None:
     """The samples per iteration per data-parallel replica the run's facts give, or None."""
     return run.microbatches * run.micro_batch_size if run.microbatches and run.micro_batch_size else None
 
 
-def _candidates(run: advice.Measurement) -> Sequence[int]:
+def _candidates(run: advice.Profile) -> Sequence[int]:
     """The sizes the job allows: with the global batch fixed (the probe's micro-batch size times its
     microbatches, per data-parallel replica), those giving whole microbatches, and under the
     interleaved schedule at least one group of them (Megatron refuses fewer); else 1 to 64x (a

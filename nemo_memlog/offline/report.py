@@ -86,7 +86,7 @@ def format_report(run: MemoryRun, records: Any = _UNREAD) -> str:
 
 
 def records_run(run: MemoryRun) -> Any:
-    """The run as ``advise`` reads it from its per-layer records (an ``advice.Measurement``), or None
+    """The run as ``advise`` reads it from its per-layer records (an ``advice.Profile``), or None
     without readable records: the report takes the capacity per rank and the layout from it,
     so both commands say the same."""
     from .advise import AdviseError, load

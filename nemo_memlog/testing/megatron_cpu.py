@@ -413,3 +413,16 @@ def logged_run(spec: JobSpec, root: str, iterations: int = 2, interval: int = 2,
     }
     nemo_memlog.close_writers()
     return result
+
+
+def recorded_stage_peaks(folder) -> dict[int, float]:
+    """Per pipeline stage, the highest ``peak_host_rss_gb`` its ranks recorded in the per-layer
+    records under ``folder`` (a ``memory_records`` folder): a run's peaks read apart from advice/,
+    what its predictions are held against."""
+    from nemo_memlog.measure import layer_record
+
+    peaks: dict[int, float] = {}
+    for record in layer_record.read_folder(folder):
+        stage = int(record["pp_rank"])
+        peaks[stage] = max(peaks.get(stage, 0.0), record["stage"]["peak_host_rss_gb"])
+    return peaks
