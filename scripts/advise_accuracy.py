@@ -6,7 +6,8 @@ configuration moves by), and once per change (micro-batch size x2 and x0.5, micr
 per change and per stage, the base's prediction (``advise --what-if ... --json``: ``peak_gb``,
 ``peak_low_gb``, ``peak_high_gb``) from one run, and from two (``--calibrate-with`` the run of
 another size), against the peak the rerun recorded (its records' ``peak_host_rss_gb``, read apart
-from advice/). Prints the table as markdown. About 10 minutes on 2 idle cores; a line per step.
+from advice/). Prints the table as markdown. About 10 minutes on 2 idle cores; a line per step, and each
+demo's own progress bar (stderr) while it runs.
 
     .venv/bin/python scripts/advise_accuracy.py [--work-dir DIR] [--keep]
 """
@@ -51,9 +52,11 @@ def run_demo(root: Path, name: str, overrides: list[str]) -> Path:
     say(f"demo '{name}' ({' '.join(overrides) or 'the base'}) ...")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     command = [sys.executable, "scripts/demo.py", *BASE, *overrides, f"run.root={root}", f"run.name={name}"]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    # Its stderr (the progress bar: iteration k of n, its set-up) to the terminal as it runs; its
+    # stdout (its closing table and commands) away from the markdown this script prints.
+    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
     if done.returncode != 0:
-        raise SystemExit(f"demo '{name}' failed ({done.returncode}):\n{done.stderr[-3000:]}")
+        raise SystemExit(f"demo '{name}' failed ({done.returncode}): its output is above")
     say(f"demo '{name}' done in {time.monotonic() - started:.0f} s")
     return root / name
 
