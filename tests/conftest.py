@@ -1,6 +1,7 @@
 import contextlib
 import ctypes.util
 import functools
+import multiprocessing.util
 import os
 import platform
 import resource
@@ -26,6 +27,9 @@ def pytest_configure(config):
     factory = getattr(config, "_tmp_path_factory", None)  # the object tmp_path_factory returns
     base = factory.getbasetemp() if factory is not None else None
     _roots.append(base.parent if base is not None else None)
+    # Multiprocessing's own folder (the forkserver's socket, for testing.cluster) made first, in the
+    # system's: multiprocessing removes it at exit, after this session's private one is gone.
+    multiprocessing.util.get_temp_dir()
     _session_tmp.enter_context(private_tmpdir(base))
 
 
