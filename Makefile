@@ -69,8 +69,11 @@ lint: $(STAMP)
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports
 
+#: pytest-xdist's workers for `make test`: two, one per core of the 2-core machine the time is measured on.
+TEST_WORKERS ?= 2
+
 test: lint $(STAMP03)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscopereorder --durations=15 tests
 	@echo "the tests marked versions again, against Megatron-Bridge 0.3.1 and megatron-core 0.16.1 ($(VENV03)):"
 	$(VENV03)/bin/python -m pytest -q -m versions $(VERSIONED_TESTS)
 

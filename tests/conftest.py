@@ -43,6 +43,22 @@ def pytest_unconfigure(config):
                 root.rmdir()
 
 
+#: The files that take longest (tests/conftest.py's summary measures them), longest first; the rest
+#: follow in pytest's own order. `make test` hands whole files to its two pytest-xdist workers in
+#: this order (--dist loadfile --no-loadscopereorder): the long files start at once, the short ones
+#: fill the gaps, and neither worker sits idle at the end while the other runs a long one.
+LONGEST_FIRST = (
+    *("test_fit.py", "test_megatron_lm.py", "test_demo.py", "test_readme.py", "test_lightning.py"),
+    *("test_teardown.py", "test_megatron.py", "writers/test_process.py", "test_bridge.py"),
+    *("test_postmortem_e2e.py", "test_sigterm.py", "writers/test_isolation.py", "test_inputs.py", "test_misuse.py"),
+)
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(first)))
+
+
 @pytest.fixture(scope="session")
 def pp2dp2():
     """World 4 = PP 2 x DP 2: PP groups {0,2} and {1,3} are proper subgroups."""

@@ -111,3 +111,11 @@ def test_every_module_under_tests_gpu_is_marked_gpu():
         if "pytest.mark.gpu" not in names:
             unmarked.append(path.name)
     assert unmarked == [], f"modules under tests/gpu without pytestmark = [..., pytest.mark.gpu]: {unmarked}"
+
+
+def test_the_longest_files_named_first_are_files_of_the_suite():
+    from tests.conftest import LONGEST_FIRST
+
+    missing = [name for name in LONGEST_FIRST if not (ROOT / "tests" / name).is_file()]
+    assert missing == [], f"tests/conftest.py's LONGEST_FIRST names files that are not there: {missing}"
+    assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)

@@ -48,6 +48,7 @@ def rank_main(scenario: str, out: str) -> int:
         from nemo_memlog.testing.wait import alive, wait_for
 
         dist.init_process_group("gloo")
+        dist.barrier()  # both ranks connected: rank 0 leaves a group that had formed, not one still forming
         left = Path(out, "rank-0.pid")
         if rank == 0:
             left.write_text(str(os.getpid()))
