@@ -73,7 +73,7 @@ lint: $(STAMP)
 TEST_WORKERS ?= 2
 
 test: lint $(STAMP03)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscopereorder --durations=15 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 	@echo "the tests marked versions again, against Megatron-Bridge 0.3.1 and megatron-core 0.16.1 ($(VENV03)):"
 	$(VENV03)/bin/python -m pytest -q -m versions $(VERSIONED_TESTS)
 

@@ -45,7 +45,7 @@ def pytest_unconfigure(config):
 
 #: The files that take longest (tests/conftest.py's summary measures them), longest first; the rest
 #: follow in pytest's own order. `make test` hands whole files to its two pytest-xdist workers in
-#: this order (--dist loadfile --no-loadscopereorder): the long files start at once, the short ones
+#: this order (--dist loadfile --no-loadscope-reorder): the long files start at once, the short ones
 #: fill the gaps, and neither worker sits idle at the end while the other runs a long one.
 LONGEST_FIRST = (
     *("test_fit.py", "test_megatron_lm.py", "test_demo.py", "test_readme.py", "test_lightning.py"),
