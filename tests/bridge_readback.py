@@ -10,10 +10,12 @@ its SQLite store through ``MlflowClient``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import defaultdict
 from pathlib import Path
 
+from nemo_memlog.testing.wait import wait_for
 from nemo_memlog.writers.stages import STAGE_LABEL
 from tests.writers.test_wandb import wandb_records
 
@@ -54,10 +56,23 @@ def _scalars(files: list[Path]) -> dict[str, list[tuple[int, float]]]:
     return dict(scalars)
 
 
+#: How long a reader waits for W&B's service to finish a run's log: ``run.finish()`` returns before the
+#: service (wandb-core, a process of its own) has written the last records, and on a loaded machine the
+#: log was read with no history rows yet (seen under pytest-xdist; the rows were there a moment later).
+FINISHED_WITHIN_S = 30.0
+
+
 def wandb_run(root) -> tuple[list[Path], dict[int, dict], dict]:
     """(every run log (.wandb file) under root, {step: {key: value}} from the history
-    records, the run config as recorded). Expects exactly one run; the caller checks."""
+    records, the run config as recorded), once every log ends its run (an exit record), or as it
+    stands after FINISHED_WITHIN_S. Expects exactly one run; the caller checks."""
     logs = sorted(Path(root).rglob("*.wandb"))
+    with contextlib.suppress(AssertionError):  # unfinished by then: read as it stands, for the caller to judge
+        wait_for(
+            lambda: all(any(r.WhichOneof("record_type") == "exit" for r in wandb_records(log)) for log in logs),
+            FINISHED_WITHIN_S,
+            "W&B's service to finish writing the run",
+        )
     history: dict[int, dict] = {}
     config: dict = {}
     for log in logs:
