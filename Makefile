@@ -75,7 +75,7 @@ TEST_WORKERS ?= 2
 test: lint $(STAMP03)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 	@echo "the tests marked versions again, against Megatron-Bridge 0.3.1 and megatron-core 0.16.1 ($(VENV03)):"
-	$(VENV03)/bin/python -m pytest -q -m versions $(VERSIONED_TESTS)
+	$(VENV03)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m versions $(VERSIONED_TESTS)
 
 # The tests that start no process (no gloo cluster, torchrun, writer process or subprocess) and need
 # no GPU: seconds, not minutes. Each test says which lane it is in by its own markers (pyproject.toml).

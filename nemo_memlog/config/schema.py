@@ -29,7 +29,7 @@ class LoggerConfig:
     tensorboard_dir: str | None = None
     """TensorBoard event directory; None: no TensorBoard writer."""
     tensorboard_queue_size: int = 1000
-    """SummaryWriter's own event queue length."""
+    """The TensorBoard event writer's own queue length (as SummaryWriter's max_queue)."""
     wandb_project: str | None = None
     """W&B project; None: no W&B writer. WANDB_MODE=offline is honoured."""
     wandb_exp_name: str | None = None

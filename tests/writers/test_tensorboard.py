@@ -66,3 +66,35 @@ def test_secret_is_written_nowhere(run):
 
 
 # Stage runs and the custom-scalars layout over them: tests/writers/test_stages.py.
+
+
+def test_our_runs_hold_the_events_torchs_summarywriter_writes_for_the_same_calls(tmp_path):
+    """The writer writes its runs with the tensorboard package alone (no torch in the writer process):
+    held against torch's own SummaryWriter given the same calls, event for event, wall times aside."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from torch.utils.tensorboard import SummaryWriter
+
+    layout = tensorboard.layout(["memory/peak_reserved_gb", "memory/weird key*(1)"])
+
+    def calls(writer):
+        writer.add_text("config", '    {\n      "a": 1\n    }', 0)
+        for step, value in [(1, 0.5), (2, 1.25), (3, float("inf")), (4, float("nan")), (5, 7)]:
+            writer.add_scalar("memory/peak_reserved_gb", value, step)
+        writer.add_custom_scalars(layout)
+        writer.flush()
+        writer.add_scalar("memory/weird key*(1)", 2.0, 6)
+        writer.close()
+
+    calls(tensorboard.EventWriter(str(tmp_path / "ours"), max_queue=3))
+    calls(SummaryWriter(log_dir=str(tmp_path / "torch"), max_queue=3))
+
+    def events(folder):
+        (path,) = (tmp_path / folder).glob("events.out.tfevents.*")
+        found = []
+        for event in EventFileLoader(str(path)).Load():
+            event.wall_time = 0
+            found.append(event.SerializeToString())
+        return found
+
+    ours, torchs = events("ours"), events("torch")
+    assert len(ours) == 9 and ours == torchs
