@@ -262,6 +262,8 @@ def _cost_lines() -> list[str]:
         lines.append(f"{wall:8.1f}{own:11.1f}{children:13.1f}  {name}")
     wall, own, children = (sum(costs[index] for costs in files.values()) for index in range(3))
     lines.append(f"{wall:8.1f}{own:11.1f}{children:13.1f}  all files (wall: summed over pytest-xdist's workers)")
+    lines.append("(children: the processes this one and its descendants reaped; not testing.Cluster's ranks, which")
+    lines.append("its forkserver reaps at the session's end, nor any process its parent never waited for)")
     lines += ["", "the 15 tests whose child processes cost most CPU:"]
     for nodeid, (wall, own, children) in sorted(_Costs.tests.items(), key=lambda entry: -entry[1][2])[:15]:
         lines.append(f"{wall:8.1f}{own:11.1f}{children:13.1f}  {nodeid}")
