@@ -17,6 +17,7 @@ from pathlib import Path
 
 from nemo_memlog.testing.wait import wait_for
 from nemo_memlog.writers.stages import STAGE_LABEL
+from tests.readback import wandb_log_finished
 from tests.writers.test_wandb import wandb_records
 
 
@@ -69,7 +70,7 @@ def wandb_run(root) -> tuple[list[Path], dict[int, dict], dict]:
     logs = sorted(Path(root).rglob("*.wandb"))
     with contextlib.suppress(AssertionError):  # unfinished by then: read as it stands, for the caller to judge
         wait_for(
-            lambda: all(any(r.WhichOneof("record_type") == "exit" for r in wandb_records(log)) for log in logs),
+            lambda: all(wandb_log_finished(log) for log in logs),
             FINISHED_WITHIN_S,
             "W&B's service to finish writing the run",
         )

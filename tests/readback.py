@@ -87,9 +87,12 @@ def comet_steps(run):
 def wandb_finished(run) -> bool:
     """Every W&B run under ``run`` was finished: its log ends the run with an exit record."""
     logs = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
-    return bool(logs) and all(
-        any(record.WhichOneof("record_type") == "exit" for record in wandb_records(log)) for log in logs
-    )
+    return bool(logs) and all(wandb_log_finished(log) for log in logs)
+
+
+def wandb_log_finished(log) -> bool:
+    """The W&B run log (.wandb file) ``log`` holds its run's exit record."""
+    return any(record.WhichOneof("record_type") == "exit" for record in wandb_records(log))
 
 
 def main_run_events(folder) -> list:

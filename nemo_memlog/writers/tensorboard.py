@@ -69,19 +69,9 @@ def open_backend(settings: Settings, params: dict, secrets: list[str]) -> Tensor
     writable_folder(settings.tensorboard_dir, "tensorboard_dir")
     writer = EventWriter(settings.tensorboard_dir, max_queue=settings.tensorboard_queue_size)
     writer.add_text(CONFIG_TAG, config_text(params, secrets), 0)
-    _quiet_writer_thread(writer)
     return TensorBoardBackend(
         writer, log_dir=settings.tensorboard_dir, queue_size=settings.tensorboard_queue_size, secrets=secrets
     )
-
-
-def _quiet_writer_thread(writer) -> None:
-    """TensorBoard writes from a thread of its own, which prints a raw traceback when a write fails
-    (a full disk) and hands the error to the next call: the fan-out says it once, in plain words."""
-    event_writer = getattr(writer, "event_writer", None)
-    thread = getattr(getattr(event_writer, "_async_writer", None), "_worker", None)
-    if thread is not None:
-        process_wide.quiet_thread(thread)
 
 
 def config_text(params: dict, secrets: list[str]) -> str:
@@ -201,7 +191,6 @@ class TensorBoardBackend:
                 cause = error.__cause__ or error
                 taken.append(f"{name} ({type(cause).__name__}: {cause})")
                 continue
-            _quiet_writer_thread(writer)
             if taken:
                 self._warn_once(
                     ("stage folder", label),
@@ -271,13 +260,18 @@ def _what_is_at(path: str) -> str:
 
 
 class EventWriter:
-    """One run's event file in ``log_dir``, opened at once (as SummaryWriter opens it)."""
+    """One run's event file in ``log_dir``, opened at once (as SummaryWriter opens it). TensorBoard
+    writes from a thread of its own, which prints a raw traceback when a write fails (a full disk) and
+    hands the error to the next call: that thread is quieted, and the fan-out says it once, in plain words."""
 
     def __init__(self, log_dir: str, max_queue: int = 10, flush_secs: int = 120):
         from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.log_dir = str(log_dir)
         self.event_writer = EventFileWriter(self.log_dir, max_queue, flush_secs, "")
+        thread = getattr(getattr(self.event_writer, "_async_writer", None), "_worker", None)
+        if thread is not None:
+            process_wide.quiet_thread(thread)
 
     def get_logdir(self) -> str:
         return self.log_dir
