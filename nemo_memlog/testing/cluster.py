@@ -5,7 +5,7 @@ calls ``parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp
 ``cluster.run(fn, *args)`` then runs the module-level function ``fn(*args)`` on every
 rank at once and returns each rank's result, in global-rank order. The ranks are forked
 by multiprocessing's forkserver, which imported torch and megatron-core once (a rank
-starts in a tenth of a second, not four); a healthy cluster is still reused across tests,
+starts in a tenth of a second, not four; where CUDA is, they are spawned); a healthy cluster is still reused across tests,
 and a test that breaks collectives on purpose uses a fresh one (``with Cluster(...)``).
 """
 
@@ -92,7 +92,13 @@ def _leave(results) -> None:
 
 def _context():
     """Multiprocessing's forkserver, with torch and megatron-core imported in it once
-    (nemo_memlog.testing.rank_preload): a rank starts in a tenth of a second, not four."""
+    (nemo_memlog.testing.rank_preload): a rank starts in a tenth of a second, not four. Where CUDA
+    is, spawn: megatron-core's import initialises CUDA there, and a process forked after that
+    cannot use it ("Cannot re-initialize CUDA in forked subprocess", seen on an H200)."""
+    import torch
+
+    if torch.cuda.is_available():  # asks the driver for the count; initialises no CUDA here
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["nemo_memlog.testing.rank_preload"])
     return ctx
