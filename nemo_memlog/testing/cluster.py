@@ -5,8 +5,9 @@ calls ``parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp
 ``cluster.run(fn, *args)`` then runs the module-level function ``fn(*args)`` on every
 rank at once and returns each rank's result, in global-rank order. The ranks are forked
 by multiprocessing's forkserver, which imported torch and megatron-core once (a rank
-starts in a tenth of a second, not four; where CUDA is, they are spawned); a healthy cluster is still reused across tests,
-and a test that breaks collectives on purpose uses a fresh one (``with Cluster(...)``).
+starts in a tenth of a second, not four; where CUDA is, they are spawned); a healthy
+cluster is still reused across tests, and a test that breaks collectives on purpose uses
+a fresh one (``with Cluster(...)``).
 """
 
 from __future__ import annotations
