@@ -10,10 +10,6 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VENV03 := .venv-bridge03
 STAMP03 := $(VENV03)/.installed
-#: The files holding tests marked ``versions`` (expectations that depend on Megatron-Bridge's or
-#: megatron-core's version): those tests run again in the second environment, in one pytest session
-#: (pytest exits 5, failing make, should the marker select nothing).
-VERSIONED_TESTS := tests/test_bridge.py tests/test_megatron.py
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 # Importing megatron-core makes torch inductor's cache folder (/tmp/torchinductor_<user> by default):
 # keep it inside the environment, so that set-up, the tests and the demo leave nothing in /tmp.
@@ -72,10 +68,11 @@ lint: $(STAMP)
 #: pytest-xdist's workers for `make test`: two, one per core of the 2-core machine the time is measured on.
 TEST_WORKERS ?= 2
 
+# The tests marked versions (expectations that depend on Megatron-Bridge's or megatron-core's
+# version) run again in the second environment: one pytest session of it, which
+# tests/test_versions.py runs as one test of this one.
 test: lint $(STAMP03)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
-	@echo "the tests marked versions again, against Megatron-Bridge 0.3.1 and megatron-core 0.16.1 ($(VENV03)):"
-	$(VENV03)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m versions $(VERSIONED_TESTS)
 
 # The tests that start no process (no gloo cluster, torchrun, writer process or subprocess) and need
 # no GPU: seconds, not minutes. Each test says which lane it is in by its own markers (pyproject.toml).

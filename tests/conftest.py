@@ -48,7 +48,7 @@ def pytest_unconfigure(config):
 #: this order (--dist loadfile --no-loadscope-reorder): the long files start at once, the short ones
 #: fill the gaps, and neither worker sits idle at the end while the other runs a long one.
 LONGEST_FIRST = (
-    *("test_fit.py", "test_megatron_lm.py", "test_demo.py", "test_readme.py", "test_lightning.py"),
+    *("test_fit.py", "test_megatron_lm.py", "test_demo.py", "test_readme.py", "test_lightning.py", "test_versions.py"),
     *("test_teardown.py", "test_megatron.py", "writers/test_process.py", "test_bridge.py"),
     *("test_postmortem_e2e.py", "test_sigterm.py", "writers/test_isolation.py", "test_inputs.py", "test_misuse.py"),
 )

@@ -1,0 +1,30 @@
+"""The tests marked ``versions`` again, against Megatron-Bridge 0.3.1 on megatron-core 0.16.1: one
+pytest session of the second environment (.venv-bridge03, which ``make test`` builds), run as one
+test of this session, so that pytest-xdist packs it beside the other files on the two workers
+instead of after them. The marker marks the tests whose expectations depend on Bridge's or
+megatron-core's version (pyproject.toml); pytest exits 5, failing this test, should it select none."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = ROOT / ".venv-bridge03" / "bin" / "python"
+#: The files holding the tests marked ``versions``.
+VERSIONED_TESTS = ("tests/test_bridge.py", "tests/test_megatron.py")
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_the_versions_tests_pass_against_bridge_0_3_1_and_megatron_core_0_16_1():
+    if not PYTHON.exists():
+        pytest.skip(f"{PYTHON.parent.parent.name} is not built: `make test` builds it")
+    done = subprocess.run(
+        [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "versions", *VERSIONED_TESTS],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    summary = done.stdout.strip().splitlines()[-1:] or ["(no output)"]
+    print(f"{PYTHON.parent.parent.name}: {summary[0]}")
+    assert done.returncode == 0, f"exit {done.returncode}:\n{done.stdout[-6000:]}\n{done.stderr[-3000:]}"
+    assert " passed" in summary[0] and "skipped" not in summary[0], summary
