@@ -6,9 +6,11 @@ memory with training_log; ``nemo-memlog postmortem --json`` then reads the folde
   swapping before the OOM killer strikes) and then SIGKILLs itself (the OOM killer's death:
   no end marker). The others record KILL_AT and block in its collective meanwhile; when the
   victim dies, gloo fails their collective (or torchrun stops them).
-- ``clean``: every rank runs STEPS iterations; ranks 0-2 close, rank 3 just exits.
-- ``sigterm``: the whole process group is SIGTERM'd mid-run (a preemption). Not launched here:
-  tests/test_sigterm.py SIGTERMs the demo under torchrun and runs the post-mortem on it.
+- ``clean`` and ``sigterm`` are not launched here. A clean end's post-mortem over real ranks:
+  tests/test_demo.py (4 ranks "closed by the run"), test_lightning.py and test_megatron_lm.py; each
+  way a process ends (close, exit, exception, SIGTERM, SIGKILL), its end marker:
+  tests/test_recorder.py. tests/test_sigterm.py SIGTERMs the demo under torchrun and runs the
+  post-mortem on it.
 
 This file is also the rank script: ``torchrun tests/test_postmortem_e2e.py SCENARIO ROOT``.
 One torchrun launch per scenario.
@@ -149,17 +151,6 @@ def test_sigkill_survivors_kept_beating_while_blocked(killed):
         if header["rank"] != VICTIM:
             waited.append(liveness["alive"] - max(r["time"] for r in found if r["kind"] == "step"))
     assert len(waited) == WORLD - 1 and min(waited) >= HANG_S / 2, waited
-
-
-def test_clean_exit_every_rank_closed(tmp_path):
-    returncode, output = launch(tmp_path, "clean")
-    assert returncode == 0, output
-    status, found = postmortem(tmp_path / "memory_records")
-    assert status == 0 and found["first_failure"] is None, found
-    assert [(r["rank"], r["status"], r["last_iteration"]) for r in found["ranks"]] == [
-        (rank, "closed", STEPS) for rank in range(WORLD)
-    ]
-    assert [r["end_reason"] for r in found["ranks"]] == ["close"] * (WORLD - 1) + ["exit"]
 
 
 if __name__ == "__main__":

@@ -433,6 +433,19 @@ def test_without_records_the_report_says_why_its_capacity_is_not_per_rank(tmp_pa
     assert "host memory: 25.28 GB on this node, shared by its ranks" in out and "capacity per rank" not in out
 
 
+def test_records_kept_apart_are_read_with_records_and_an_unreadable_folder_is_named(tmp_path, capsys):
+    run = cpu_run(tmp_path / "run")
+    apart = (run / "memory_records").rename(tmp_path / "kept_apart")  # memory_record_dir set elsewhere
+    assert main(["report", str(run), "--png", str(tmp_path / "a.png")]) == 0
+    assert "capacity per rank" not in capsys.readouterr().out  # not found beside the events
+    assert main(["report", str(run), "--records", str(apart), "--png", str(tmp_path / "b.png")]) == 0
+    assert "capacity per rank: 6.32 GB" in capsys.readouterr().out  # the node's 25.28 GB over its 4 ranks
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(run), "--records", str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert f"--records {tmp_path / 'empty'}: no per-layer records" in err, err
+
+
 def test_one_name_per_part_in_the_tables_and_the_pictures(tmp_path, capsys, monkeypatch):
     from nemo_memlog.offline import advise_plot, composition_plot
 

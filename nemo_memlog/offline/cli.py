@@ -51,6 +51,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="per-stage metric to plot (default: peak_reserved_gb if logged, else peak_host_rss_gb)",
     )
+    report.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the per-layer records' folder where it is not RUN_DIR's memory_records (memory_record_dir set "
+        "elsewhere, a fit probe's folder): the capacity, layout and headroom lines come from it",
+    )
     _postmortem_parser(commands)
     _advise_parser(commands)
     _fit_parser(commands)
@@ -371,7 +379,7 @@ def _report(args) -> int:
     from .report_plot import write_png
 
     run = load_run(args.run_dir)
-    records = records_run(run)
+    records = records_run(run, args.records)
     print(format_report(run, records))
     hint = _record_hint(args.run_dir)
     if hint:

@@ -8,6 +8,7 @@ and the headroom. report_plot.py draws the PNG. No torch.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ..attribution import PREFIX
@@ -85,12 +86,18 @@ def format_report(run: MemoryRun, records: Any = _UNREAD) -> str:
     return "\n".join(lines)
 
 
-def records_run(run: MemoryRun) -> Any:
+def records_run(run: MemoryRun, folder: Path | None = None) -> Any:
     """The run as ``advise`` reads it from its per-layer records (an ``advice.Profile``), or None
     without readable records: the report takes the capacity per rank and the layout from it,
-    so both commands say the same."""
+    so both commands say the same. ``folder``: the records' folder, given (``report --records``)
+    where it is not the run's: unreadable, it raises ReportError saying why."""
     from .advise import AdviseError, load
 
+    if folder is not None:
+        try:
+            return load(folder)
+        except (AdviseError, OSError, ValueError, TypeError, KeyError) as error:
+            raise ReportError(f"--records {folder}: {error}") from None
     try:
         return load(run.run_dir)
     except (AdviseError, OSError, ValueError, TypeError, KeyError):
