@@ -15,7 +15,8 @@ Its own pieces, as a user's pretrain script has them: a model provider (megatron
 Megatron's ``MockGPTDataset``. ``--nemo-memlog`` calls ``nemo_memlog.megatron_lm.install()``
 before ``pretrain``, as a user's script does; without it the script is Megatron-LM alone (or
 instrumented from outside, by ``nemo-memlog run``). On a CPU-only machine the stand-ins of
-megatron_lm_stand_ins are installed first.
+megatron_lm_stand_ins are installed first. NVIDIA's ModelOpt is hidden (``hide_modelopt``), as in
+megatron-core's own ``training`` extra.
 """
 
 from __future__ import annotations
@@ -238,12 +239,21 @@ def count_apart(folder: str) -> None:
     training.train_step = train_step
 
 
+def hide_modelopt() -> None:
+    """Megatron-LM as megatron-core's ``training`` (or ``mlm``) extra installs it: without NVIDIA's
+    ModelOpt, which only its ``dev`` extra brings. Megatron-LM's training and checkpointing modules
+    import ModelOpt when it is there (about 4 CPU-seconds per rank here, for nothing this job uses);
+    this project's environment has it for Megatron-Bridge, whose training loop imports it."""
+    sys.modules.setdefault("modelopt", None)  # None: ``import modelopt`` raises ImportError
+
+
 def main(argv: list[str]) -> int:
     import os
 
     if "--help" not in argv and "-h" not in argv and "LOCAL_RANK" not in os.environ:
         print(f"megatron_lm_job: {USAGE_NOTE}", file=sys.stderr)
         return 2
+    hide_modelopt()
     from . import megatron_lm_stand_ins
 
     megatron_lm_stand_ins.install()
