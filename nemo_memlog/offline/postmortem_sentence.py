@@ -215,8 +215,9 @@ def victims_line(postmortem: Postmortem) -> str | None:
     first = postmortem.first_failure
     ends = Counter(_victim_end(s) for s in victims)
     said = "; ".join(f"{n} {text}" for text, n in ends.most_common(3))
+    ranks = "rank" if len(victims) == 1 else "ranks"
     return (
-        f"died of rank {first.rank}'s loss ({len(victims)}): ranks {rank_ranges(sorted(s.rank for s in victims))}, "
+        f"died of rank {first.rank}'s loss ({len(victims)}): {ranks} {rank_ranges(sorted(s.rank for s in victims))}, "
         f"after it ({said}): consequences, not other failures"
     )
 
