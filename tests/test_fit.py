@@ -79,11 +79,6 @@ def joining(group) -> list[str]:
     return ["sh", "-c", f'echo $$ > {group.path}/cgroup.procs && exec "$@"', "sh"]
 
 
-def truth(peaks: dict, limit: float) -> int | None:
-    fitting = [size for size, stages in peaks.items() if max(stages) <= limit]
-    return max(fitting) if fitting else None
-
-
 @pytest.mark.processes
 @pytest.mark.slow
 def test_fit_steps_down_when_the_kernel_kills_the_confirming_probe(sweep, tmp_path):

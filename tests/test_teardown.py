@@ -16,10 +16,9 @@ threads of the writer rank (``--mode thread``). The third, after, in the writer 
 demo (megatron-core, PP 2: 2 ranks, half the start-up of the default 4), which also stands for its
 failure demo (``python scripts/demo.py fail.kill_stage=0``): the post-mortem command rank 0 printed
 at start, pasted as a user would, tells one story, rank 0 vanished first and the other rank died of
-its loss. Rank 0 is
-SIGKILLed from outside in every case: the demo's own fail.kill_at counts iterations, and how many
-pass before the writer process (at nice +10) has opened TensorBoard varies from a few to over 30
-with the machine's load.
+its loss. Rank 0 is SIGKILLed from outside in every case: the demo's own fail.kill_at counts
+iterations, and how many pass before the writer process (at nice +10) has opened TensorBoard
+varies from a few to over 30 with the machine's load.
 """
 
 import os

@@ -93,15 +93,12 @@ def records_run(run: MemoryRun, folder: Path | None = None) -> Any:
     where it is not the run's: unreadable, it raises ReportError saying why."""
     from .advise import AdviseError, load
 
-    if folder is not None:
-        try:
-            return load(folder)
-        except (AdviseError, OSError, ValueError, TypeError, KeyError) as error:
-            raise ReportError(f"--records {folder}: {error}") from None
     try:
-        return load(run.run_dir)
-    except (AdviseError, OSError, ValueError, TypeError, KeyError):
-        return None
+        return load(run.run_dir if folder is None else folder)
+    except (AdviseError, OSError, ValueError, TypeError, KeyError) as error:
+        if folder is None:
+            return None
+        raise ReportError(f"--records {folder}: {error}") from None
 
 
 def replica_line(run: MemoryRun, records: Any = None) -> str:
