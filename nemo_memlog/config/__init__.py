@@ -13,7 +13,7 @@
 Every name the package, its scripts and tests import from ``nemo_memlog.config`` is here.
 """
 
-from ..redaction import REDACTED, SECRET_NAME, flat_params, redact, redact_uri, scrubbed, secrets_of
+from ..redaction import REDACTED, flat_params, redact, redact_uri, scrubbed, secret_name, secrets_of
 from .facts import checked_facts
 from .overrides import EXPECTED_FORM, from_overrides
 from .resolution import checked_settings, from_plain, recorded, resolve, resolve_fields
@@ -38,7 +38,7 @@ __all__ = [
     "REDACTED",
     "REDUCE_BACKENDS",
     "REDUCE_EXCHANGES",
-    "SECRET_NAME",
+    "secret_name",
     "WRITER_MODES",
     "LoggerConfig",
     "FrozenMap",

@@ -2,7 +2,7 @@
 checked once, where they are given, with one message shape naming the fact and what to write.
 
 Known facts have types (``KNOWN``); any other fact is a JSON-safe scalar (a bool, a number, a
-short string). A fact named like a secret (``SECRET_NAME``), or whose value is one of the run's
+short string). A fact named like a secret (``secret_name``), or whose value is one of the run's
 secrets, is recorded as ``REDACTED``. The whole is bounded (``MAX_FACTS`` facts, each at most
 ``MAX_FACT_BYTES`` serialized): the facts go into every per-layer record and the live advice.
 """
@@ -15,7 +15,7 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..redaction import REDACTED, SECRET_NAME
+from ..redaction import REDACTED, secret_name
 
 #: The largest count (micro-batch size, microbatches per iteration...) a fact may state.
 MAX_COUNT = 2**20
@@ -115,7 +115,7 @@ def checked_facts(facts: Any, secrets: Iterable[str] = ()) -> dict[str, Any]:
             raise TypeError(f"facts= names must be strings of 1 to {MAX_NAME} characters; got {_short(name)}")
         if value is None:
             continue
-        if SECRET_NAME.search(name) or (isinstance(value, str) and any(s in value for s in secret_values)):
+        if secret_name(name) or (isinstance(value, str) and any(s in value for s in secret_values)):
             out[name] = REDACTED  # never written: the record keeps only that the fact was stated
             continue
         check, takes = KNOWN.get(name, (_scalar, "a bool, a number or a string (JSON's scalars)"))

@@ -1,7 +1,7 @@
 """``from_overrides``: a LoggerConfig from dotted overrides, as recipes take them on the command
 line (read with OmegaConf, imported only when called)."""
 
-from ..redaction import REDACTED, SECRET_NAME, redact_uri, scrubbed, uri_credentials
+from ..redaction import REDACTED, redact_uri, scrubbed, secret_name, uri_credentials
 from .schema import FIELDS, LoggerConfig
 from .validation import did_you_mean
 
@@ -68,11 +68,11 @@ def _secrets(overrides: list[str]) -> list[str]:
     found = []
     for item in overrides:
         key, _, value = item.partition("=")
-        found += [value] if SECRET_NAME.search(key) and value else uri_credentials(value)
+        found += [value] if secret_name(key) and value else uri_credentials(value)
     return found
 
 
 def _shown(item: str) -> str:
     """``item`` as an error message may show it: a secret-named key's value, a URI's password hidden."""
     key, _, value = item.partition("=")
-    return f"{key}={REDACTED}" if SECRET_NAME.search(key) and value else f"{key}={redact_uri(value)}"
+    return f"{key}={REDACTED}" if secret_name(key) and value else f"{key}={redact_uri(value)}"

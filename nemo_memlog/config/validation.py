@@ -16,7 +16,7 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..redaction import SECRET_NAME
+from ..redaction import secret_name
 
 #: memory_peak_window's values: the peaks of the whole run, or of each logging interval.
 PEAK_WINDOWS = ("run", "interval")
@@ -187,5 +187,5 @@ class FieldRules:
         kind = type(value).__name__
         shown = repr(value)
         shown = shown if len(shown) <= 80 else f"{shown[:60]}... ({len(shown)} characters)"
-        given = f"a value of type {kind}" if SECRET_NAME.search(name) else f"{shown} ({kind})"
+        given = f"a value of type {kind}" if secret_name(name) else f"{shown} ({kind})"
         return ValueError(f"logger.{name} must be {takes}; got {given}")

@@ -292,8 +292,8 @@ def _fit(args) -> int:
     what happened, never from a message's words. --json: one object whatever happens (with ``error``)."""
     import signal
 
-    from ..redaction import scrubbed_text
-    from .fit import CANNOT_TELL, NOTHING_FITS, FitError, Options, search, secrets_of
+    from ..redaction import launch_secrets, scrubbed_text
+    from .fit import CANNOT_TELL, NOTHING_FITS, FitError, Options, search
     from .fit_render import as_json, as_text, error_json
 
     command = args.job[1:] if args.job[:1] == ["--"] else args.job
@@ -312,7 +312,8 @@ def _fit(args) -> int:
     try:
         result = search(options)
     except FitError as error:
-        message = scrubbed_text(str(error), secrets_of(options))  # a usage error may quote the command
+        # A usage error may quote the command.
+        message = scrubbed_text(str(error), launch_secrets(command, dict(os.environ)))
         if args.json:
             print(error_json(message))
         print(f"nemo-memlog fit: error: {message}", file=sys.stderr)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from .. import advice
 from ..measure import layer_record
-from ..redaction import command_secrets, environ_secrets, scrubbed_text
+from ..redaction import launch_secrets, scrubbed_text
 from . import fit_words
 from .advise import AdviseError, load
 from .guard import Guarded
@@ -153,11 +153,6 @@ def check_work_dir(work_dir: Path) -> None:
         raise FitError(f"--work-dir {work_dir}: cannot be used ({error.strerror or error})", USAGE) from None
 
 
-def secrets_of(options: Options) -> list[str]:
-    """The secrets fit must never show or write: the command's, and secret-named environment variables'."""
-    return sorted({*command_secrets(options.command), *environ_secrets(dict(os.environ))}, key=len, reverse=True)
-
-
 def search(options: Options) -> Result:
     """Probe, predict, confirm (module docstring). Raises FitError (USAGE) for a command or --work-dir
     that cannot be used; where fit cannot tell, the Result's ``error`` says why (the scratch folder
@@ -167,11 +162,13 @@ def search(options: Options) -> Result:
     if options.work_dir is not None:
         check_work_dir(options.work_dir)
     began = time.monotonic()
-    secrets = secrets_of(options)
+    secrets = launch_secrets(options.command, dict(os.environ))
     scratch = None if options.work_dir else Path(tempfile.mkdtemp(prefix="nemo-memlog-fit-"))
     # Removes the scratch folder should fit be killed outright (between probes too): guard.py.
     keeper = Guarded([], dict(os.environ), 0.0, scratch, output=False) if scratch is not None else None
-    state = _Search(options, options.work_dir or scratch, secrets, scratch)
+    work = options.work_dir or scratch
+    assert work is not None  # one of the two is given
+    state = _Search(options, work, secrets, scratch)
     error, late, interrupted = None, None, None
     try:
         state.run()

@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from .. import process_wide
-from ..config import SECRET_NAME
+from ..config import secret_name
 from ..warn import WarnOnce, notice
 from . import wire
 
@@ -66,7 +66,7 @@ def split_environment(environ: Mapping[str, str], secrets: list[str]) -> tuple[d
     whose value contains one of ``secrets``; public the rest."""
     public, private = {}, {}
     for name, value in environ.items():
-        secret = SECRET_NAME.search(name) or any(s and s in value for s in secrets)
+        secret = secret_name(name) or any(s and s in value for s in secrets)
         (private if secret else public)[name] = value
     return public, private
 
