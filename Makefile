@@ -45,9 +45,19 @@ define build_env
 	@touch $(1)/.installed
 endef
 
-.PHONY: setup lint test test-fast demo bench clean
+.PHONY: setup lint test test-fast demo bench clean prometheus-server
 
-setup: $(STAMP) $(STAMP03)
+setup: $(STAMP) $(STAMP03) prometheus-server
+
+# The Prometheus server tests/writers/test_otel.py starts (Debian's package), where apt-get is and
+# we are root; elsewhere that check skips, saying why.
+prometheus-server:
+	@if command -v prometheus >/dev/null; then :; \
+	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "prometheus: apt-get install -y prometheus (the server tests/writers/test_otel.py scrapes our exporter with)"; \
+		{ apt-get install -y -qq prometheus || { apt-get update -qq && apt-get install -y -qq prometheus; }; } >/dev/null 2>&1 \
+			|| echo "prometheus: apt-get could not install it; tests/writers/test_otel.py's Prometheus check skips"; \
+	else echo "prometheus: not installed (needs root and apt-get); tests/writers/test_otel.py's Prometheus check skips"; fi
 
 $(STAMP): pyproject.toml constraints.txt constraints-bridge-0.6.txt Makefile
 	$(call build_env,$(VENV),constraints-bridge-0.6.txt,megatron-energon)

@@ -7,6 +7,8 @@ Overrides, e.g. ``train.iters=40 model.hidden=256 parallel.pp=2 logger.tensorboa
 every key and its default is listed below; ``logger`` is nemo_memlog's LoggerConfig.
 ``logger.memory_peak_window=interval`` logs each interval's peaks (peak since the previous
 logging step) instead of the run's, so the peak_* lines can fall as well as rise.
+``logger.otel_metrics=true`` also exports every stage as OpenTelemetry metrics, where the OTEL_*
+variables say (``OTEL_EXPORTER_OTLP_ENDPOINT``, or ``OTEL_METRICS_EXPORTER=prometheus``; docs/writers.md).
 Each run lands in a folder of its own, ``<run.root>/<run.name>/`` (by default a new
 ``runs/demo-<date>-<time>``; an existing run.name is refused unless run.overwrite=true):
 TensorBoard events, an MLflow SQLite store, a W&B offline run and a Comet offline archive.
@@ -631,6 +633,10 @@ def dashboard_commands(logger) -> tuple[list[str], list[str]]:
     if logger.comet_project and logger.comet_offline_directory:
         found = _newest(Path(logger.comet_offline_directory), "*.zip")
         account.append(f"{console_command('comet')} upload {found or Path(logger.comet_offline_directory) / '*.zip'}")
+    if getattr(logger, "otel_metrics", False):  # logger.otel_metrics=true, with the OTEL_* variables
+        from nemo_memlog.writers.otel import destination
+
+        local.append(f"OpenTelemetry metrics (docs/writers.md): {destination(dict(os.environ))}")
     return local, account
 
 

@@ -44,11 +44,13 @@ BACKEND_LIBRARIES = {
     "tensorboardX": {"writers/tensorboard.py"},
     "SummaryWriter": {"writers/tensorboard.py"},
     "tensorboard": {"writers/tensorboard.py", "offline/events.py"},
+    "opentelemetry": {"writers/otel.py"},
+    "prometheus_client": {"writers/otel.py"},
 }
 #: Names that mean the library wherever they stand. "wandb", "mlflow" and "tensorboard" alone
 #: are also the names of our own writer modules and registry keys, so for those only an import
 #: of the library (static, or by a dotted string such as "wandb.sdk") counts.
-UNAMBIGUOUS = {"comet_ml", "tensorboardX", "SummaryWriter"}
+UNAMBIGUOUS = {"comet_ml", "tensorboardX", "SummaryWriter", "opentelemetry", "prometheus_client"}
 DYNAMIC_IMPORTS = {"import_module", "__import__", "find_spec"}
 
 #: torch.distributed's collectives, point-to-point calls and group builders, by the start of their

@@ -34,6 +34,7 @@ def logger_config(root: str, mode: str, backends, mlflow_uri: str | None, close_
         ),
         "wandb": dict(wandb_project="trainer", wandb_exp_name="run", wandb_save_dir=root),
         "comet": dict(comet_project="trainer", comet_offline_directory=f"{root}/comet"),
+        "otel": dict(otel_metrics=True),  # configured by OTEL_* variables; not among the default backends
     }
     chosen = {key: value for name in backends for key, value in fields[name].items()}
     return LoggerConfig(
@@ -61,6 +62,13 @@ def wait_written(writers, names, steps: int, timeout_s: float = 180) -> None:
     print(f"not written in time: {writers.stats()}", file=sys.stderr, flush=True)
 
 
+def wait_for_file(path: str, timeout_s: float = 180) -> None:
+    """Until ``path`` exists (the test has read what it needs from the live writers)."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("root")
@@ -70,6 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mlflow-uri", default=None)
     parser.add_argument("--close-timeout", type=float, default=30.0)
     parser.add_argument("--end", choices=("close", "os_exit"), default="close")
+    parser.add_argument(
+        "--hold", default=None, help="a file: once every step is written, wait until it exists, then end"
+    )
     parser.add_argument(
         "--wait-for",
         default=None,
@@ -110,6 +121,8 @@ def main(argv=None) -> int:
         writer_pid = getattr(writers, "pid", None)
         writer_rss_mb = host_memory_mb(writer_pid)["rss_mb"] if writer_pid else None
         print(json.dumps({**host_memory_mb(), "writer_pid": writer_pid, "writer_rss_mb": writer_rss_mb}), flush=True)
+        if args.hold:
+            wait_for_file(args.hold)
         if args.end == "os_exit":
             os._exit(0)
         if writers is not None:

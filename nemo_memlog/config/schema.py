@@ -50,6 +50,11 @@ class LoggerConfig:
     comet_tags: list[str] | None = None
 
     # --- nemo_memlog's own ---
+    otel_metrics: bool = False
+    """Export every memory series, every stage, as OpenTelemetry metrics (the ``otel`` extra),
+    configured by OpenTelemetry's own variables: OTEL_METRICS_EXPORTER (otlp, prometheus, console),
+    OTEL_EXPORTER_OTLP_ENDPOINT / _HEADERS / _PROTOCOL, OTEL_EXPORTER_PROMETHEUS_HOST / _PORT,
+    OTEL_SERVICE_NAME, OTEL_RESOURCE_ATTRIBUTES (docs/writers.md). Off: no OpenTelemetry writer."""
     comet_offline_directory: str | None = None
     """Write a Comet offline archive here; also used when no API key is available."""
     memory_per_stage_keys: list[str] = field(

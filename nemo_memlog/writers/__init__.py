@@ -2,7 +2,8 @@
 
 The words, one idea each, throughout this package:
 
-- a **backend** is one store's adapter (TensorBoard, W&B, MLflow, Comet, a Lightning logger):
+- a **backend** is one store's adapter (TensorBoard, W&B, MLflow, Comet, OpenTelemetry metrics, a
+  Lightning logger):
   ``log(metrics, step)``, ``flush()``, ``close()`` (base.Backend). One module per backend;
   base.py holds the interface, the module contract and the registry (``CONFIGURED``,
   ``ADOPTABLE``). A backend library's name appears only inside its own module.
@@ -22,12 +23,13 @@ The words, one idea each, throughout this package:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
 from ..config import logger_section, recorded, resolve, secrets_of
 from ..warn import notice
-from .base import ADOPTABLE, CONFIGURED, Backend, Writers, backend_module, enabled_backends
+from .base import ADOPTABLE, CONFIGURED, Backend, Writers, backend_module, enabled_backends, environment_secrets
 from .fanout import BufferedBackend, ThreadFanOut, open_thread_fanout
 from .inline import InlineFanOut
 
@@ -64,6 +66,7 @@ def build_writers(config: Any, *, run_config: Any = None) -> Writers:
     if apart:  # the logger section is not in the run config (a dict of hyperparameters): its secrets too
         secrets += secrets_of(logger)
     names = enabled_backends(settings)
+    secrets += environment_secrets(names, dict(os.environ))  # OTLP headers: kept off the writer process's environment
     writers = None
     if names and settings.writer_mode == "process":
         writers = _process_fanout(settings, names, params, secrets)

@@ -10,7 +10,9 @@ and, for the stores a Settings can open (``CONFIGURED``):
 
 - ``enabled(settings) -> bool``: whether ``settings`` asks for this backend;
 - ``open_backend(settings, params, secrets) -> Backend``: open it, recording ``params``
-  once, with ``secrets`` scrubbed from anything it echoes.
+  once, with ``secrets`` scrubbed from anything it echoes;
+- optionally ``environment_secrets(environ) -> list[str]``: credentials the backend's library reads
+  from the environment under names that do not look secret (OTLP headers), added to the run's secrets.
 
 The registry is these two tuples: a module is imported only when asked for, so an
 uninstalled backend costs nothing, and no backend library is named outside its module.
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from ..config import Settings
 
 #: Backend modules a Settings can open, in the order they are fanned out to.
-CONFIGURED = ("tensorboard", "wandb", "mlflow", "comet")
+CONFIGURED = ("tensorboard", "wandb", "mlflow", "comet", "otel")
 #: Backend modules that can adopt an open logger, in the order they are tried.
 ADOPTABLE = CONFIGURED + ("lightning",)
 
@@ -111,6 +113,14 @@ def backend_module(name: str) -> ModuleType:
     if name not in ADOPTABLE:
         raise ValueError(f"no writer backend {name!r}; known: {', '.join(ADOPTABLE)}")
     return importlib.import_module(f"{__package__}.{name}")
+
+
+def environment_secrets(names: list[str], environ: dict[str, str]) -> list[str]:
+    """The secrets backends ``names`` read from ``environ`` (their ``environment_secrets``)."""
+    found: list[str] = []
+    for name in names:
+        found += getattr(backend_module(name), "environment_secrets", lambda environ: [])(environ)
+    return found
 
 
 def enabled_backends(settings: Settings) -> list[str]:
