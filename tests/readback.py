@@ -14,14 +14,10 @@ from tests.writers.test_wandb import wandb_records
 TAG = "memory/peak_host_rss_gb"
 
 
-def stored_steps(run) -> dict[str, set[int]]:
-    """Backend name -> the steps at which TAG is stored there."""
-    return {
-        "tensorboard": tensorboard_steps(run),
-        "mlflow": mlflow_steps(run),
-        "wandb": wandb_steps(run),
-        "comet": comet_steps(run),
-    }
+def stored_steps(run, skip=()) -> dict[str, set[int]]:
+    """Backend name -> the steps at which TAG is stored there (the backends in ``skip`` not read)."""
+    readers = {"tensorboard": tensorboard_steps, "mlflow": mlflow_steps, "wandb": wandb_steps, "comet": comet_steps}
+    return {name: read(run) for name, read in readers.items() if name not in skip}
 
 
 def tensorboard_steps(run):

@@ -24,6 +24,7 @@ varies from a few to over 30 with the machine's load.
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -76,15 +77,18 @@ def _writer_pid(out: Path) -> int | None:
 
 
 def trainer_torn_down(root: Path, case: str) -> dict:
-    """tests/trainer.py on 2 ranks, all four backends, until rank 0 is SIGKILLed from outside."""
+    """tests/trainer.py on 2 ranks, all four backends, until rank 0 is SIGKILLed from outside. In
+    thread mode MLflow's server never answers (a slow backend at its extreme: the machine's speed
+    decides nothing), and the close budget is within torchrun's 30 s."""
     run, out, err = root / "job", root / "stdout", root / "stderr"
     mode = "thread" if case.endswith("-thread") else "process"
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    hung = socket.create_server(("127.0.0.1", 0))  # connections queue, never answered
+    extra = ["--mlflow-uri", f"http://127.0.0.1:{hung.getsockname()[1]}", "--close-timeout", "20"]
     # Files, not pipes: the writer process shares them, and would hold a pipe open.
-    with cgroups.memory_cgroup(JOB_LIMIT) as group, open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = torchrun.start(
-            TRAINER, run, "--steps", "0", "--mode", mode, nproc=2, env=env, cgroup=group, stdout=stdout, stderr=stderr
-        )
+    with hung, cgroups.memory_cgroup(JOB_LIMIT) as group, open(out, "w") as stdout, open(err, "w") as stderr:
+        args = ["--steps", "0", "--mode", mode, *(extra if mode == "thread" else [])]
+        proc = torchrun.start(TRAINER, run, *args, nproc=2, env=env, cgroup=group, stdout=stdout, stderr=stderr)
         try:
             if case.startswith("before"):
                 # As early as the writer process can be: started at step 1, its interpreter still
@@ -110,8 +114,12 @@ def trainer_torn_down(root: Path, case: str) -> dict:
         opened = _tensorboard_opened(run)
         print(f"{case}: rank 0 SIGKILLed at step {len(handed)} at {killed_at}; TensorBoard opened at {opened}")
         assert opened is None or opened > killed_at, "TensorBoard had opened before rank 0 was killed"
+    torn = {"run": run, "returned": set(handed), "logged": set(range(1, len(handed) + 2))}
+    if mode == "thread":  # MLflow stored nothing, and said so; the others did not wait for it
+        assert re.search(r"nemo_memlog: mlflow did not store \d+ of the \d+ logged steps", err.read_text())
+        torn["hung"] = {"mlflow"}
     # A call cut short after it handed its step over (and before its print) logged one more.
-    return {"run": run, "returned": set(handed), "logged": set(range(1, len(handed) + 2))}
+    return torn
 
 
 def demo_killed(root: Path) -> dict:
@@ -184,7 +192,7 @@ def torn_down(request, tmp_path_factory):
 
 def test_every_step_training_log_returned_is_in_every_backend(torn_down):
     run, returned, logged = torn_down["run"], torn_down["returned"], torn_down["logged"]
-    for backend, steps in stored_steps(run).items():
+    for backend, steps in stored_steps(run, skip=torn_down.get("hung", ())).items():
         missing = returned - steps
         assert not missing, f"{backend} lost steps {sorted(missing)} of {len(returned)} returned ({len(steps)} stored)"
         assert steps <= logged, f"{backend} holds steps never logged: {sorted(steps - logged)}"

@@ -13,10 +13,15 @@ those words, and retried. At close a backend still failing gets CLOSE_ATTEMPTS m
 not the whole budget, and each backend that did not store every step says how many it missed.
 When a buffer is full (``writer_buffer_steps``), the OLDEST
 step of that backend (other than one being written) is dropped, counted, and warned
-about once: the training thread never blocks, and memory stays bounded. ``close``
-drains every buffer, then each backend's thread closes its backend, all at once, so a hung
-backend holds up no other backend's close. Failures are said once per backend and kind of
-failure (notices on the "nemo_memlog" logger, warn.py), with secrets scrubbed from the message.
+about once: the training thread never blocks, and memory stays bounded. ``close`` tells every
+backend's thread at once to write what it holds and then end its store, each on its own: a slow
+or hung backend (a server that never answers, a store still opening) holds up no other
+backend's end. That matters most at a launcher's teardown, whose SIGKILL follows its SIGTERM
+by a fixed grace (30 s for torchrun, SLURM and Kubernetes): W&B's run and Comet's offline
+archive are only complete once ended, so each ends as soon as its own steps are written, and
+writing stops END_RESERVE_S before the close budget runs out so that the end still fits in it.
+Failures are said once per backend and kind of failure (notices on the "nemo_memlog" logger,
+warn.py), with secrets scrubbed from the message.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ CLOSE_ATTEMPTS = 3
 #: begins (a full disk, a hung server) hold the close: draining and closing it together. A healthy
 #: backend gets the whole close budget (writer_close_timeout_s).
 FAILING_CLOSE_S = 4.0
+#: At close, writing stops this long (at most half the budget) before the close budget runs out:
+#: the rest is the backend's to end its store (a W&B run's finish, a Comet archive), which is what
+#: makes every step written before it count.
+END_RESERVE_S = 5.0
 MAX_LOST_RANGES = 20  # step ranges kept per backend for the summary (the rest merged into the last)
 
 
@@ -65,6 +74,8 @@ class BufferedBackend:
         self._busy = False  # an item is being written right now
         self._closing = False
         self._close_by: float | None = None  # the close's deadline, handed to the backend's close
+        self._write_by: float | None = None  # at close: no write starts after this (END_RESERVE_S)
+        self._close_failures = 0  # failed attempts since the close began (CLOSE_ATTEMPTS)
         self._reported = False  # close() reported what was not stored
         self._warn_once = WarnOnce(f"{name} backend: ", secrets)
         self.written = 0
@@ -114,20 +125,20 @@ class BufferedBackend:
             return True
 
     def request_close(self, deadline: float | None = None) -> None:
-        """Stop taking steps: the thread writes what it holds (giving up at a failure), then
-        closes the backend itself by ``deadline``, alongside the other backends' threads."""
+        """Stop taking steps: the thread writes what it holds (CLOSE_ATTEMPTS tries at most for a
+        failing backend, none begun within END_RESERVE_S of ``deadline``), then ends the backend's
+        store by ``deadline``, on its own, whatever the other backends' threads are doing."""
         with self._cond:
-            if self._close_by is None:
+            if self._close_by is None and deadline is not None:
                 self._close_by = deadline
+                self._write_by = deadline - min(END_RESERVE_S, max(0.0, deadline - time.monotonic()) / 2)
             self._closing = True
             self._cond.notify_all()
 
-    def close(self, deadline: float, drained: bool | None = None) -> None:
-        """Drain (unless ``drained`` says how that went), close, and wait for it until ``deadline``.
-        What was not stored is reported by the first call that returns (a close re-entered from a
-        signal handler reports, the interrupted one then does not)."""
-        if drained is None:
-            drained = self.drain(deadline)
+    def close(self, deadline: float) -> None:
+        """``request_close(deadline)``, and wait for the backend's end until ``deadline``. What was
+        not stored is reported by the first call that returns (a close re-entered from a signal
+        handler reports, the interrupted one then does not)."""
         self.request_close(deadline)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._reported:
@@ -135,7 +146,7 @@ class BufferedBackend:
         self._reported = True
         if self._thread.is_alive():
             self._warn_once("close", "did not finish closing in time (logger.writer_close_timeout_s)")
-        if not drained or self._buffer:
+        if self._buffer:
             self._warn_once("unwritten", f"{len(self._buffer)} steps were still unwritten at close")
             self._lose([step for _, step in self._buffer])
         if self.dropped:
@@ -170,8 +181,8 @@ class BufferedBackend:
             with self._cond:
                 while not self._buffer and not self._closing:
                     self._cond.wait()
-                if not self._buffer:
-                    break  # closing and drained
+                if not self._buffer or self._past(self._write_by):
+                    break  # closing, and drained or out of time to write: end the store now
                 metrics, step = self._buffer[0]
                 self._busy = True
             ok = self._write(metrics, step)
@@ -189,11 +200,19 @@ class BufferedBackend:
                     self._cond.notify_all()
                     break
                 if self._closing:
-                    break
-                self._cond.wait(delay)  # back off; a drain() wakes us early to retry now
+                    self._close_failures += 1
+                    if self._close_failures >= CLOSE_ATTEMPTS or self._past(self._write_by):
+                        break  # given up on: what it holds is counted at close
+                    self._cond.wait(min(delay, max(0.0, (self._write_by or 0) - time.monotonic())))
+                else:
+                    self._cond.wait(delay)  # back off; a drain() or the close wakes us early to retry now
                 delay = min(delay * 2, RETRY_MAX_S)
         if self._backend is not None:
             self._call("close", self._backend.close, self._close_by)
+
+    @staticmethod
+    def _past(moment: float | None) -> bool:
+        return moment is not None and time.monotonic() >= moment
 
     def _write(self, metrics: dict, step: int) -> bool:
         if self._backend is None:
@@ -349,14 +368,13 @@ class ThreadFanOut:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        # Drain all, then close all at once: a hung backend delays no other backend's close, and
-        # one failing as the close begins holds it FAILING_CLOSE_S at most.
+        # Every backend told at once to write what it holds and end its store: a slow or hung one
+        # delays no other's end, and one failing as the close begins holds it FAILING_CLOSE_S at most.
         deadlines = [backend.close_deadline(deadline) for backend in self.buffered]
-        drained = [backend.drain(by) for backend, by in zip(self.buffered, deadlines)]
         for backend, by in zip(self.buffered, deadlines):
             backend.request_close(by)
-        for backend, by, done in zip(self.buffered, deadlines, drained):
-            backend.close(by, done)
+        for backend, by in zip(self.buffered, deadlines):
+            backend.close(by)
 
     def stats(self) -> dict:
         """Per backend: written, pending, dropped, failures (after the pending hand-off)."""
