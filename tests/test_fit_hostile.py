@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from nemo_memlog.offline import fit as fit_module
+from nemo_memlog.offline.probe import Probe
 from nemo_memlog.redaction import command_secrets, environ_secrets
 from nemo_memlog.testing.probe_stub import STUB
 from nemo_memlog.testing.torchrun import ROOT
@@ -172,3 +174,40 @@ def test_secrets_are_found_in_a_command_and_the_environment():
     assert {"COMETKEY1", "SECRET123", "SECRET124", "PASS456", "TOKEN5"} <= set(found)
     assert "1234" not in found and "1" not in found  # a plain option, a switch's value
     assert environ_secrets({"WANDB_API_KEY": "KEY789", "HOME": "/root", "DEBUG": "1"}) == ["KEY789"]
+
+
+@pytest.mark.parametrize(
+    "command, hint",
+    [
+        (["torchrun", "pretrain_gpt.py", "--micro-batch-size", "4"], "--micro-batch-size {micro_batch_size:4}"),
+        (["bash", "-c", "torchrun t.py --micro-batch-size=8 --lr 1"], "--micro-batch-size {micro_batch_size:8}"),
+        (["python", "recipe.py", "train.micro_batch_size=2"], "'train.micro_batch_size={micro_batch_size:2}'"),
+        (["python", "train.py"], "train.micro_batch_size={micro_batch_size}"),
+    ],
+)
+def test_a_command_without_the_placeholder_is_answered_in_its_frameworks_words(command, hint):
+    with pytest.raises(fit_module.FitError, match="has no {micro_batch_size}") as refused:
+        fit_module.check_command(command)
+    assert hint in str(refused.value) and refused.value.code == fit_module.USAGE
+    if "--micro-batch-size" in " ".join(command):
+        assert "train.micro_batch_size" not in str(refused.value)  # no Bridge words to a Megatron-LM user
+
+
+def test_probes_sharing_one_tensorboard_folder_are_told_how_to_keep_them_apart():
+    megatron_lm = ["torchrun", "pretrain_gpt.py", "--micro-batch-size", "{micro_batch_size:4}", "--tensorboard-dir"]
+    note = fit_module.shared_tensorboard([*megatron_lm, "/runs/tb"])
+    assert note is not None and "one TensorBoard run, with repeated steps" in note
+    assert "--tensorboard-dir /runs/tb/mbs-{micro_batch_size}" in note
+    assert fit_module.shared_tensorboard([*megatron_lm, "/runs/tb-{micro_batch_size}"]) is None
+    assert fit_module.shared_tensorboard(["python", "r.py", "train.micro_batch_size={micro_batch_size}"]) is None
+    bridge = fit_module.shared_tensorboard(["python", "r.py", "logger.tensorboard_dir=/tb"])
+    assert bridge is not None and "'logger.tensorboard_dir=/tb/mbs-{micro_batch_size}'" in bridge
+
+
+def test_a_probes_output_is_shown_with_its_escapes_written_out(tmp_path):
+    """A probe's last lines with a terminal escape and a bell: shown escaped (a carriage return
+    ends a line as it is read)."""
+    probe = Probe(4, tmp_path, status="died", exit_code=1, recent=b"step 1\n\x1b[2J RuntimeError: boom\x07\n")
+    assert probe.error_line == "\\x1b[2J RuntimeError: boom\\x07"
+    tail = probe.read_tail()
+    assert tail.splitlines() == ["step 1", "\\x1b[2J RuntimeError: boom\\x07"] and "\x1b" not in tail

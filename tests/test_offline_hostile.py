@@ -168,6 +168,37 @@ def test_a_hostile_record_slot_is_named_and_the_rank_still_reported(tmp_path, bo
     assert code in (0, 1) and "FIRST FAILURE" in text
 
 
+def test_a_records_text_cannot_forge_a_line_or_a_terminal_escape(tmp_path):
+    """A header's host holding "\\n\\nFIRST FAILURE: rank 99" and a terminal escape is shown escaped,
+    in the sentence and the table: the post-mortem has one FIRST FAILURE line, rank 99 none."""
+    closed_run(tmp_path, pp=2)
+    rewrite_header(tmp_path / records.file_name(1), host="n1\n\nFIRST FAILURE: rank 99\r\x1b[2J")
+    code, text, _ = cli("postmortem", tmp_path, "--no-png", "--all")
+    assert code in (0, 1)
+    assert [line for line in text.splitlines() if line.startswith("FIRST FAILURE: rank 99")] == []
+    assert text.count("\nFIRST FAILURE: ") == 1 and "\x1b" not in text and "\r" not in text
+    assert "n1\\n\\nFIRST FAILURE: rank 99\\r\\x1b[2J" in text
+    code, result = postmortem_json(tmp_path)  # JSON carries the text as written: its escapes are JSON's
+    assert any(entry.get("host") == "n1\n\nFIRST FAILURE: rank 99\r\x1b[2J" for entry in result["ranks"])
+
+
+@pytest.mark.parametrize("value", [-3.0, math.inf])
+def test_a_flight_record_with_an_infinite_or_negative_size_is_named_and_not_shown(tmp_path, value):
+    """NaN is a statistic the rank lacks (report_memory writes it); -3 GB or Inf cannot be a size."""
+    closed_run(tmp_path, pp=2)
+    path = tmp_path / records.file_name(1)
+    record = {"seq": 999, "kind": "step", "time": T0 + 5.0, "iteration": 9, "report": {"peak_host_rss_gb": value}}
+    body = json.dumps(record, allow_nan=True).encode()  # the newest step: the one the post-mortem shows
+    data = bytearray(path.read_bytes())
+    head = b"%08x %08x\n" % (len(body), zlib.crc32(body))
+    data[records.RECORDS_AT : records.RECORDS_AT + len(head) + len(body)] = head + body
+    path.write_bytes(bytes(data))
+    code, text, _ = cli("postmortem", tmp_path, "--no-png", "--all")
+    assert code in (0, 1) and "field 'report.peak_host_rss_gb'" in text and "is not a size" in text, text
+    shown = "\n".join(line for line in text.splitlines() if "is not a size" not in line)
+    assert "-3.00 GB" not in shown and "inf" not in shown.lower()
+
+
 @pytest.mark.processes
 def test_a_closed_pipe_ends_quietly(tmp_path):
     closed_run(tmp_path, pp=2)
@@ -328,6 +359,41 @@ def test_a_layer_record_field_of_the_wrong_type_is_named_with_its_file(tmp_path,
     bad.write_text(json.dumps(record))
     code, _, err = advise_cli(tmp_path)
     assert code == 2 and f"{bad}: field {field!r}" in err, err
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("peak_host_rss_gb", math.nan),  # advise predicted 9.6 MB from it where 851 MB was right, "fits: yes"
+        ("model_state_gb", math.nan),
+        ("peak_host_rss_gb", math.inf),
+        ("params_gb", -1.0),
+        ("layers", -0.5),
+    ],
+)
+def test_nan_inf_or_a_negative_size_is_refused_by_advise_and_report_naming_file_and_field(tmp_path, field, value):
+    """A size that cannot be one: advise and report --records exit 2 naming the file and the field
+    (report --records used to print the run and exit 0)."""
+    records = tmp_path / "records"
+    layer_file(records, 0, pp=2, pp_rank=0)
+    bad = layer_file(records, 1, pp=2, pp_rank=1)
+    record = json.loads(bad.read_text())
+    if field == "layers":
+        record["layers"][0]["activations_per_microbatch_gb"] = value
+        named = "layers[0].activations_per_microbatch_gb"
+    else:
+        record["stage"][field] = value
+        named = f"stage.{field}"
+    bad.write_text(json.dumps(record))
+    code, out, err = advise_cli(records, "--capacity-gb", "40")
+    assert code == 2 and f"{bad}: field {named!r}" in err and "fits" not in out, err
+    run = tmp_path / "run"
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir=str(run)) as writer:
+        writer.add_scalar("memory/pp_stage_0/peak_host_rss_gb", 1.0, 1)
+    code, out, err = cli("report", run, "--records", records, "--png", tmp_path / "r.png")
+    assert code == 2 and f"{bad}: field {named!r}" in err, err
 
 
 def test_stale_records_of_another_layout_are_refused_naming_both(tmp_path):

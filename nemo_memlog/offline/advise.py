@@ -18,7 +18,7 @@ from .. import advice, parts
 from ..measure import layer_record
 from ..parts import label_of
 from . import node_charge
-from .tables import size_text
+from .tables import printable, size_text
 
 #: The files that make a folder a record folder.
 PATTERN = "rank-*.layers.json"
@@ -115,6 +115,12 @@ def _nan(value: object) -> bool:
     return isinstance(value, float) and value != value
 
 
+def _size(value: object) -> bool:
+    """A size as a record holds it: a finite number of GB from 0 to MAX_GB (NaN, the infinities and a
+    negative size are not: advise would predict from them, and say "fits")."""
+    return _gb_figure(value) and value == value and value >= 0  # type: ignore[operator]
+
+
 def _check_record(path: Path, record: dict) -> None:
     """AdviseError naming ``path`` and the field, for the first field of ``record`` that cannot be used."""
     for key, (low, high) in _LAYOUT.items():
@@ -146,8 +152,8 @@ def _check_record(path: Path, record: dict) -> None:
         elif key == "chunks":
             if not _whole(value, 1, 1 << 16):
                 raise _field_error(path, f"stage.{key}", value, "a whole number from 1")
-        elif value is not None and not _gb_figure(value) and not _nan(value):  # NaN: a figure not measured
-            raise _field_error(path, f"stage.{key}", value, f"a finite number of GB (at most {MAX_GB:g}) or NaN")
+        elif value is not None and not _size(value):  # a figure not measured is left out, never NaN
+            raise _field_error(path, f"stage.{key}", value, f"a size: a finite number of GB from 0 to {MAX_GB:g}")
     layers = record.get("layers", [])
     if not isinstance(layers, list):
         raise _field_error(path, "layers", layers, "a list")
@@ -158,8 +164,10 @@ def _check_record(path: Path, record: dict) -> None:
             raise _field_error(path, f"layers[{i}].kind", layer.get("kind"), "a text")
         for key in _LAYER_FIGURES:
             value = layer.get(key)
-            if not (_gb_figure(value) and value == value):
-                raise _field_error(path, f"layers[{i}].{key}", value, f"a finite number of GB (at most {MAX_GB:g})")
+            if not _size(value):
+                raise _field_error(
+                    path, f"layers[{i}].{key}", value, f"a size: a finite number of GB from 0 to {MAX_GB:g}"
+                )
 
 
 def _layout(record: dict) -> tuple:
@@ -399,7 +407,7 @@ def as_text(advised: Advice) -> str:
         lines.append(f"largest micro-batch size that fits{under}: not predicted ({how})")
     if advised.fixes is not None:
         lines += ["", *fixes_text(advised.fixes, advised.margin)]
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # a record's text (a fact, a source) cannot forge a line
 
 
 def fixes_text(fixes: list[advice.Fix], margin: float) -> list[str]:

@@ -12,7 +12,7 @@ from ..redaction import scrubbed_text
 from .advise import fix_dict
 from .fit import CANDIDATES_SHOWN, Launch, Options, Result, command_for, peaks
 from .fit_words import shown
-from .tables import size_text
+from .tables import printable, size_text
 
 
 def _stages(result: Result) -> list[dict]:
@@ -75,6 +75,7 @@ def as_json(result: Result, options: Options) -> str:
             "stages": _stages(result),
             "probes": [_launch(launch, result.secrets) for launch in result.launches],
             "alternatives": [fix_dict(fix) for fix in result.alternatives],
+            "notes": result.notes,
         },
         indent=1,
     )
@@ -118,5 +119,6 @@ def as_text(result: Result, options: Options) -> str:
                 f"{format(error, '+.1%') if error is not None else '-':>9}"
             )
     lines.append("")
+    lines += [f"note: {note}" for note in result.notes]
     lines.append(f"{len(result.launches)} launches, {result.seconds:.0f} s")
-    return scrubbed_text("\n".join(lines), result.secrets)
+    return scrubbed_text("\n".join(map(printable, lines)), result.secrets)  # the output's escapes shown, not run

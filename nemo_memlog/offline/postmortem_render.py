@@ -20,7 +20,7 @@ from .postmortem_sentence import (
     victims_line,
 )
 from .postmortem_state import STATUSES, Postmortem, RankState
-from .tables import Column, cell, clock, date_time, gb_cell, render_block
+from .tables import Column, cell, clock, date_time, gb_cell, printable, render_block
 
 #: Up to this many ranks the table has every rank; above it, the failures, the first one's
 #: pipeline and host, and a summary per pipeline stage (``--all`` for every row).
@@ -65,7 +65,7 @@ def format_text(postmortem: Postmortem, all_rows: bool = False) -> str:
     if len(shown) < len(ranks):
         lines += ["", "per pipeline stage:"] + render_block(_stage_columns(ranks))
     lines += _problem_lines(postmortem)
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # a record's text (a host, a reason) cannot forge a line
 
 
 def _failures_tail(postmortem: Postmortem) -> str:

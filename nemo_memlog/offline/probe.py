@@ -26,6 +26,7 @@ from pathlib import Path
 from ..measure import layer_record
 from ..redaction import scrubbed_text
 from .guard import Guarded
+from .tables import printable
 
 #: The environment variable the product reads (config.schema.PROBE_DIR_ENV; not imported: no torch here).
 PROBE_DIR_ENV = "NEMO_MEMLOG_PROBE_DIR"
@@ -114,10 +115,10 @@ def _tail_lines(data: bytes) -> list[str]:
 def _cut(line: str) -> str:
     """``line`` shown in at most about LINE_CHARS characters: around its error, where it names one."""
     if len(line) <= LINE_CHARS:
-        return line
+        return printable(line)
     match = _ERROR.search(line)
     start = max(0, min(match.start() - LINE_CHARS // 2, len(line) - LINE_CHARS)) if match else 0
-    return ("..." if start else "") + line[start : start + LINE_CHARS] + "..."
+    return printable(("..." if start else "") + line[start : start + LINE_CHARS] + "...")
 
 
 def fresh_folder(folder: Path) -> None:

@@ -7,6 +7,7 @@ a post-mortem of thousands of ranks needs the newest few of each. No torch.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from ..bounded import read_regular
 from ..failure import records
-from .tables import finite_number
+from .tables import finite_number, printable
 
 #: recorder.py writes ``seq`` and ``kind`` first; where they are not, the slot is parsed instead.
 _PEEK = re.compile(rb'\{"seq":(\d{1,18}),"kind":"(\w{1,32})"')
@@ -58,11 +59,26 @@ class RankFile:
     def _parsed(self, slot: list) -> dict | None:
         if slot[3] is None and slot[2] is not None:
             try:
-                slot[3] = records.parse(slot[2])
+                slot[3] = checked_sizes(records.parse(slot[2]))
             except records.RecordError as error:
                 self.problems.append(f"record {slot[0]}: {error}")
             slot[2] = None  # parsed, or known bad: never again
         return slot[3]
+
+
+def checked_sizes(record: dict) -> dict:
+    """``record`` when every size in its ``report`` (a ``*_gb`` figure) is one: a finite number of GB
+    from 0, or NaN (a statistic this rank lacks, as report_memory writes it); else RecordError naming
+    the field. An infinite or negative size would be shown as what the rank held."""
+    report = record.get("report")
+    if not isinstance(report, dict):
+        return record
+    for key, value in report.items():
+        if not (isinstance(key, str) and key.endswith("_gb")) or isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)) and value == value and not (math.isfinite(value) and value >= 0):
+            raise records.RecordError(f"field 'report.{printable(key)}': {value!r} is not a size (GB from 0, or NaN)")
+    return record
 
 
 def find_record_files(run_dir: str | os.PathLike[str]) -> list[Path]:
@@ -166,7 +182,7 @@ def _peeked(body: bytes, slot: int, problems: list[str]) -> list | None:
     if match:
         return [int(match.group(1)), match.group(2).decode(), body, None]
     try:
-        record = records.parse(body)
+        record = checked_sizes(records.parse(body))
     except records.RecordError as error:
         problems.append(f"record slot {slot}: {error}")
         return None

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..attribution import PREFIX
 from .events import EXPECTED, EventFile, MemoryRun, ReportError, Series, is_host, load_run, split_runs
-from .tables import Column, metric_cell, render_table, size_text
+from .tables import Column, metric_cell, printable, render_table, size_text
 
 __all__ = [
     "EventFile",
@@ -79,11 +79,11 @@ def format_report(run: MemoryRun, records: Any = _UNREAD) -> str:
     lines += capacity_lines(run, records)
     names = run.metrics()
     if not names:
-        return "\n".join(lines + ["no per-stage memory metrics logged"])
+        return "\n".join(map(printable, lines + ["no per-stage memory metrics logged"]))
     lines.append("")
     lines += render_table(_columns(run, names), TABLE_WIDTH)
     lines += [f"skipped unreadable event file {entry}" for entry in run.skipped]
-    return "\n".join(lines)
+    return "\n".join(map(printable, lines))  # an event file's tags and names cannot forge a line
 
 
 def records_run(run: MemoryRun, folder: Path | None = None) -> Any:

@@ -9,11 +9,31 @@ so one figure reads the same in every output.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from itertools import groupby
 
 from ..units import size_text as size_text  # the units rule (a leaf: the advice formats through it too)
+
+# ---- text from records and commands ---------------------------------------------------------
+
+#: What a terminal takes for an instruction, not a character: the C0 and C1 controls (ESC starts a
+#: terminal escape, CR overwrites the line), DEL, and the line and direction marks of Unicode.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_CONTROL_IN_LINES = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def _escape(match: re.Match) -> str:
+    return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(match.group(), match.group().encode("unicode_escape").decode())
+
+
+def printable(text: str, lines: bool = False) -> str:
+    """``text`` from a record or a command's output as the offline commands show it: every control
+    character and terminal escape written out (``"\\n"``, ``"\\x1b"``), so a record's string cannot
+    forge a line, colour or clear the screen. ``lines``: newlines kept (a command's output tail)."""
+    return (_CONTROL_IN_LINES if lines else _CONTROL).sub(_escape, text)
+
 
 # ---- tables -------------------------------------------------------------------------------
 
@@ -52,9 +72,16 @@ def _block_width(columns: list[Column]) -> int:
     return sum(column.width for column in columns) + 2 * (len(columns) - 1) + (groups - 1)
 
 
+def _printable_column(column: Column) -> Column:
+    """``column`` with its texts as shown (``printable``): a cell from a record is one line."""
+    cells = [printable(cell) for cell in column.cells]
+    return Column(printable(column.group), printable(column.header), cells, column.left)
+
+
 def render_block(columns: list[Column]) -> list[str]:
     """Group line, header line, rule, rows. Two spaces between columns, three between groups."""
 
+    columns = [_printable_column(column) for column in columns]
     widths = [column.width for column in columns]  # once: a property over every cell (linear in rows)
     gaps = [""] + ["   " if a.group != b.group else "  " for a, b in zip(columns, columns[1:])]
     pads = [(str.ljust if column.left else str.rjust) for column in columns]
