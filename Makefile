@@ -81,7 +81,7 @@ TEST_WORKERS ?= 2
 # The tests marked versions (expectations that depend on Megatron-Bridge's or megatron-core's
 # version) run again in the second environment: one pytest session of it, which
 # tests/test_versions.py runs as one test of this one.
-test: lint $(STAMP03)
+test: lint $(STAMP03) prometheus-server
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # The tests that start no process (no gloo cluster, torchrun, writer process or subprocess) and need
