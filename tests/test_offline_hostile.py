@@ -396,6 +396,43 @@ def test_nan_inf_or_a_negative_size_is_refused_by_advise_and_report_naming_file_
     assert code == 2 and f"{bad}: field {named!r}" in err, err
 
 
+def sparse(path: Path, size: int) -> Path:
+    with open(path, "wb") as handle:
+        handle.truncate(size)
+    return path
+
+
+def test_one_read_budget_for_a_runs_files_together(tmp_path):
+    """Five per-layer records of 60 MB, each under the 64 MB a file may be: together over the run's
+    read budget, refused from their sizes before any is read (four such files took 37 s and 808 MB)."""
+    for rank in range(5):
+        sparse(tmp_path / layer_record.file_name(rank), 60 << 20)
+    started = time.monotonic()
+    code, out, err = advise_cli(tmp_path)
+    assert code == 2 and out == "" and time.monotonic() - started < 5, err
+    assert "5 per-layer records hold 315 MB together, more than the 268 MB read of one run" in err, err
+    assert str(tmp_path / layer_record.file_name(0)) in err
+    flights = tmp_path / "flights"
+    closed_run(flights, pp=2)
+    for rank in range(2, 7):
+        sparse(flights / records.file_name(rank), 60 << 20)
+    code, _, err = cli("postmortem", flights, "--no-png")
+    assert code == 2 and "flight record files (.memrec) hold 315 MB together" in err, err
+
+
+def test_a_long_read_says_how_far_it_is(tmp_path, monkeypatch):
+    from nemo_memlog import bounded
+
+    for rank in range(2):
+        layer_file(tmp_path, rank, pp=2, pp_rank=rank)
+    said: list[str] = []
+    monkeypatch.setattr(bounded, "PROGRESS_EVERY_S", 0.0)  # as a read of thousands of files does after 2 s
+    budget = bounded.ReadBudget(say=said.append)
+    assert len(layer_record.read_folder_files(tmp_path, budget)) == 2
+    assert said == ["reading per-layer records: 1 of 2 files, 0 s", "reading per-layer records: 2 of 2 files, 0 s"]
+    assert budget.used == sum(path.stat().st_size for path in tmp_path.glob("rank-*.layers.json"))
+
+
 def test_stale_records_of_another_layout_are_refused_naming_both(tmp_path):
     for rank in range(4):  # an old PP 4 run
         layer_file(tmp_path, rank, pp=4, pp_rank=rank)

@@ -40,7 +40,10 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..bounded import ReadBudget
 
 FORMAT = "nemo_memlog.layers"
 VERSION = 1
@@ -123,15 +126,25 @@ def read_folder(folder: str | os.PathLike[str]) -> list[dict]:
     return [record for _, record in read_folder_files(folder)]
 
 
-def read_folder_files(folder: str | os.PathLike[str]) -> list[tuple[Path, dict]]:
-    """``read_folder``, each record with its file, by rank."""
+def read_folder_files(folder: str | os.PathLike[str], budget: ReadBudget | None = None) -> list[tuple[Path, dict]]:
+    """``read_folder``, each record with its file, by rank. ``budget``: what the command may still
+    read of the run's files together (default: bounded.RUN_READ_BYTES for these alone); the files
+    over it raise ValueError before any is read."""
+    from ..bounded import ReadBudget, Refused
+
+    budget = ReadBudget() if budget is None else budget
+    paths = [path for path in sorted(Path(folder).glob("rank-*.layers.json")) if _NAME.match(path.name)]
+    try:
+        budget.reserve(paths, "per-layer records", MAX_BYTES)
+    except Refused as error:
+        raise ValueError(f"{folder}: {error}") from None
     records = []
-    for path in sorted(Path(folder).glob("rank-*.layers.json")):
-        if _NAME.match(path.name):
-            try:
-                records.append((path, _checked(path)))
-            except OSError as error:
-                raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
+    for path in paths:
+        try:
+            records.append((path, _checked(path)))
+        except OSError as error:
+            raise ValueError(f"{path}: cannot be read ({error.strerror or error})") from None
+        budget.read_one()
     return sorted(records, key=lambda item: _rank_key(item[1]))
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .. import advice, parts
+from ..bounded import ReadBudget
 from ..measure import layer_record
 from ..parts import label_of
 from . import node_charge
@@ -46,12 +47,13 @@ def record_folder(path: str | Path) -> Path:
     )
 
 
-def load(path: str | Path, capacity_gb: float | None = None) -> advice.Profile:
+def load(path: str | Path, capacity_gb: float | None = None, budget: ReadBudget | None = None) -> advice.Profile:
     """The run as its records describe it, with ``capacity_gb`` (None: from the records). Raises
     AdviseError naming the file and field of a record that cannot be used, and for a folder whose
-    records are not one run's: several layouts (stale records of another run), or a stage missing."""
+    records are not one run's: several layouts (stale records of another run), or a stage missing.
+    ``budget``: the command's read budget for the run's files (bounded.ReadBudget: its cap, its progress)."""
     try:
-        found = layer_record.read_folder_files(record_folder(path))
+        found = layer_record.read_folder_files(record_folder(path), budget)
     except ValueError as error:
         raise AdviseError(str(error)) from error
     for file, record in found:

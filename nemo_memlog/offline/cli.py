@@ -259,9 +259,9 @@ def _advise(args) -> int:
 
     try:
         changes = advice.parse(args.what_if)
-        run = load(args.run_dir, args.capacity_gb)
+        run = load(args.run_dir, args.capacity_gb, _read_budget())
         if args.calibrate_with is not None:
-            other = load(args.calibrate_with, args.capacity_gb)
+            other = load(args.calibrate_with, args.capacity_gb, _read_budget())
             difference = advice.job_difference(run, other)
             if difference is not None:
                 raise AdviseError(
@@ -357,7 +357,7 @@ def _postmortem(args) -> int:
     from .postmortem_render import format_text
 
     try:
-        postmortem = analyse(args.run_dir, run_id=args.run_id, clock_skew_s=args.clock_skew_s)
+        postmortem = analyse(args.run_dir, run_id=args.run_id, clock_skew_s=args.clock_skew_s, budget=_read_budget())
     except PostmortemError as error:
         print(f"nemo-memlog: error: {error}", file=sys.stderr)
         return 2
@@ -373,6 +373,13 @@ def _postmortem(args) -> int:
     return 1 if postmortem.first_failure is not None else 0
 
 
+def _read_budget():
+    """One run's read budget (bounded.ReadBudget), its progress on stderr: stdout is the answer."""
+    from ..bounded import ReadBudget
+
+    return ReadBudget(say=lambda line: print(f"nemo-memlog: {line}", file=sys.stderr, flush=True))
+
+
 def _report(args) -> int:
     """Exit code 0; raises ReportError when the run cannot be reported on."""
     from . import composition_plot
@@ -380,7 +387,7 @@ def _report(args) -> int:
     from .report_plot import write_png
 
     run = load_run(args.run_dir)
-    records = records_run(run, args.records)
+    records = records_run(run, args.records, _read_budget())
     print(format_report(run, records))
     hint = _record_hint(args.run_dir)
     if hint:

@@ -42,6 +42,7 @@ import re
 import time
 from pathlib import Path
 
+from ..bounded import ReadBudget, Refused
 from ..failure import records
 from .postmortem_state import (
     DEFAULT_CLOCK_SKEW_S,
@@ -52,7 +53,7 @@ from .postmortem_state import (
     PostmortemError,
     RankState,
 )
-from .rank_files import RankFile, find_record_files, read_rank_file
+from .rank_files import MAX_FILE_BYTES, RankFile, find_record_files, read_rank_file
 from .tables import finite_number, gb_text
 
 _RANK_IN_NAME = re.compile(r"rank-(\d+)")
@@ -61,16 +62,22 @@ _RANK_IN_NAME = re.compile(r"rank-(\d+)")
 # ---- analysis -----------------------------------------------------------------------------
 
 
-def analyse(run_dir: str | Path, run_id: str | None = None, clock_skew_s: float = DEFAULT_CLOCK_SKEW_S) -> Postmortem:
+def analyse(
+    run_dir: str | Path,
+    run_id: str | None = None,
+    clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
+    budget: ReadBudget | None = None,
+) -> Postmortem:
     """Read every record file below ``run_dir`` and say who failed first.
 
     Files of several runs (run_id) in one folder: the run with the newest start is reported,
     or ``run_id``; the others are listed in ``ignored_runs``. Unreadable files are listed with
     the reason and the rank from their name; the other ranks are still reported. Raises
-    PostmortemError when there is no folder, no record file, or no readable one.
+    PostmortemError when there is no folder, no record file, or no readable one, or files holding
+    more than the read budget together (``budget``: bounded.ReadBudget, its cap and its progress).
     """
     run_dir = Path(run_dir)
-    readable, unreadable = _read_all(run_dir)
+    readable, unreadable = _read_all(run_dir, budget)
     chosen, ignored = _choose_run(readable, run_id, run_dir)
     files, duplicates = _one_per_rank(chosen)
     states = []
@@ -128,7 +135,9 @@ def _consequences(
     return kept + [s for s in failures if s.died_of is not None], victims
 
 
-def _read_all(run_dir: Path) -> tuple[list[RankFile], list[tuple[Path, int | None, str]]]:
+def _read_all(
+    run_dir: Path, budget: ReadBudget | None = None
+) -> tuple[list[RankFile], list[tuple[Path, int | None, str]]]:
     """The readable rank files below ``run_dir``, and (file, rank from its name, why) for the others.
     Raises PostmortemError when there is no folder, no record file, or no readable one."""
     if not run_dir.is_dir():
@@ -143,6 +152,11 @@ def _read_all(run_dir: Path) -> tuple[list[RankFile], list[tuple[Path, int | Non
             "recording is on whenever memory logging is (logger.memory_record_dir): "
             "point at the run folder the job wrote"
         )
+    budget = ReadBudget() if budget is None else budget
+    try:
+        budget.reserve(paths, f"flight record files ({records.SUFFIX})", MAX_FILE_BYTES)
+    except Refused as error:
+        raise PostmortemError(f"{run_dir}: {error}") from None
     readable, unreadable = [], []
     for path in paths:
         try:
@@ -150,6 +164,7 @@ def _read_all(run_dir: Path) -> tuple[list[RankFile], list[tuple[Path, int | Non
         except (OSError, ValueError, TypeError) as error:  # RecordError and bounded.Refused are ValueErrors
             match = _RANK_IN_NAME.search(path.name)
             unreadable.append((path, int(match.group(1)) if match else None, str(error)))
+        budget.read_one()
     if not readable:
         reasons = "; ".join(f"{path}: {why}" for path, _, why in unreadable[:5])
         raise PostmortemError(f"{run_dir}: {len(paths)} record file(s), none readable ({reasons})")

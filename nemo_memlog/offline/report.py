@@ -86,15 +86,16 @@ def format_report(run: MemoryRun, records: Any = _UNREAD) -> str:
     return "\n".join(map(printable, lines))  # an event file's tags and names cannot forge a line
 
 
-def records_run(run: MemoryRun, folder: Path | None = None) -> Any:
+def records_run(run: MemoryRun, folder: Path | None = None, budget: Any = None) -> Any:
     """The run as ``advise`` reads it from its per-layer records (an ``advice.Profile``), or None
     without readable records: the report takes the capacity per rank and the layout from it,
     so both commands say the same. ``folder``: the records' folder, given (``report --records``)
-    where it is not the run's: unreadable, it raises ReportError saying why."""
+    where it is not the run's: unreadable, it raises ReportError saying why. ``budget``: the
+    command's read budget (bounded.ReadBudget)."""
     from .advise import AdviseError, load
 
     try:
-        return load(run.run_dir if folder is None else folder)
+        return load(run.run_dir if folder is None else folder, budget=budget)
     except (AdviseError, OSError, ValueError, TypeError, KeyError) as error:
         if folder is None:
             return None
