@@ -402,7 +402,8 @@ def legend_texts(figure) -> list[str]:
 
 
 def all_texts(figure) -> str:
-    texts = [t.get_text() for axes in figure.axes for t in axes.texts] + legend_texts(figure)
+    titles = [axes.get_title(loc) for axes in figure.axes for loc in ("left", "center", "right")]
+    texts = [t.get_text() for axes in figure.axes for t in axes.texts] + titles + legend_texts(figure)
     return "\n".join(texts + ([figure._suptitle.get_text()] if figure._suptitle else []))
 
 
@@ -500,6 +501,9 @@ def test_report_png_labels_a_gap_only_beyond_the_runs_own_variation(tmp_path, ca
     for figure in figures:  # a capacity off the scale is a note, never a legend entry for a line not drawn
         assert not any("above this scale" in entry or "host_total_gb" in entry for entry in legend_texts(figure))
         assert "per-stage values: the only data-parallel replica (DP 1)" in figure._suptitle.get_text()
+        [axes] = figure.axes  # the words sit above the axes, the legend beside them: none over the lines
+        assert [text.get_text() for text in axes.texts if text.get_text()] == []
+        assert axes.get_ylabel() in ("peak_host_rss (GB)", "peak_host_rss (MB)")  # its unit once
 
 
 def test_advise_names_the_stage_that_would_hold_the_peak(tmp_path, capsys):

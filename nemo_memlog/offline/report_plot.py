@@ -61,9 +61,10 @@ def write_png(run: MemoryRun, metric: str, path: str | Path, records: Any = None
     if sized:
         axes.set_ylim(bottom=0)  # distance to the capacity line reads as headroom
     _capacity_line(axes, run, metric, records, scale, units)
-    axes.set_xlabel("step")
+    if not axes.get_xlabel():  # the capacity's note may be there already
+        axes.set_xlabel("step")
     integer_ticks(axes.xaxis)
-    axes.set_ylabel(metric if units is None else f"{metric} ({units})")
+    axes.set_ylabel(axis_label(metric, units))
     window = run.peak_window or "not recorded"
     title = f"{run.run_dir.name or run.run_dir}: {metric} per pipeline stage, peak window: {window}"
     figure.suptitle(
@@ -71,6 +72,14 @@ def write_png(run: MemoryRun, metric: str, path: str | Path, records: Any = None
     )  # over the whole figure: the legend beside the axes leaves them narrow
     finish_axes(axes)
     return save(figure, path, title + "; " + replica_line(run, records))  # the PNG's own text says what it shows
+
+
+def axis_label(metric: str, units: str | None) -> str:
+    """The y axis's name, its unit said once: ``peak_host_rss (MB)``, not ``peak_host_rss_gb (MB)``
+    (a size is drawn in MB below 1 GB, whatever its name's unit); ``None``: the name alone."""
+    if units is None:
+        return metric
+    return f"{metric.removesuffix('_gb').removesuffix('_pct')} ({units})"
 
 
 def gap_to_last_stage(stages: dict, last: int) -> tuple[int, float, float, object] | None:
@@ -100,10 +109,7 @@ def _gap_label(axes, stages: dict, last, metric: str, scale: float = 1.0) -> Non
         return
     step, peak, shown, peak_stage = found
     if peak <= shown:
-        text = "the last stage holds the peak here: last-rank dashboards show it"
-        axes.annotate(
-            text, (step, scale * shown), xytext=(-10, 12), textcoords="offset points", ha="right", fontsize="small"
-        )
+        _note(axes, "the last stage holds the peak here: last-rank dashboards show it")
         return
     gap = peak - shown
     noise = max(spread(stages[peak_stage]), spread(stages[last]))
@@ -111,15 +117,7 @@ def _gap_label(axes, stages: dict, last, metric: str, scale: float = 1.0) -> Non
     size = size_text(gap) if sized else f"{gap:.3g}"
     varies = size_text(noise) if sized else f"{noise:.3g}"
     if gap <= noise:
-        axes.annotate(
-            f"stages level: the gap ({size}) is within what a stage varies over the run ({varies})",
-            (step, scale * shown),
-            xytext=(-10, -14),
-            textcoords="offset points",
-            ha="right",
-            color="dimgray",
-            fontsize="small",
-        )
+        _note(axes, f"stages level: the gap ({size}) is within what a stage varies over the run ({varies})")
         return
     share = f" (+{100 * gap / shown:.0f}%)" if shown > 0 else ""
     axes.annotate(
@@ -128,17 +126,18 @@ def _gap_label(axes, stages: dict, last, metric: str, scale: float = 1.0) -> Non
         xytext=(step, scale * shown),
         arrowprops={"arrowstyle": "<->", "color": "tab:red", "lw": 1.5},
     )
-    axes.annotate(
-        f"+{size}{share} on stage {peak_stage}:\nhidden from last-rank dashboards\n"
+    _note(
+        axes,
+        f"<-> +{size}{share} on stage {peak_stage} at step {step}: hidden from last-rank dashboards\n"
         f"(stages vary by at most {varies} over the run)",
-        (step, scale * (peak + shown) / 2),
-        xytext=(-8, 0),
-        textcoords="offset points",
-        ha="right",
-        va="center",
-        color="tab:red",
-        fontsize="small",
+        "tab:red",
     )
+
+
+def _note(axes, text: str, color: str = "dimgray") -> None:
+    """``text`` above the axes, at their left: a note never lies over the lines (the layout makes room
+    for it, as for the legend beside the axes)."""
+    axes.set_title(text, loc="left", fontsize="small", color=color)
 
 
 def _capacity_line(axes, run: MemoryRun, metric: str, records=None, scale: float = 1.0, units=None) -> None:
@@ -152,14 +151,7 @@ def _capacity_line(axes, run: MemoryRun, metric: str, records=None, scale: float
     top = max((v for line in axes.get_lines() for v in line.get_ydata() if v == v), default=0.0)
     if top > 0 and scale * capacity > 3 * top:
         axes.set_ylim(top=1.15 * top)
-        axes.text(
-            0.01,
-            0.98,
-            f"{label}: above this scale",
-            transform=axes.transAxes,
-            va="top",
-            fontsize="small",
-            color="dimgray",
-        )
+        # Under the step axis: the gap's note takes the space above the axes.
+        axes.set_xlabel(f"step\n{label.replace(chr(10), ' ')}: above this scale", color="dimgray", fontsize="small")
         return
     axes.axhline(scale * capacity, color="red", linestyle=":", linewidth=1.5, label=label)
