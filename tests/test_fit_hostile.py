@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from nemo_memlog.offline import fit as fit_module
+from nemo_memlog.offline import fit_words
 from nemo_memlog.offline.probe import Probe
 from nemo_memlog.redaction import command_secrets, environ_secrets
 from nemo_memlog.testing.probe_stub import STUB
@@ -195,12 +196,12 @@ def test_a_command_without_the_placeholder_is_answered_in_its_frameworks_words(c
 
 def test_probes_sharing_one_tensorboard_folder_are_told_how_to_keep_them_apart():
     megatron_lm = ["torchrun", "pretrain_gpt.py", "--micro-batch-size", "{micro_batch_size:4}", "--tensorboard-dir"]
-    note = fit_module.shared_tensorboard([*megatron_lm, "/runs/tb"])
+    note = fit_words.shared_tensorboard([*megatron_lm, "/runs/tb"])
     assert note is not None and "one TensorBoard run, with repeated steps" in note
     assert "--tensorboard-dir /runs/tb/mbs-{micro_batch_size}" in note
-    assert fit_module.shared_tensorboard([*megatron_lm, "/runs/tb-{micro_batch_size}"]) is None
-    assert fit_module.shared_tensorboard(["python", "r.py", "train.micro_batch_size={micro_batch_size}"]) is None
-    bridge = fit_module.shared_tensorboard(["python", "r.py", "logger.tensorboard_dir=/tb"])
+    assert fit_words.shared_tensorboard([*megatron_lm, "/runs/tb-{micro_batch_size}"]) is None
+    assert fit_words.shared_tensorboard(["python", "r.py", "train.micro_batch_size={micro_batch_size}"]) is None
+    bridge = fit_words.shared_tensorboard(["python", "r.py", "logger.tensorboard_dir=/tb"])
     assert bridge is not None and "'logger.tensorboard_dir=/tb/mbs-{micro_batch_size}'" in bridge
 
 

@@ -23,7 +23,6 @@ import bisect
 import dataclasses
 import math
 import os
-import re
 import shutil
 import tempfile
 import time
@@ -36,10 +35,10 @@ from ..measure import layer_record
 from ..redaction import launch_secrets, scrubbed_text
 from . import fit_words
 from .advise import AdviseError, load
+from .fit_words import PLACEHOLDER, SLOT
 from .guard import Guarded
 from .probe import PROBE_DIR_ENV, STEPS, Probe, run_probe
 
-PLACEHOLDER = "{micro_batch_size}"
 #: Exit status when even the smallest size does not fit.
 NOTHING_FITS = 2
 #: Exit status of a usage error (no placeholder, a --work-dir that cannot be written).
@@ -115,78 +114,24 @@ class Result:
     notes: list[str] = field(default_factory=list)  # what the user may want to change in COMMAND (shared_tensorboard)
 
 
-#: PLACEHOLDER, or with the size the command would use: ``{micro_batch_size:8}`` (the first probe's).
-_SLOT = re.compile(r"\{micro_batch_size(?::(\d+))?\}")
-
-
 def command_for(command: list[str], size: int) -> list[str]:
     """``command`` with every PLACEHOLDER (``{micro_batch_size}`` or ``{micro_batch_size:N}``) replaced by ``size``."""
-    return [_SLOT.sub(str(size), part) for part in command]
+    return [SLOT.sub(str(size), part) for part in command]
 
 
 def stated_size(command: list[str]) -> int | None:
     """The size the command would use, where a placeholder states it (``{micro_batch_size:8}``)."""
-    sizes = {int(match.group(1)) for part in command for match in _SLOT.finditer(part) if match.group(1)}
+    sizes = {int(match.group(1)) for part in command for match in SLOT.finditer(part) if match.group(1)}
     if len(sizes) > 1:
         raise FitError(f"COMMAND states several sizes in its placeholders ({sorted(sizes)}): state one", USAGE)
     return sizes.pop() if sizes and min(sizes) > 0 else None
 
 
-#: Where a command states its micro-batch size, by framework: Megatron-LM's option (``--micro-batch-size 4``,
-#: ``--micro-batch-size=4``), Megatron-Bridge's override (``train.micro_batch_size=4``).
-_MEGATRON_LM_SIZE = re.compile(r"(?:^|(?<=\s))--micro-batch-size(?:=|\s+)(\d+)")
-_BRIDGE_SIZE = re.compile(r"(?:^|(?<=\s))train\.micro_batch_size=(\d+)")
-#: A TensorBoard folder the command names: Megatron-LM's ``--tensorboard-dir X``, Bridge's ``logger.tensorboard_dir=X``.
-_TENSORBOARD_DIR = re.compile(r"(?:^|(?<=\s))(--tensorboard-dir(?:=|\s+)|logger\.tensorboard_dir=)([^\s'\"]+)")
-
-
 def check_command(command: list[str]) -> None:
     if not command:
         raise FitError(f"no COMMAND: nemo-memlog fit [options] -- COMMAND ... {PLACEHOLDER} ...", USAGE)
-    if not any(_SLOT.search(part) for part in command):
-        raise FitError(f"COMMAND has no {PLACEHOLDER}: {placeholder_hint(command)}", USAGE)
-
-
-def placeholder_hint(command: list[str]) -> str:
-    """Where the placeholder goes, in the words of the command's framework: Megatron-LM's
-    ``--micro-batch-size {micro_batch_size:4}`` where the command carries ``--micro-batch-size 4``,
-    Megatron-Bridge's ``train.micro_batch_size={micro_batch_size:4}`` otherwise."""
-    text = " ".join(command)
-    megatron_lm, bridge = _MEGATRON_LM_SIZE.search(text), _BRIDGE_SIZE.search(text)
-    if megatron_lm:
-        size = megatron_lm.group(1)
-        return (
-            f"write --micro-batch-size {{micro_batch_size:{size}}} for --micro-batch-size {size} "
-            f"(Megatron-LM's option; fit starts from {size}, the size the command would use)"
-        )
-    if bridge:
-        size = bridge.group(1)
-        return (
-            f"write 'train.micro_batch_size={{micro_batch_size:{size}}}' for train.micro_batch_size={size} "
-            f"(quoted, so the shell leaves the braces; fit starts from {size}, the size the command would use)"
-        )
-    return (
-        f"put it where the size goes, e.g. train.micro_batch_size={PLACEHOLDER} (quoted, so the shell leaves the "
-        "braces), or {micro_batch_size:8} to start from 8, the size the command would use"
-    )
-
-
-def shared_tensorboard(command: list[str]) -> str | None:
-    """A note where every probe would write into one TensorBoard folder (``--tensorboard-dir`` or
-    ``logger.tensorboard_dir`` without the placeholder): their points land in one TensorBoard run,
-    with repeated steps. None where there is no such folder, or its name has the placeholder."""
-    found = _TENSORBOARD_DIR.search(" ".join(command))
-    if found is None or _SLOT.search(found.group(2)):
-        return None
-    option, folder = found.group(1).strip(" ="), found.group(2)
-    given = f"{option} {folder}" if option.startswith("--") else f"{option}={folder}"
-    spelled = (
-        f"{option} {folder}/mbs-{PLACEHOLDER}" if option.startswith("--") else f"'{option}={folder}/mbs-{PLACEHOLDER}'"
-    )
-    return (
-        f"every probe writes into one TensorBoard folder ({given}): their points land in one "
-        f"TensorBoard run, with repeated steps; to keep them apart, put {PLACEHOLDER} in its name: {spelled}"
-    )
+    if not any(SLOT.search(part) for part in command):
+        raise FitError(f"COMMAND has no {PLACEHOLDER}: {fit_words.placeholder_hint(command)}", USAGE)
 
 
 def check_work_dir(work_dir: Path) -> None:
@@ -215,7 +160,7 @@ def search(options: Options) -> Result:
     work = options.work_dir or scratch
     assert work is not None  # one of the two is given
     state = _Search(options, work, secrets, scratch)
-    notes = [note for note in [shared_tensorboard(options.command)] if note]
+    notes = [note for note in [fit_words.shared_tensorboard(options.command)] if note]
     for note in notes:
         state._say(f"note: {note}")
     error, late, interrupted = None, None, None

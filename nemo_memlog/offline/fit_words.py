@@ -1,8 +1,10 @@
-"""What ``nemo-memlog fit`` says in words, as it goes and where it stops: why a probe measured nothing,
-its last output, what an interruption leaves, the command line as printed (secrets scrubbed). No torch."""
+"""What ``nemo-memlog fit`` says in words, as it goes and where it stops: the placeholder and where it goes
+in the command's framework, probes sharing a TensorBoard folder, why a probe measured nothing, its last
+output, what an interruption leaves, the command line as printed (secrets scrubbed). No torch."""
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -13,6 +15,59 @@ from .tables import size_text
 
 if TYPE_CHECKING:
     from .probe import Probe
+
+
+PLACEHOLDER = "{micro_batch_size}"
+#: PLACEHOLDER, or with the size the command would use: ``{micro_batch_size:8}`` (the first probe's).
+SLOT = re.compile(r"\{micro_batch_size(?::(\d+))?\}")
+#: Where a command states its micro-batch size, by framework: Megatron-LM's option (``--micro-batch-size 4``,
+#: ``--micro-batch-size=4``), Megatron-Bridge's override (``train.micro_batch_size=4``).
+_MEGATRON_LM_SIZE = re.compile(r"(?:^|(?<=\s))--micro-batch-size(?:=|\s+)(\d+)")
+_BRIDGE_SIZE = re.compile(r"(?:^|(?<=\s))train\.micro_batch_size=(\d+)")
+#: A TensorBoard folder the command names: Megatron-LM's ``--tensorboard-dir X``, Bridge's ``logger.tensorboard_dir=X``.
+_TENSORBOARD_DIR = re.compile(r"(?:^|(?<=\s))(--tensorboard-dir(?:=|\s+)|logger\.tensorboard_dir=)([^\s'\"]+)")
+
+
+def placeholder_hint(command: list[str]) -> str:
+    """Where the placeholder goes, in the words of the command's framework: Megatron-LM's
+    ``--micro-batch-size {micro_batch_size:4}`` where the command carries ``--micro-batch-size 4``,
+    Megatron-Bridge's ``train.micro_batch_size={micro_batch_size:4}`` otherwise."""
+    text = " ".join(command)
+    megatron_lm, bridge = _MEGATRON_LM_SIZE.search(text), _BRIDGE_SIZE.search(text)
+    if megatron_lm:
+        size = megatron_lm.group(1)
+        return (
+            f"write --micro-batch-size {{micro_batch_size:{size}}} for --micro-batch-size {size} "
+            f"(Megatron-LM's option; fit starts from {size}, the size the command would use)"
+        )
+    if bridge:
+        size = bridge.group(1)
+        return (
+            f"write 'train.micro_batch_size={{micro_batch_size:{size}}}' for train.micro_batch_size={size} "
+            f"(quoted, so the shell leaves the braces; fit starts from {size}, the size the command would use)"
+        )
+    return (
+        f"put it where the size goes, e.g. train.micro_batch_size={PLACEHOLDER} (quoted, so the shell leaves the "
+        "braces), or {micro_batch_size:8} to start from 8, the size the command would use"
+    )
+
+
+def shared_tensorboard(command: list[str]) -> str | None:
+    """A note where every probe would write into one TensorBoard folder (``--tensorboard-dir`` or
+    ``logger.tensorboard_dir`` without the placeholder): their points land in one TensorBoard run,
+    with repeated steps. None where there is no such folder, or its name has the placeholder."""
+    found = _TENSORBOARD_DIR.search(" ".join(command))
+    if found is None or SLOT.search(found.group(2)):
+        return None
+    option, folder = found.group(1).strip(" ="), found.group(2)
+    given = f"{option} {folder}" if option.startswith("--") else f"{option}={folder}"
+    spelled = (
+        f"{option} {folder}/mbs-{PLACEHOLDER}" if option.startswith("--") else f"'{option}={folder}/mbs-{PLACEHOLDER}'"
+    )
+    return (
+        f"every probe writes into one TensorBoard folder ({given}): their points land in one "
+        f"TensorBoard run, with repeated steps; to keep them apart, put {PLACEHOLDER} in its name: {spelled}"
+    )
 
 
 def why(probe: Probe, options: Any) -> str:
