@@ -27,7 +27,8 @@ pytestmark = [
 ]
 
 JOB = ("-m", "nemo_memlog.testing.megatron_lm_job")
-RUN = (sys.executable, "-m", "nemo_memlog.cli", "run", "--")
+#: ``--cpu``: the CPU stand-ins come from run's switch, not the job (which installs them only without it).
+RUN = (sys.executable, "-m", "nemo_memlog.cli", "run", "--cpu", "--")
 #: Megatron-LM's own flags: a 4-layer GPT, PP 2, 4 microbatches of 2, 4 iterations, on CPU.
 MODEL = (
     *("--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64"),

@@ -6,6 +6,7 @@
 - resolution.py: ``resolve`` (any config -> one Settings, checked once) and what the writers
   record of a run's config;
 - overrides.py: ``from_overrides``, a LoggerConfig from dotted command-line overrides;
+- text.py: settings typed from text (``--set``, ``NEMO_MEMLOG_<FIELD>``) by each field's declared type;
 - facts.py: the rules of the run's facts (``training_log(..., facts=...)``), checked once;
 - the secrets in a config (one walk that redacts and collects them, and scrubbing) are
   ../redaction.py's, a leaf the warnings and the writers reach too.
@@ -28,6 +29,7 @@ from .schema import (
     memory_record_dir,
     setting,
 )
+from .text import TextError, field_from_text, fields_from_text
 from .validation import PEAK_WINDOWS, RECORD_OFF, REDUCE_BACKENDS, REDUCE_EXCHANGES, WRITER_MODES, did_you_mean
 
 __all__ = [
@@ -43,10 +45,13 @@ __all__ = [
     "LoggerConfig",
     "FrozenMap",
     "Settings",
+    "TextError",
     "check_logger_fields",
     "checked_facts",
     "checked_settings",
     "default_of",
+    "field_from_text",
+    "fields_from_text",
     "did_you_mean",
     "flat_params",
     "from_overrides",

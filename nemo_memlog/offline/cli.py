@@ -1,8 +1,8 @@
-"""The ``nemo-memlog`` command. ``nemo-memlog report RUN_DIR`` prints the per-stage memory
-table of a finished (or running) run and writes a PNG of one metric per stage.
-``nemo-memlog postmortem RUN_DIR`` reads the flight records of a job that died and says which
-rank failed first, and what every rank held. ``nemo-memlog advise RUN_DIR --what-if NAME=VALUE``
-predicts each stage's memory under a change, from the run's own measurement.
+"""The ``nemo-memlog`` command: ``report RUN_DIR`` prints the per-stage memory table of a run and writes
+a PNG; ``postmortem RUN_DIR`` says which rank of a job that died failed first, and what every rank held;
+``advise RUN_DIR --what-if NAME=VALUE`` predicts each stage's memory under a change; ``fit -- COMMAND``
+finds the largest micro-batch size that fits every stage; ``run -- COMMAND`` adds memory logging to
+every Python process of COMMAND, with no code change. ``nemo-memlog COMMAND --help`` for each.
 
 Reads the command line; prints what report.py and postmortem_render.py (or postmortem_json.py)
 return, and writes the PNG of report_plot.py or postmortem_plot.py. Needs only tensorboard and

@@ -15,8 +15,8 @@ Its own pieces, as a user's pretrain script has them: a model provider (megatron
 Megatron's ``MockGPTDataset``. ``--nemo-memlog`` calls ``nemo_memlog.megatron_lm.install()``
 before ``pretrain``, as a user's script does; without it the script is Megatron-LM alone (or
 instrumented from outside, by ``nemo-memlog run``). On a CPU-only machine the stand-ins of
-megatron_lm_stand_ins are installed first. NVIDIA's ModelOpt is hidden (``hide_modelopt``), as in
-megatron-core's own ``training`` extra.
+megatron_lm_stand_ins are installed first (under ``nemo-memlog run --cpu``, by its switch instead).
+NVIDIA's ModelOpt is hidden (``hide_modelopt``), as in megatron-core's own ``training`` extra.
 """
 
 from __future__ import annotations
@@ -256,7 +256,8 @@ def main(argv: list[str]) -> int:
     hide_modelopt()
     from . import megatron_lm_stand_ins
 
-    megatron_lm_stand_ins.install()
+    if os.environ.get("NEMO_MEMLOG_CPU_STAND_INS", "").strip().lower() not in ("1", "true", "yes", "on"):
+        megatron_lm_stand_ins.install()  # else `nemo-memlog run --cpu` installs them as Megatron-LM's loop loads
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
