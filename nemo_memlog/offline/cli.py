@@ -206,9 +206,10 @@ def _postmortem_parser(commands) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit code: 0 on success, 2 on a usage error or a run directory that cannot be read; 141 when
     the output's reader closed the pipe (quietly: the rest of the output goes nowhere)."""
+    as_command = argv is None  # the process is this command: run passes on the environment it was given
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:  # COMMAND's own options must reach it untouched
-        return run.main(argv[1:])
+        return run.main(argv[1:], as_command=as_command)
     try:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:  # argparse has printed the usage message

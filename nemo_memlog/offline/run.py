@@ -194,10 +194,11 @@ def banner(command: list[str], environ: dict[str, str], secrets: list[str]) -> s
     return text if len(text) <= BANNER_CHARS else text[: BANNER_CHARS - 4] + " ..."
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], as_command: bool = False) -> int:
     """Replace this process with COMMAND; return only where it cannot start (0: help; 2: usage or a bad
-    setting; 126, 127)."""
-    environ = given_environment()
+    setting; 126, 127). ``as_command`` (the ``nemo-memlog`` process itself): COMMAND gets the environment
+    this process was started with; else (called from a program) ``os.environ`` as it is now."""
+    environ = given_environment() if as_command else dict(os.environ)
     secrets = launch_secrets(argv, environ)
     try:
         settings, cpu, command = parse(argv)

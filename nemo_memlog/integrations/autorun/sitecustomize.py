@@ -15,8 +15,16 @@ number of copies of this folder on the path (a symlink, a second install) activa
 ``sys``, ``os`` and the import system's own modules are used here (all loaded before ``site``).
 """
 
+from __future__ import annotations
+
 import os
 import sys
+
+TYPE_CHECKING = False  # typing is not imported at start-up; mypy reads the names below
+if TYPE_CHECKING:
+    from collections.abc import Mapping, Sequence
+    from importlib.machinery import ModuleSpec
+    from types import ModuleType
 
 #: What tells a copy of this file from a user's sitecustomize: in its first line.
 MARK = b"nemo-memlog bootstrap"
@@ -113,7 +121,7 @@ def _as_site_shows(error):
             pass
 
 
-def switches(environ: dict) -> tuple:
+def switches(environ: Mapping[str, str]) -> tuple[dict[str, str], bool]:
     """(the watched modules this process instruments, whether the CPU stand-ins are on), from the
     switches in ``environ``; ({}, False) when NEMO_MEMLOG_DISABLED says so. A value it cannot read is
     one notice: a bad NEMO_MEMLOG_DISABLED turns everything off, an unknown way in is ignored."""
@@ -166,11 +174,13 @@ class Watch:
     """A meta path finder that finds nothing itself: for a watched module, the spec the other finders
     give, its loader followed by the way in. One dict look-up for any other import."""
 
-    def __init__(self, watched: dict, cpu: bool):
+    def __init__(self, watched: dict[str, str], cpu: bool):
         self.watched, self.cpu = watched, cpu
-        self.said = set()  # the notices said in this process (instrument.py's), once each
+        self.said: set[str] = set()  # the notices said in this process (instrument.py's), once each
 
-    def find_spec(self, name: str, path: object = None, target: object = None) -> object:
+    def find_spec(
+        self, name: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         if name not in self.watched and not (self.cpu and name in (CPU_FIRST, CPU_LOOP)):
             return None
         try:
@@ -210,22 +220,23 @@ def main() -> None:
     ``sitecustomize`` again) only runs a user's sitecustomize not run yet."""
     active = sys.modules.get(ACTIVE)
     if active is not None:
-        run_users_sitecustomize(active.chained)
+        run_users_sitecustomize(vars(active)["chained"])
         return
     here = sys.modules.get(__name__)
     if here is None:  # run in an odd way (exec of the file): no state to share
         return
-    here.chained = set()
+    chained: set[str] = set()
+    vars(here)["chained"] = chained
     sys.modules[ACTIVE] = here
     try:
-        run_users_sitecustomize(here.chained)
+        run_users_sitecustomize(chained)
     finally:
         watched, cpu = switches(os.environ)
         if watched or cpu:
             sys.meta_path.insert(0, Watch(watched, cpu))
 
 
-if __name__ == "sitecustomize":  # as the bootstrap; imported by name (instrument.py), only the tables
+if __name__ == "sitecustomize":  # as the bootstrap; imported by its package name (tests), only the tables
     try:
         main()
     except Exception as error:  # noqa: BLE001 -- nothing raises into the user's program
