@@ -3,10 +3,11 @@
 Called on every rank at every iteration. The gate (``log_memory_to_tensorboard`` and
 ``iteration % tensorboard_log_interval``) depends only on the settings and the iteration,
 so every stage decides alike and enters the one collective together. Off the logging
-iterations it does one dictionary lookup and the monitor's gate (``MemoryMonitor.logs_at``), and
-returns None: no collective, no allocation, no backend call. With a ``model``, the call before a
-logging iteration also arms the activation meter (measure/activations.py) for that iteration. The
-caller's ``metrics`` are logged only on logging iterations, in the same dict, at the same step.
+iterations it does one dictionary lookup and the monitor's gate (``MemoryMonitor.logs_at``, through
+``log`` and ``before_iteration``, the door every way in uses), and returns None: no collective, no
+allocation, no backend call. With a ``model``, the call before a logging iteration also arms the
+activation meter (measure/activations.py) for that iteration. The caller's ``metrics`` are logged
+only on logging iterations, in the same dict, at the same step.
 
 Which monitor a call belongs to:
 
@@ -132,9 +133,13 @@ def training_log(
     entry = _open_monitors.by_object.get(key)
     if entry is None or entry.config is not config:  # the entry holds its config: an id match is that object
         entry = _entry_for(config, writers, key, pg_collection, pp_group, iteration)
-    # The monitor's gate decides (facts are read on logging iterations only); when the next iteration
-    # logs, its activations are measured.
-    return entry.monitor.on_iteration(iteration, metrics, model, optimizer, facts)
+    # The run's door, as every way in drives it: the step (the monitor's gate decides), then, when the
+    # next iteration logs, its activations are measured.
+    monitor = entry.monitor
+    logged = monitor.log(iteration, metrics, model=model, optimizer=optimizer, facts=facts)
+    if model is not None:
+        monitor.before_iteration(iteration + 1, model)
+    return logged
 
 
 def check_iteration(iteration: Any) -> None:

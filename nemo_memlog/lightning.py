@@ -1,9 +1,13 @@
 """``nemo_memlog.lightning``, the documented name of ``nemo_memlog.integrations.lightning``: the same module
-object (so ``from nemo_memlog.lightning import MemoryLogCallback`` and the module's attributes are one
-thing, whichever name imported it first)."""
+object (so its names and the module's attributes are one thing, whichever name imported it first).
+A type checker reads the integration's names from here (the star import under TYPE_CHECKING)."""
 
 import sys
+from typing import TYPE_CHECKING
 
-from .integrations import lightning
+if TYPE_CHECKING:
+    from .integrations.lightning import *  # noqa: F403
+else:
+    from .integrations import lightning
 
-sys.modules[__name__] = lightning
+    sys.modules[__name__] = lightning

@@ -1,16 +1,16 @@
 """MemoryMonitor: one run's memory logging, its life and its step.
 
-A run is built once from a config and the process groups. It keeps its settings, its reduction
-state, its placement (placement.py: the group, the job's layout, the writer rank; resolved at the
-first logging step), the flight recorder, the writers (writer rank only) and its once-only
-warnings; ``close()`` releases them.
+A run keeps its settings, reduction state, placement (placement.py), flight recorder, writers
+(writer rank only) and once-only warnings; ``close()`` releases them.
 
-Every way in (``on_iteration``, ``log``, ``before_iteration``) decides whether an iteration logs by
-``logs_at(iteration)`` alone, from the settings and the iteration, so every rank decides alike. Off
-the logging iterations that is the whole call: no collective, no measurement, no allocation, no
-backend call. A logging step (``log_step``, which an integration that has decided the step logs
-calls directly) measures (measure/step.py), records, gathers, attributes, advises, merges and
-writes, in that order. ``before_iteration`` arms the activation meter for a logging iteration.
+Every way in (``training_log``, Megatron-LM, Megatron-Bridge, Lightning) drives the same protocol,
+the run's one door (docs/architecture.md): ``open`` (or the constructor), ``before_iteration``,
+``log``, ``phase_start``/``phase_end``, ``close``. Whether an iteration logs is ``logs_at``'s alone,
+from the settings and the iteration, so every rank decides alike; off the logging iterations that is
+the whole call: no collective, no measurement, no allocation, no backend call. In a framework's run
+a step is logged once. The facts, however given, are checked and redacted (``state_facts``). A
+logging step (``log_step``) measures (measure/step.py), records, gathers, attributes, advises,
+merges and writes, in that order.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from . import advice, attribution, memory
 from .config import checked_facts, resolve, secrets_of
 from .failure import peers
-from .measure import composition, estimate, layer_record, layer_rows
+from .measure import composition, estimate, layer_record, layer_rows, phase
 from .measure.activations import ActivationMeter
 from .measure.step import StepMeasurement, measure_step
 from .metrics import merged
@@ -90,8 +90,7 @@ class MemoryMonitor:
         self.writer_rank = writer_rank
         self.model_state = composition.ModelState()
         self.estimate: dict | None = None  # the framework's estimate (measure/estimate.py), set by an integration
-        # An integration's own names for logged figures (Megatron-LM's mem-*), from each logged step's dict.
-        self.derived: Callable[[dict], dict] | None = None
+        self.derived: Callable[[dict], dict] | None = None  # a framework's own names for figures (mem-*)
         self.facts: dict = {}  # the run's facts for the per-layer record (measure/layer_record.py): as known
         self.meter = ActivationMeter(self.warnings)  # armed on logging iterations only
         # The last logging step that counted a model, with the last activations measured: the OOM
@@ -104,6 +103,36 @@ class MemoryMonitor:
         self._off_unsaid: list[str] | None = (
             None if self.enabled else [name for name in BACKEND_SETTINGS if getattr(self.settings, name)]
         )
+        self._last_step: int | None = None  # the step last logged: a second log of it is ignored
+        self.once_per_step = False  # a framework's run (open): a step that comes twice is a second way in
+        self._phases = phase.Slots()  # the memory phases an integration opened through this run
+
+    @classmethod
+    def open(
+        cls,
+        config: Any,
+        *,
+        facts: Mapping[str, Any] | None = None,
+        pg_collection: Any = None,
+        pp_group: ProcessGroup | None = None,
+        writers: Callable[[], Writers] | None = None,
+        writer_rank: int | None = None,
+        run_config: Any = None,
+    ) -> MemoryMonitor:
+        """A run opened now, at a framework's start (every rank, the groups in place): placed, writing
+        into ``writers()`` (a framework's open loggers: called on the writer rank only; flushed, never
+        closed), ``facts`` checked and redacted. Raises ValueError, TypeError for a setting, a
+        ``writer_rank`` or a fact that cannot work, naming it."""
+        monitor = cls(
+            config, pg_collection=pg_collection, pp_group=pp_group, writer_rank=writer_rank, run_config=run_config
+        )
+        monitor.place()
+        if writers is not None and monitor.is_writer_rank:
+            monitor.use_writers(writers())
+        if facts:
+            monitor.state_facts(**facts)
+        monitor.once_per_step = True
+        return monitor
 
     def logs_at(self, iteration: int) -> bool:
         """The gate, the only one: whether ``iteration`` is a logging iteration. Every way in reads
@@ -119,44 +148,34 @@ class MemoryMonitor:
         model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
         optimizer: Any = None,
         facts: dict | None = None,
+        step: int | None = None,
     ) -> dict | None:
-        """Every rank, every iteration. On logging iterations (``logs_at``): ``log_step``, which
-        measures, reduces, merges with ``metrics``, hands to the writers (writer rank), and returns
-        the unified dict. ``model`` and ``optimizer`` (read on logging iterations only): add what
-        the memory is made of (measure/composition.py); every rank of the group passes them, or
-        none. ``facts``: ``state_facts``, taken at the first call that carries them (any
-        iteration), and again when they change. Off the logging iterations: None, and nothing else."""
-        if facts is not None and facts != self._facts_given:  # checked where they are given, once
-            self._take_facts(facts)
-        if not self.logs_at(iteration):  # the fast path
-            return None
-        if metrics is not None and not isinstance(metrics, Mapping):  # before any collective: every rank alike
-            raise TypeError(f"metrics= must be a dict of names to numbers, or None; got {type(metrics).__name__}")
-        return self.log_step(iteration, metrics, model=model, optimizer=optimizer)
-
-    def on_iteration(
-        self,
-        iteration: int,
-        metrics: dict | None = None,
-        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
-        optimizer: Any = None,
-        facts: dict | None = None,
-    ) -> dict | None:
-        """``log`` at ``iteration``, then ``before_iteration(iteration + 1, model)``, in one call:
-        training_log's, on every rank at every iteration. Whether an iteration logs is ``logs_at``'s
-        to say, in ``log`` and here. A run with memory logging off reads nothing a call brings (not
-        even ``facts``), and says so once, on rank 0, when a call brings something it ignores."""
+        """A step (every rank, every iteration): on logging iterations (``logs_at(iteration)``, the
+        only gate) ``log_step``, which returns the unified dict with ``metrics`` merged; off them
+        None, and nothing else. ``step``: where it is recorded, where the framework logs elsewhere
+        than at the iteration (Lightning: one less); default ``iteration``. In a framework's run
+        (``open``) a second ``log`` of the step last logged returns None (said once); training_log's
+        take the caller's iterations as given. ``model``, ``optimizer``: what the memory is made of
+        (every rank of the group passes them, or none). ``facts``: ``state_facts``, at the first call
+        that carries them and when they change. A run with logging off reads nothing a call brings,
+        and says so once, on rank 0, when a call brings something it ignores."""
         if not self.enabled:  # the run is off: no iteration logs, and nothing the call brings is read
             if self._off_unsaid is not None:
                 self._say_off(metrics, model, optimizer, facts)
             return None
-        if facts is not None and facts != self._facts_given:  # the first call that carries them, any iteration
-            self._take_facts(facts)
-        logged = None  # off the logging iterations: one gate read, no other call
-        if self.logs_at(iteration):
-            logged = self.log(iteration, metrics, model=model, optimizer=optimizer)
-        if model is not None and self.logs_at(iteration + 1):  # the next iteration logs: measure it
-            self._arm(model)
+        if facts is not None and facts != self._facts_given:  # checked where they are given, once
+            self.facts.update(checked_facts(facts, self.secrets))
+            self._facts_given = dict(facts)  # a mapping: checked_facts raised otherwise
+        if not self.logs_at(iteration):  # the fast path
+            return None
+        if metrics is not None and not isinstance(metrics, Mapping):  # before any collective: every rank alike
+            raise TypeError(f"metrics= must be a dict of names to numbers, or None; got {type(metrics).__name__}")
+        at = iteration if step is None else step
+        if at == self._last_step and self.once_per_step:  # every rank sees the same calls: all skip alike
+            self.warn_once(("twice",), f"step {at} was logged already; a second log of it is ignored")
+            return None
+        logged = self.log_step(at, metrics, model=model, optimizer=optimizer)
+        self._last_step = at
         return logged
 
     def before_iteration(self, iteration: int, model: torch.nn.Module | Sequence[torch.nn.Module] | None) -> None:
@@ -165,6 +184,14 @@ class MemoryMonitor:
         for a ``model`` that is no module (composition.check_model_and_optimizer)."""
         if model is not None and self.logs_at(iteration):
             self._arm(model)
+
+    def phase_start(self, name: str, iteration: int | None) -> None:
+        """Phase ``name`` starts on this rank, until ``phase_end(name)`` (measure/phase.py)."""
+        self._phases.enter(name, iteration)
+
+    def phase_end(self, name: str) -> None:
+        """End phase ``name`` (nothing where it is not open)."""
+        self._phases.leave(name)
 
     def _arm(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
         composition.check_model_and_optimizer(model, None)
@@ -179,11 +206,6 @@ class MemoryMonitor:
         (config/facts.py): raises ValueError naming a fact that breaks its rule, and records a
         secret-named fact, or one holding a configured secret, redacted."""
         self.facts.update(checked_facts(facts, self.secrets))
-
-    def _take_facts(self, facts: Any) -> None:
-        """training_log's ``facts=``: checked and recorded when they differ from those last taken."""
-        self.facts.update(checked_facts(facts, self.secrets))
-        self._facts_given = dict(facts)  # a mapping: checked_facts raised otherwise
 
     def _say_off(self, metrics, model, optimizer, facts) -> None:
         """Memory logging is off, and this call brings what it ignores: say so, once, on rank 0."""
@@ -211,10 +233,11 @@ class MemoryMonitor:
         model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
         optimizer: Any = None,
     ) -> dict:
-        """``log`` past its gate (an integration that has decided the step logs calls it directly):
-        measure, record, gather, attribute, advise, merge and write, in that order; returns the
-        unified dict. Raises TypeError, naming the argument, for a ``model`` or ``optimizer`` it
-        cannot count, before any collective (every rank alike)."""
+        """The logging step itself, past ``log``'s gate and its once-only check (``log`` calls it;
+        a benchmark may call it alone; a way in never does): measure, record, gather, attribute,
+        advise, merge and write, in that order; returns the unified dict. Raises TypeError, naming
+        the argument, for a ``model`` or ``optimizer`` it cannot count, before any collective (every
+        rank alike)."""
         if model is not None or optimizer is not None:
             composition.check_model_and_optimizer(model, optimizer)  # before any collective: every rank alike
         placement = self.placement or self.place()
@@ -401,11 +424,6 @@ class MemoryMonitor:
         """``warn_once`` for the caller's own mistake (a metric that is no number, a setting off)."""
         self.warnings(key, text, stacklevel=4, category=RuntimeWarning)
 
-    def flush(self) -> None:
-        """Wait (bounded) until the writers have written every step handed to them."""
-        if self.writers is not None:
-            self.writers.flush()
-
     def end_record(self) -> None:
         """Mark this rank's flight record ended ("close") and stop recording. Never raises."""
         recorder, self.recorder = self.recorder, None
@@ -413,14 +431,16 @@ class MemoryMonitor:
             recorder.close()
 
     def close(self, *, writers: bool = True) -> None:
-        """End the run on this rank: end the flight record ("close"); release the reduction
-        state (channels, and the gloo twin, destroyed: no collective, see Reduction.close);
+        """End the run on this rank: end its phases and the flight record ("close"); release the
+        reduction state (channels, and the gloo twin, destroyed: no collective, see Reduction.close);
         drain and close the writers this monitor built, and only flush writers it was given.
-        ``writers=False`` leaves the writers alone (a framework that already ended them).
-        Logging again afterwards places the run anew (every rank, as at its first step)."""
+        ``writers=False`` leaves the writers alone (a framework that already ended them). Logging
+        again afterwards places the run anew (every rank, as at its first step), a new run."""
+        self._phases.leave_all()
         self.meter.finish()  # armed for a logging iteration that never came: its hooks come off
         self.end_record()
-        self.release_reduction()
+        self.reduction.close()
+        self.reduction, self.placement, self._last_step = self._new_reduction(), None, None
         if not writers or self.writers is None:
             return
         if self._owns_writers:
@@ -428,11 +448,3 @@ class MemoryMonitor:
             self.writers = None
         else:
             self.writers.flush()
-
-    def release_reduction(self) -> None:
-        """Close the reduction state (see Reduction.close) and start an empty one: the next
-        logging step places the run anew. For a framework whose run ends without ``close``.
-        Never raises."""
-        self.reduction.close()
-        self.reduction = self._new_reduction()
-        self.placement = None

@@ -267,6 +267,8 @@ def test_tensorboard_one_writer_each_memory_series_once_per_step_with_the_first_
     check_required_memory(memory)
     for name in memory:
         assert [s for s, _ in tb[name]] == LOGGING_STEPS, f"{name}: once per Bridge logging step"
+    for record in run.records:  # the flag on: nothing said (no flag notice, no stop)
+        assert not [text for text in record.notices if "log_memory_to_tensorboard" in text or "stopped" in text]
     for step, value in tb["memory/peak_host_rss_gb"]:
         first, last = run.at(run.first_stage, step), run.at(run.writer, step)
         # The peak is the value stage 0 read inside on_train_step_end: VmHWM only grows.
@@ -419,6 +421,10 @@ def test_flag_off_costs_no_collective_and_writes_no_memory(flag_off):
         assert all(calls == [] for calls in record.collectives.values()), (record.rank, record.collectives)
         assert [s.flag_seen_by_training_log for s in record.steps] == [False] * 6
         assert record.flag_after_run is False
+        # One notice, on the writer rank (the last), naming the flag to set; none elsewhere.
+        writer = record.rank == len(run.records) - 1
+        flag_off = [text for text in record.notices if "set logger.log_memory_to_tensorboard=true" in text]
+        assert len(flag_off) == (1 if writer else 0), (record.rank, record.notices)
     files, tb = tensorboard_events(run.spec.root)
     logs, history, _ = wandb_run(run.spec.root)
     (mlflow_run,) = mlflow_runs(run.spec.mlflow_uri, "memlog-bridge")

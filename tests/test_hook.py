@@ -286,3 +286,55 @@ def test_settings_that_change_at_every_call_make_new_runs_and_warn_once():
     assert len(made) == 2 * MANY_RUNS and len({id(monitor) for monitor in made}) == len(made), "a run for each settings"
     warned = [w for w in caught if "runs in this process" in w]
     assert len(warned) == 1 and "Build the config once" in warned[0], [w for w in caught]
+
+
+# --- the door: the protocol every way in drives (MemoryMonitor.open, log, close) -------------------
+
+
+class KeptSteps:
+    """Writers as the monitor takes them (``log(metrics, step)``, ``flush``, ``close``): the steps handed over."""
+
+    def __init__(self):
+        self.steps: list[int] = []
+
+    def log(self, metrics, step):
+        self.steps.append(step)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_frameworks_run_logs_each_step_once_with_its_facts_checked_and_redacted():
+    from nemo_memlog import MemoryMonitor
+    from nemo_memlog.redaction import REDACTED
+
+    config = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=2, memory_record_dir="off")
+    kept = KeptSteps()
+    monitor = MemoryMonitor.open(config, writers=lambda: kept, facts={"micro_batch_size": 4, "wandb_api_key": "k-1"})
+    assert monitor.facts == {"micro_batch_size": 4, "wandb_api_key": REDACTED}  # as training_log's facts= are
+    with said() as caught:
+        assert monitor.log(1) is None  # the gate: off the interval
+        assert monitor.log(2, {"loss": 1.0})["loss"] == 1.0
+        assert monitor.log(2, {"loss": 2.0}) is None  # a second way in, or one installed twice: ignored
+        assert monitor.log(4, step=3) is not None  # gated at 4, recorded at 3 (Lightning's numbering)
+        assert monitor.log(4, step=3) is None
+    assert kept.steps == [2, 3]
+    assert [text for text in caught if "was logged already" in text] == [
+        "nemo_memlog: step 2 was logged already; a second log of it is ignored"
+    ], "said once, for the first repeat"
+    monitor.close()
+    assert monitor.log(4, step=3) is not None and kept.steps == [2, 3, 3], "closed: the next log is a new run's"
+    monitor.close()
+    with pytest.raises(ValueError, match=r"facts\['micro_batch_size'\] must be a positive int"):
+        MemoryMonitor.open(config, facts={"micro_batch_size": 0})  # one check for every way in
+
+
+def test_training_log_takes_the_callers_iterations_as_given_a_repeat_logs_again():
+    config = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=7)
+    with said():  # no writer configured: said, not raised
+        first = training_log(7, config, metrics={"loss": 1.0})
+        again = training_log(7, config, metrics={"loss": 2.0})
+    assert first["loss"] == 1.0 and again["loss"] == 2.0

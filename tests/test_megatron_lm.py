@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_memlog.integrations import megatron_lm
 from nemo_memlog.offline.rank_files import read_rank_file
 from nemo_memlog.testing import megatron_lm_stand_ins, torchrun
 from tests import readback
@@ -47,7 +48,8 @@ FLAG = "--log-memory-to-tensorboard"
 #: name -> (the launcher before torchrun, the job's flags beyond MODEL)
 RUNS = {
     "run, without the flag": (RUN, (*PHASES, "wandb")),
-    "install, 1f1b": ((), (*PHASES, "wandb", FLAG, "--nemo-memlog")),
+    # The loop module reloaded after install() (importlib.reload), and install() again: said, and wrapped anew.
+    "install, 1f1b": ((), (*PHASES, "wandb", FLAG, "--nemo-memlog", "--reload-loop")),
     "run, interleaved": (RUN, (FLAG, "--num-layers-per-virtual-pipeline-stage", "1")),
 }
 WITH_FLAG = [name for name in RUNS if FLAG in RUNS[name][1]]
@@ -55,7 +57,8 @@ WITH_FLAG = [name for name in RUNS if FLAG in RUNS[name][1]]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """``trained(name)``: run ``name`` of RUNS once, at its first use: its root folder."""
+    """``trained(name)``: run ``name`` of RUNS once, at its first use: its root folder (its output
+    in ``root / "output.txt"``)."""
     roots: dict = {}
 
     def train(name: str) -> Path:
@@ -77,6 +80,7 @@ def trained(tmp_path_factory):
                 timeout_s=300,
             )
             assert done.returncode == 0, f"{name}: torchrun exited with {done.returncode}:\n{torchrun.tail(done)}"
+            (root / "output.txt").write_text(done.stdout + done.stderr)
             roots[name] = root
         return roots[name]
 
@@ -115,6 +119,16 @@ def test_losses_are_megatron_lms_own_and_without_the_flag_nothing_is_written(tra
     losses = runs["."]["lm loss"]
     assert [step for step, _ in losses] == [1, 2, 3, 4]
     assert readback.tensorboard_runs(with_us / "tb")["."]["lm loss"] == losses  # bit for bit
+    # Without the flag: one notice, on the last rank (the writer's), naming the flag to add.
+    assert (without / "output.txt").read_text().count(megatron_lm.FLAG_OFF) == 1
+    assert megatron_lm.FLAG_OFF not in (with_us / "output.txt").read_text()
+
+
+def test_install_on_a_reloaded_loop_says_so_once_per_rank_and_wraps_it_again(trained):
+    output = (trained("install, 1f1b") / "output.txt").read_text()
+    assert output.count(megatron_lm.RELOADED) == 2  # one notice in each of the 2 ranks
+    assert megatron_lm.TOO_LATE not in output  # before pretrain: in time
+    # Wrapped again, once: the series of that run are the ones the tests above read, each at each step once.
 
 
 @pytest.mark.parametrize("name", WITH_FLAG)
@@ -184,3 +198,47 @@ def test_checkpoint_saves_and_evaluation_are_phases_and_the_offline_commands_rea
     postmortem = subprocess.run([*cli, "postmortem", root], capture_output=True, text=True, timeout=120)
     assert postmortem.returncode == 0, postmortem.stderr  # 0: no failure, every rank ended cleanly
     assert "2 of 2 ranks read" in postmortem.stdout
+
+
+#: In one process, no launch: the notices' words, with Megatron-LM's own loop module and global args.
+NOTICES = """
+import json, logging
+from types import SimpleNamespace
+from nemo_memlog.testing import megatron_lm_job, megatron_lm_stand_ins
+megatron_lm_job.hide_modelopt()
+megatron_lm_stand_ins.install()
+import megatron.training.training as training
+from megatron.training import global_vars
+from nemo_memlog import megatron_lm
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("nemo_memlog").addHandler(Keep())
+# install() from inside a train of the loop's module: too late for that train
+space = {"__name__": training.__name__, "install": megatron_lm.install}
+exec("def train():\\n    return install()", space)
+callback = space["train"]()
+wrapped = getattr(training.train, megatron_lm.MARK, None) is callback
+# Megatron-LM's --tensorboard-log-interval 0 with the flag: the run cannot open
+global_vars.set_args(SimpleNamespace(log_memory_to_tensorboard=True, tensorboard_log_interval=0,
+                                     tensorboard_dir=None, wandb_save_dir=None))
+callback.on_train_start(None, None)
+callback.on_log(1)  # stopped: nothing, no second notice
+callback.on_train_end()
+print(json.dumps({"said": said, "wrapped": wrapped, "stopped": callback.stopped, "monitor": callback.monitor}))
+"""
+
+
+def test_a_framework_argument_that_cannot_work_and_a_late_install_are_one_notice_each():
+    done = subprocess.run(
+        [sys.executable, "-c", NOTICES], capture_output=True, text=True, timeout=120, env=torchrun.torchrun_env()
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert found["wrapped"] and found["stopped"] and found["monitor"] is None
+    said = found["said"]
+    assert said[0] == megatron_lm.TOO_LATE
+    assert len(said) == 2, said  # one each: the interval's failure is said once, not at every event
+    assert said[1].startswith("nemo_memlog: memory logging stopped in Megatron-LM's loop (on_train_start): ")
+    assert "tensorboard_log_interval must be an int >= 1" in said[1] and said[1].endswith("training goes on without it")

@@ -58,8 +58,10 @@ from typing import Any
 from megatron.bridge.training.callbacks import Callback
 
 from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve_fields
-from ..measure import estimate, phase
+from ..measure import estimate
 from ..monitor import MemoryMonitor
+from ..warn import notice
+from .door import Adapter, guarded, is_last_rank
 
 #: Our settings that Bridge's LoggerConfig lacks: the callback's keyword arguments.
 BRIDGE_FIELDS = ("log_memory_to_tensorboard", "tensorboard_log_interval", "memory_keys")
@@ -75,23 +77,25 @@ OWN_SETTINGS = tuple(
 _holding: set[MemoryLogCallback] = set()
 
 
-class MemoryLogCallback(Callback):
+class MemoryLogCallback(Adapter, Callback):
     """Pipeline-wide memory in a Megatron-Bridge recipe's own dashboards. Register it on every rank.
 
     ``log_memory_to_tensorboard``, ``tensorboard_log_interval`` and ``memory_keys`` come from
-    the recipe's ``cfg.logger``; with its flag off the callback does nothing. It writes into
-    the loggers Bridge opened, at Bridge's step, and opens none of its own.
+    the recipe's ``cfg.logger``; with its flag off the callback does nothing (the last rank says
+    which flag to set, once). It writes into the loggers Bridge opened, at Bridge's step, and opens
+    none of its own. Whatever goes wrong in one of its events (a setting that cannot work, a
+    reduction that failed) is one notice on the "nemo_memlog" logger, and the recipe trains on
+    without memory logging (door.py).
 
     Args:
         **settings: nemo_memlog's own LoggerConfig fields whose names start with ``memory_``
             (``memory_reduce_timeout_s``, ``memory_record_dir``...), other than ``memory_keys``.
 
     Raises:
-        ValueError: an unknown setting name (here); a setting value that cannot work, naming
-            the field (at ``on_train_start``).
-        MemoryReduceError: at a logging step, the ranks disagree or one did not join within
-            ``memory_reduce_timeout_s``.
+        ValueError: an unknown setting name, or a value that cannot work, naming the field (here).
     """
+
+    FRAMEWORK = "Megatron-Bridge's loop"
 
     def __init__(self, **settings: Any):
         self.settings = checked_settings(
@@ -102,14 +106,18 @@ class MemoryLogCallback(Callback):
         )
         self.monitor: MemoryMonitor | None = None
         self._bridge_logger = None
-        self._phases = phase.Slots()  # the memory phases this callback opened
         self._save_interval = None  # cfg.checkpoint.save_interval, where Bridge saves (on_train_start)
+        self._flag_off_said = False
 
+    @guarded
     def on_train_start(self, context: Any) -> None:
         bridge_logger = context.state.cfg.logger
         for callback in [callback for callback in _holding if callback._bridge_logger is bridge_logger]:
             callback._end_training(flush=False)  # it exited by sys.exit (a caught SystemExit): hand the flag back
         if not bridge_logger.log_memory_to_tensorboard:
+            if not self._flag_off_said and is_last_rank():
+                notice(FLAG_OFF)
+            self._flag_off_said = True
             return
         # The flight records' default folder is beside the recipe's own logs (its tensorboard_dir).
         settings = {
@@ -122,19 +130,21 @@ class MemoryLogCallback(Callback):
             memory_keys=bridge_memory_keys(getattr(bridge_logger, "memory_keys", None)),
             **settings,
         )
-        monitor = MemoryMonitor(run_settings, pg_collection=_pg_collection(context.model))
-        monitor.place()
-        if monitor.is_writer_rank:
-            monitor.use_writers(_adopt_open_loggers(context.state))
-        _silence_bridge_memory_report()
         microbatches = _microbatches()
-        monitor.facts.update(_facts(context.state.cfg, microbatches))
+        monitor = MemoryMonitor.open(
+            run_settings,
+            pg_collection=_pg_collection(context.model),
+            writers=lambda: _adopt_open_loggers(context.state),
+            facts=_facts(context.state.cfg, microbatches),
+        )
+        _silence_bridge_memory_report()
         checkpoint = getattr(context.state.cfg, "checkpoint", None)  # read once: Bridge saves where it says
         self._save_interval = getattr(checkpoint, "save_interval", None) if getattr(checkpoint, "save", None) else None
         monitor.estimate = estimate.bridge_estimate(context.state.cfg, microbatches)  # None before 0.6
         self.monitor, self._bridge_logger = monitor, bridge_logger
         _holding.add(self)
 
+    @guarded
     def on_train_step_end(self, context: Any) -> None:
         monitor = self.monitor
         if monitor is None:
@@ -142,40 +152,57 @@ class MemoryLogCallback(Callback):
         step = context.state.train_state.step + 1
         monitor.log(step, model=context.model, optimizer=getattr(context, "optimizer", None))
         if self._save_interval and step % self._save_interval == 0:
-            self._phases.enter("checkpoint_save", step)
+            monitor.phase_start("checkpoint_save", step)
 
+    @guarded
     def on_train_step_start(self, context: Any) -> None:
-        self._phases.leave("checkpoint_save")  # an async save's staging, or a Bridge without on_checkpoint_save
         if self.monitor is not None:  # the step on_train_step_end will log: measure its activations
+            self.monitor.phase_end("checkpoint_save")  # an async save's staging, or a Bridge without on_checkpoint_save
             self.monitor.before_iteration(context.state.train_state.step + 1, context.model)
 
+    @guarded
     def on_checkpoint_save(self, context: Any) -> None:
-        self._phases.leave("checkpoint_save")
+        if self.monitor is not None:
+            self.monitor.phase_end("checkpoint_save")
 
+    @guarded
     def on_eval_start(self, context: Any) -> None:
         if self.monitor is not None:
-            self._phases.enter("eval", context.state.train_state.step)
+            self.monitor.phase_start("eval", context.state.train_state.step)
 
+    @guarded
     def on_eval_end(self, context: Any) -> None:
-        self._phases.leave("eval")
+        if self.monitor is not None:
+            self.monitor.phase_end("eval")
 
+    @guarded
     def on_train_end(self, context: Any) -> None:
-        self._phases.leave_all()
         self._end_training(flush=True)
 
     def _end_training(self, flush: bool) -> None:
         """Once per run: hand Bridge its memory report back (when no other run is open), end the
-        flight record, release the run's gloo group and, at ``on_train_end``, flush. Off that
-        event (Bridge's should_exit path) there is nothing to flush: every step was written
-        into Bridge's loggers when it was logged, and Bridge flushes and ends them itself
-        before ``sys.exit``. Never raises."""
+        phases and the flight record, release the run's gloo group and, at ``on_train_end``, flush.
+        Off that event (Bridge's should_exit path) there is nothing to flush: every step was
+        written into Bridge's loggers when it was logged, and Bridge flushes and ends them itself
+        before ``sys.exit``."""
         if self.monitor is None:
             return
-        _holding.discard(self)
+        self._release()
         monitor, self.monitor = self.monitor, None
-        self._bridge_logger = None
         # Bridge's own loggers are flushed, never closed; after sys.exit Bridge has ended them: not even flushed.
         monitor.close(writers=flush)
+
+    def _release(self) -> None:
+        _holding.discard(self)
+        self._bridge_logger = None
+
+
+#: What the last rank says, once, when the recipe's memory flag is off.
+FLAG_OFF = (
+    "nemo_memlog: the recipe's logger.log_memory_to_tensorboard is off, so no memory is logged; set "
+    "logger.log_memory_to_tensorboard=true (cfg.logger.log_memory_to_tensorboard = True) to log every "
+    "pipeline stage's memory"
+)
 
 
 def _silence_bridge_memory_report() -> None:

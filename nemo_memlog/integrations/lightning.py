@@ -46,10 +46,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import megatron
 from ..config import LoggerConfig, checked_settings, resolve_fields
-from ..measure import phase
 from ..monitor import MemoryMonitor
 from ..warn import misuse
 from ..writers import adopt_writers
+from .door import Adapter, guarded
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +80,13 @@ def _callback_bases() -> tuple:
     return tuple(bases)
 
 
-class MemoryLogCallback(*_callback_bases()):
+if TYPE_CHECKING:  # what a type checker reads: Lightning's Callback (the class below is both packages')
+    from lightning.pytorch import Callback as LightningCallback
+else:
+    LightningCallback = type("LightningCallback", _callback_bases(), {})
+
+
+class MemoryLogCallback(Adapter, LightningCallback):
     """Job-wide memory peak, and where it lives, in the trainer's own loggers. Register it
     on every rank (as ``Trainer(callbacks=[...])`` does).
 
@@ -96,12 +102,16 @@ class MemoryLogCallback(*_callback_bases()):
             ``memory_reduce_scope``: "pp" when megatron-core's parallel_state is initialised at
             ``on_train_start``, else "world".
 
+    Whatever goes wrong in one of its events (a setting that cannot work, a reduction that
+    failed) is one notice on the "nemo_memlog" logger, and the Trainer trains on without memory
+    logging (door.py).
+
     Raises:
-        ValueError: an unknown setting name, such as a writer setting (here); a setting value
-            that cannot work, naming the field (at ``on_train_start``).
-        MemoryReduceError: at a logging step, the ranks disagree or one did not join within
-            ``memory_reduce_timeout_s``.
+        ValueError: an unknown setting name, such as a writer setting, or a value that cannot
+            work, naming the field (here).
     """
+
+    FRAMEWORK = "Lightning's Trainer"
 
     def __init__(self, **settings: Any):
         # None means "the default" for our settings; an unknown name raises whatever its value.
@@ -113,9 +123,8 @@ class MemoryLogCallback(*_callback_bases()):
             ". It writes into the Trainer's own loggers: add one there (Trainer(logger=...)), not a writer setting",
         )
         self.monitor: MemoryMonitor | None = None
-        self._phases = phase.Slots()  # the memory phases this callback opened
-        self.interval: int | None = None
 
+    @guarded
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         settings = dict(self.settings)
         interval = settings.pop("tensorboard_log_interval", trainer.log_every_n_steps)
@@ -137,55 +146,62 @@ class MemoryLogCallback(*_callback_bases()):
                 RuntimeWarning,
             )
         run_settings = resolve_fields(tensorboard_log_interval=interval, memory_reduce_scope=scope, **settings)
-        monitor = MemoryMonitor(run_settings, writer_rank=WRITER_RANK)
-        monitor.place()
-        if monitor.is_writer_rank:
-            monitor.use_writers(adopt_writers(trainer.loggers))
-        monitor.state_facts(**_facts(trainer))
-        self.monitor, self.interval = monitor, interval
+        self.monitor = MemoryMonitor.open(
+            run_settings,
+            writer_rank=WRITER_RANK,
+            writers=lambda: adopt_writers(trainer.loggers),
+            facts=_facts(trainer),
+        )
 
+    @guarded
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._phases.leave("checkpoint_save")
         monitor = self.monitor
         if monitor is None:
             return
+        monitor.phase_end("checkpoint_save")
         monitor.meter.close_microbatch()  # a batch without a backward (manual optimization skipped it)
         epoch_loop = trainer.fit_loop.epoch_loop
-        step = epoch_loop._batches_that_stepped  # the step Lightning logs this batch's metrics at
-        if (step + 1) % self.interval or epoch_loop._should_accumulate():
+        if epoch_loop._should_accumulate():  # no optimizer step on this batch: no step ends
             return
-        monitor.log_step(step, model=pl_module, optimizer=list(trainer.optimizers))
+        # Lightning logs this step's metrics at the steps taken before it, when the count after it logs.
+        step = epoch_loop._batches_that_stepped
+        monitor.log(step + 1, model=pl_module, optimizer=list(trainer.optimizers), step=step)
 
+    @guarded
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._phases.leave("checkpoint_save")
         if self.monitor is not None:  # a logging step's batches: measure their activations (measure/activations.py)
+            self.monitor.phase_end("checkpoint_save")
             self.monitor.before_iteration(trainer.fit_loop.epoch_loop._batches_that_stepped + 1, pl_module)
             self.monitor.meter.open_microbatch()  # training_step is no module's forward: the batch is one
 
+    @guarded
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: torch.Tensor) -> None:
         if self.monitor is not None:
             self.monitor.meter.close_microbatch()
 
+    @guarded
     def on_save_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
         if self.monitor is not None:
-            self._phases.enter("checkpoint_save", trainer.global_step)
+            self.monitor.phase_start("checkpoint_save", trainer.global_step)
 
+    @guarded
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
-        self._phases.leave("checkpoint_save")
         if self.monitor is not None:
-            self._phases.enter("eval", trainer.global_step)
+            self.monitor.phase_end("checkpoint_save")
+            self.monitor.phase_start("eval", trainer.global_step)
 
+    @guarded
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
-        self._phases.leave("eval")
-
-    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self._phases.leave_all()
         if self.monitor is not None:
-            self.monitor.meter.finish()  # armed for a step that never came: its hooks come off
-            self.monitor.end_record()  # the record's clean-end marker now, not whenever the collector frees it
-            self.monitor.flush()  # the loggers' save(); the Trainer finalizes them
-            self.monitor.release_reduction()  # its gloo group, if it made one
-            self.monitor = None
+            self.monitor.phase_end("eval")
+
+    @guarded
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The end of training: the run's close (its phases, meter, flight record and gloo group ended;
+        the loggers flushed, and finalized by the Trainer)."""
+        monitor, self.monitor = self.monitor, None
+        if monitor is not None:
+            monitor.close()
 
 
 def _facts(trainer) -> dict:

@@ -44,16 +44,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import logging
 import math
+import sys
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve_fields
-from ..measure import phase
 from ..memory import DEFAULT_MEMORY_KEYS, GB
 from ..monitor import MemoryMonitor
+from ..warn import notice
+from ..writers import adopt_writers
+from .door import Adapter, guarded, is_last_rank
 
 #: The functions of megatron.training.training that install() rebinds, each looked up at call time.
 WRAPPED = ("train", "train_step", "training_log", "save_checkpoint_and_time", "evaluate_and_print_results")
@@ -70,16 +72,17 @@ MEM_SERIES = {
 }
 #: What a logging step reads from torch.cuda.memory_stats(): ours, and the one mem-* count we lack.
 MEMORY_KEYS = {**DEFAULT_MEMORY_KEYS, "allocation.all.current": "current_allocation_count"}
-log = logging.getLogger("nemo_memlog")
 
 
 class MegatronLMError(RuntimeError):
     """This megatron-core's Megatron-LM loop lacks what install() wraps: the message names it and the version."""
 
 
-class MemoryLogCallback:
+class MemoryLogCallback(Adapter):
     """Pipeline-wide memory in Megatron-LM's own dashboards, one object per process: its methods are
-    the loop's events, fired by the functions ``install()`` rebinds (on every rank).
+    the loop's events, fired by the functions ``install()`` rebinds (on every rank). Whatever goes
+    wrong in one of them (an interval of 0, a setting that cannot work) is one notice on the
+    "nemo_memlog" logger, and Megatron-LM trains on without memory logging (door.py).
 
     Args:
         **settings: nemo_memlog's own LoggerConfig fields whose names start with ``memory_``
@@ -88,6 +91,8 @@ class MemoryLogCallback:
     Raises:
         ValueError: an unknown setting, or a value that cannot work, naming the field.
     """
+
+    FRAMEWORK = "Megatron-LM's loop"
 
     def __init__(self, **settings: Any):
         self.settings = checked_settings(
@@ -99,15 +104,22 @@ class MemoryLogCallback:
         self.monitor: MemoryMonitor | None = None
         self._model: Any = None
         self._optimizer: Any = None
-        self._phases = phase.Slots()
+        self._flag_off_said = False
 
+    @guarded
     def on_train_start(self, model: Any, optimizer: Any) -> None:
-        """``train()`` starts: with Megatron-LM's memory flag on, the run opens (every rank)."""
+        """``train()`` starts: with Megatron-LM's memory flag on, the run opens (every rank); off, the
+        last rank says which flag to add, once."""
         from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
 
         args = get_args()
         self._model, self._optimizer = model, optimizer
-        if not args.log_memory_to_tensorboard or self.monitor is not None:
+        if self.monitor is not None:
+            return
+        if not args.log_memory_to_tensorboard:
+            if not self._flag_off_said and is_last_rank():
+                notice(FLAG_OFF)
+            self._flag_off_said = True
             return
         folder = self.settings.get("memory_record_dir") or memory_record_dir(
             SimpleNamespace(
@@ -123,58 +135,66 @@ class MemoryLogCallback:
             memory_keys=MEMORY_KEYS,
             **{**self.settings, "memory_record_dir": folder},
         )
-        try:
-            monitor = MemoryMonitor(settings, run_config=_run_config(args))
-            monitor.place()
-            if monitor.is_writer_rank:
-                from ..writers import adopt_writers
-
-                monitor.use_writers(adopt_writers([get_tensorboard_writer(), get_wandb_writer()]))
-            monitor.derived = megatron_lm_series
-            monitor.state_facts(**facts(args))
-        except Exception as error:  # noqa: BLE001 -- training goes on without memory logging, said once
-            log.warning(
-                "nemo_memlog: memory logging could not start in Megatron-LM's loop: %r; training goes on", error
-            )
-            return
+        monitor = MemoryMonitor.open(
+            settings,
+            run_config=_run_config(args),
+            writers=lambda: adopt_writers([get_tensorboard_writer(), get_wandb_writer()]),
+            facts=facts(args),
+        )
+        monitor.derived = megatron_lm_series
         self.monitor = monitor
 
+    @guarded
     def on_train_step_start(self, iteration: int) -> None:
         """Iteration ``iteration`` starts: measure its activations when it logs."""
         if self.monitor is not None and self._model is not None:
             self.monitor.before_iteration(iteration, self._model)
 
+    @guarded
     def on_log(self, iteration: int) -> None:
         """``training_log`` of ``iteration`` has run (every rank): memory at the same step."""
         if self.monitor is not None:
             self.monitor.log(iteration, model=self._model, optimizer=self._optimizer)
 
+    @guarded
     def on_save_checkpoint_start(self, iteration: int | None) -> None:
         if self.monitor is not None:
-            self._phases.enter("checkpoint_save", iteration)
+            self.monitor.phase_start("checkpoint_save", iteration)
 
+    @guarded
     def on_save_checkpoint_end(self) -> None:
-        self._phases.leave("checkpoint_save")
+        if self.monitor is not None:
+            self.monitor.phase_end("checkpoint_save")
 
+    @guarded
     def on_eval_start(self, iteration: int | None) -> None:
         if self.monitor is not None:
-            self._phases.enter("eval", iteration)
+            self.monitor.phase_start("eval", iteration)
 
+    @guarded
     def on_eval_end(self) -> None:
-        self._phases.leave("eval")
+        if self.monitor is not None:
+            self.monitor.phase_end("eval")
 
+    @guarded
     def on_train_end(self) -> None:
-        """``train()`` returned or exits (``sys.exit`` on its should_exit path): end the flight
-        record, release the run's gloo group and flush Megatron-LM's writers (never closed: they
-        are its own). Never raises."""
-        self._phases.leave_all()
+        """``train()`` returned or exits (``sys.exit`` on its should_exit path): end the phases and the
+        flight record, release the run's gloo group and flush Megatron-LM's writers (never closed:
+        they are its own). Never raises."""
         monitor, self.monitor = self.monitor, None
         self._model = self._optimizer = None
         if monitor is not None:
-            try:
-                monitor.close()
-            except Exception as error:  # noqa: BLE001 -- the end of training is not ours to fail
-                log.warning("nemo_memlog: closing the memory run failed: %r", error)
+            monitor.close()
+
+    def _release(self) -> None:
+        self._model = self._optimizer = None
+
+
+#: What the last rank says, once, when Megatron-LM's memory flag is off.
+FLAG_OFF = (
+    "nemo_memlog: Megatron-LM's --log-memory-to-tensorboard is off, so no memory is logged; "
+    "add --log-memory-to-tensorboard to log every pipeline stage's memory"
+)
 
 
 def megatron_lm_series(logged: dict) -> dict:
@@ -225,7 +245,10 @@ def install(**settings: Any) -> MemoryLogCallback:
     """Log pipeline-wide memory from Megatron-LM's own loop: call on every rank before ``pretrain``.
 
     Installing again returns the callback installed first (its settings stand; different ones
-    are logged as ignored).
+    are said to be ignored). Where the loop's functions are no longer the ones it rebound (the
+    module was reloaded, ``importlib.reload``), it says so and rebinds them again. Called while
+    ``train()`` runs, it says that this ``train()`` is not instrumented (a later one is). Each is
+    one notice of this process on the "nemo_memlog" logger.
 
     Args:
         **settings: nemo_memlog's own settings (``memory_record_dir``, ``memory_reduce_timeout_s``...).
@@ -237,19 +260,50 @@ def install(**settings: Any) -> MemoryLogCallback:
         MegatronLMError: no ``megatron.training.training``, or it lacks a function install() wraps.
         ValueError: an unknown setting, or one that cannot work.
     """
-    installed = _installed.get("callback")
-    if installed is not None:
-        if settings and settings != installed.settings:
-            log.warning("nemo_memlog: megatron_lm.install() again with other settings: the first install's stand")
-        return installed
+    callback = _installed.get("callback")
+    if callback is not None:
+        if settings and settings != callback.settings:
+            notice("nemo_memlog: megatron_lm.install() again with other settings: the first install's stand")
+        loop = sys.modules.get(LOOP)
+        if loop is None or getattr(loop.train, MARK, None) is callback:
+            return callback
+        notice(RELOADED)
     training = _loop()
-    callback = MemoryLogCallback(**settings)
+    if callback is None:
+        callback = MemoryLogCallback(**settings)
+    if _train_running(training):
+        notice(TOO_LATE)
     for name, wrap in _WRAPPERS.items():
         original = getattr(training, name)
         wrapped = functools.wraps(original)(wrap(original, inspect.signature(original), callback))
+        setattr(wrapped, MARK, callback)
         setattr(training, name, wrapped)
     _installed["callback"] = callback
     return callback
+
+
+#: The module install() rebinds, and the attribute that marks its wrappers (kept by functools.wraps
+#: in a wrapper of a wrapper).
+LOOP = "megatron.training.training"
+MARK = "__nemo_memlog_callback__"
+RELOADED = (
+    f"nemo_memlog: {LOOP}'s functions are no longer the ones megatron_lm.install() rebound (the module was "
+    f"reloaded, importlib.reload, or they were reassigned): install() rebinds them again"
+)
+TOO_LATE = (
+    "nemo_memlog: megatron_lm.install() was called while Megatron-LM's train() runs: this train() is not "
+    "instrumented (its start has passed); call install() before pretrain(...)"
+)
+
+
+def _train_running(training: Any) -> bool:
+    """Whether a ``train`` of ``training`` is on this thread's stack (install() called from inside it)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "train" and frame.f_globals.get("__name__") == training.__name__:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _loop():

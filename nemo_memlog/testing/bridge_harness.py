@@ -33,6 +33,7 @@ takes Bridge's ``should_exit`` path (``sys.exit`` before ``on_train_end``) and r
 
 from __future__ import annotations
 
+import logging.handlers
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,6 +102,7 @@ class RankRecord:
     collectives: dict = field(default_factory=dict)  # event (or "on_train_step_end@<step>") -> names
     flag_after_run: bool | None = None
     megatron: dict | None = None  # a megatron job's view (RunSpec.megatron): see bridge_megatron.view
+    notices: list = field(default_factory=list)  # what the "nemo_memlog" logger said on this rank during the run
 
 
 _ballast: list = []
@@ -224,7 +226,13 @@ def train(spec: RunSpec) -> RankRecord:
         rank=dist.get_rank(), pp_stage=ps.get_pipeline_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank()
     )
     cfg = recipe_config(spec, ps.get_pipeline_model_parallel_world_size())
-    _run(spec, cfg, _callbacks(spec), record, job)
+    notices = logging.handlers.BufferingHandler(capacity=1 << 20)
+    logging.getLogger("nemo_memlog").addHandler(notices)
+    try:
+        _run(spec, cfg, _callbacks(spec), record, job)
+    finally:
+        logging.getLogger("nemo_memlog").removeHandler(notices)
+    record.notices = [said.getMessage() for said in notices.buffer]
     if job is not None:
         record.megatron = bridge_megatron.view(spec.root, job, record)
     return record

@@ -112,6 +112,12 @@ def _own_flags(parser):
     group = parser.add_argument_group("megatron_lm_job")
     group.add_argument("--nemo-memlog", action="store_true", help="nemo_memlog.megatron_lm.install() before pretrain")
     group.add_argument(
+        "--reload-loop",
+        action="store_true",
+        help="with --nemo-memlog: importlib.reload(megatron.training.training) after install(), then install() "
+        "again (it says so and wraps the reloaded loop)",
+    )
+    group.add_argument(
         "--count-apart",
         default=None,
         metavar="DIR",
@@ -270,6 +276,15 @@ def main(argv: list[str]) -> int:
         from nemo_memlog import megatron_lm
 
         megatron_lm.install()
+        if args.reload_loop:
+            import importlib
+
+            import megatron.training.training as loop
+
+            stand_ins = {name: getattr(loop, name) for name in ("torch", "initialize_megatron")}
+            importlib.reload(loop)
+            vars(loop).update(stand_ins)  # the CPU stand-ins as they were (a reload undoes them; a no-op on CUDA)
+            megatron_lm.install()
     if args.count_apart:
         count_apart(args.count_apart)
     if args.device_stats:
