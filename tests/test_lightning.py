@@ -344,3 +344,39 @@ def test_the_monitor_writes_on_the_writer_rank_it_is_given(pp2dp2, tmp_path):
     assert flags(0) == [True, False, False, False], "Lightning's: global rank 0"
     errors = flags(4)
     assert all("writer_rank=4 is not a rank of this job (world size 4)" in e for e in errors), errors
+
+
+def test_an_error_in_a_hook_of_ours_is_one_notice_and_the_trainer_trains_on(tmp_path, monkeypatch):
+    import lightning.pytorch as pl
+    from lightning.pytorch.loggers import CSVLogger
+
+    from nemo_memlog.lightning import MemoryLogCallback
+    from nemo_memlog.monitor import MemoryMonitor
+    from tests.lightning_job import make_module
+    from tests.notices import said
+
+    def fails(self, *args, **kwargs):  # a logging step that fails (a reduction, a backend): provoked here
+        raise RuntimeError("a logging step failed")
+
+    monkeypatch.setattr(MemoryMonitor, "log_step", fails)
+    callback = MemoryLogCallback(memory_record_dir="off")
+    trainer = pl.Trainer(
+        max_steps=4,
+        log_every_n_steps=1,
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(str(tmp_path), name="csv"),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    with said() as caught:
+        trainer.fit(make_module(pl))
+    assert trainer.global_step == 4, "trained to its end"
+    stopped = [text for text in caught if "memory logging stopped" in text]
+    assert stopped == [
+        "nemo_memlog: memory logging stopped in Lightning's Trainer (on_train_batch_end): "
+        "RuntimeError('a logging step failed'); training goes on without it"
+    ]
+    assert callback.stopped and callback.monitor is None
