@@ -12,7 +12,10 @@ MemoryMonitor, and nothing in the core imports this module.
 
 - Switched by Megatron-LM's own flags: ``--log-memory-to-tensorboard`` on, every
   ``--tensorboard-log-interval``. Without the flag nothing happens: no collective, no record, no
-  series, no thread (each wrapped call reads one attribute and calls through).
+  series, no thread (each wrapped call reads one attribute and calls through); the last rank says
+  once which flag to add.
+- Never fails the job: whatever goes wrong in an event of ours (``--tensorboard-log-interval 0``, a
+  setting, a failed reduction) is one notice, and Megatron-LM trains on without it (door.py).
 - The way in: Megatron-LM 0.19 has no callback API, so ``install()`` rebinds five functions of
   ``megatron.training.training`` that ``pretrain()`` and ``train()`` look up at call time
   (``WRAPPED``), each a call through to the original around one event of ``MemoryLogCallback``.
