@@ -495,8 +495,10 @@ def test_no_module_uses_another_modules_private_name():
     assert not problems, "private names used across modules:\n" + "\n".join(sorted(set(problems)))
 
 
-#: The most lines a module of the package may have: one job per module, readable in a sitting.
-MAX_MODULE_LINES = 450
+#: The most lines a module of the package may have. Not a design rule (a module ends where its job
+#: ends): a backstop against a module that has grown two jobs, set where no module presses it
+#: (450 made modules be cut by count, and fragments follow: issue 57).
+MAX_MODULE_LINES = 700
 #: Module-level state allowed outside process_wide.py (whose job it is): a handful of registries,
 #: each one named owner with a comment above it saying why no run can own it.
 MAX_PROCESS_STATE = 6
