@@ -1,4 +1,5 @@
-"""How close ``nemo-memlog advise`` comes to a rerun, on the demo: the table in docs/advise.md.
+"""How close ``nemo-memlog advise`` comes to a rerun, on the demo or on megatron-core's GPT where
+activations dominate (``--job megatron``): the tables in docs/advise.md.
 
 Runs the demo (megatron-core's GPTModel, DDP, Adam, 1F1B, PP 4 on 4 CPU processes, through
 scripts/demo.py as a user runs it) once as the base, once again unchanged (what a rerun of the same
@@ -6,10 +7,16 @@ configuration moves by), and once per change (micro-batch size x2 and x0.5, micr
 per change and per stage, the base's prediction (``advise --what-if ... --json``: ``peak_gb``,
 ``peak_low_gb``, ``peak_high_gb``) from one run, and from two (``--calibrate-with`` the run of
 another size), against the peak the rerun recorded (its records' ``peak_host_rss_gb``, read apart
-from advice/). Prints the table as markdown. About 10 minutes on 2 idle cores; a line per step, and each
-demo's own progress bar (stderr) while it runs.
+from advice/), and the predicted change of each stage's peak against the rerun's change (the
+change is what a user asks: the fixed part of a process hides its error in the peak's). Prints the
+table as markdown. About 10 minutes on 2 idle cores; a line per step, and each demo's own progress
+bar (stderr) while it runs.
 
-    .venv/bin/python scripts/advise_accuracy.py [--work-dir DIR] [--keep]
+``--job megatron``: the same five runs of ``nemo_memlog.testing.megatron_job`` (megatron-core's
+GPTModel in its DDP, Adam, 1F1B, PP 2 under torchrun) at hidden 64, seq 256, micro-batch size 64, 4
+microbatches (256 samples per iteration), 5 iterations: the activation-heavy regime (about 8 minutes).
+
+    .venv/bin/python scripts/advise_accuracy.py [--job demo|megatron] [--work-dir DIR] [--keep]
 """
 
 from __future__ import annotations
@@ -43,6 +50,17 @@ RERUN_OF = {"micro_batch_size=x2": "x2", "micro_batch_size=x0.5": "x0.5", "micro
 RUNS = {"base": [], "same": [], **{name: [CHANGES[label][0]] for label, name in RERUN_OF.items()}}
 
 
+#: The megatron job (``--job megatron``): label -> (its overrides of MEGATRON's options).
+MEGATRON = ["--hidden", "64", "--seq", "256", "--iters", "5"]
+MEGATRON_RUNS = {
+    "base": ["--micro-batch-size", "64", "--global-batch", "256"],
+    "same": ["--micro-batch-size", "64", "--global-batch", "256"],
+    "x2": ["--micro-batch-size", "128", "--global-batch", "256"],
+    "x0.5": ["--micro-batch-size", "32", "--global-batch", "256"],
+    "mb8": ["--micro-batch-size", "64", "--global-batch", "512"],
+}
+
+
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -61,6 +79,19 @@ def run_demo(root: Path, name: str, overrides: list[str]) -> Path:
     return root / name
 
 
+def run_megatron(root: Path, name: str, options: list[str]) -> Path:
+    started = time.monotonic()
+    say(f"megatron job '{name}' ({' '.join(options)}) ...")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "nemo_memlog.testing.megatron_job", *MEGATRON, *options, "--out", str(root / name)]
+    done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"megatron job '{name}' failed ({done.returncode}): {done.stderr[-3000:]}")
+    say(f"megatron job '{name}' done in {time.monotonic() - started:.0f} s")
+    return root / name
+
+
 def advised(run: Path, change: str, calibrate: Path | None = None) -> dict[int, dict]:
     command = [sys.executable, "-m", "nemo_memlog.offline.cli", "advise", str(run), "--what-if", change]
     command += ["--json", "--no-png"] + (["--calibrate-with", str(calibrate)] if calibrate else [])
@@ -76,8 +107,9 @@ def table(runs: dict[str, Path]) -> str:
     from nemo_memlog.testing.megatron_cpu import recorded_stage_peaks
 
     measured = {name: recorded_stage_peaks(path / "memory_records") for name, path in runs.items()}
-    lines = ["| change | stage | rerun | one run: peak | one run: range | range holds | two runs |"]
-    lines.append("|---|---:|---:|---:|---:|:---:|---:|")
+    lines = ["| change | stage | rerun | one run: peak | one run: range | range holds | two runs "]
+    lines[0] += "| change: rerun | change: one run | change: error |"
+    lines.append("|---|---:|---:|---:|---:|:---:|---:|---:|---:|---:|")
     for label, (_, change, calibrator) in CHANGES.items():
         say(f"advise {change} (one run, and calibrated with '{calibrator}') ...")
         one = advised(runs["base"], change)
@@ -93,6 +125,13 @@ def table(runs: dict[str, Path]) -> str:
             cells = [f"`{change}`" if stage == 0 else "", str(stage), f"{truth:.3f} GB"]
             cells += [pct(row["peak_gb"], truth), span, holds]
             cells += [pct(two[stage]["peak_gb"], truth)]
+            before = measured["base"][stage]
+            change, predicted = truth - before, row["peak_gb"] - before
+            cells += [
+                f"{change * 1000:+.1f} MB",
+                f"{predicted * 1000:+.1f} MB",
+                pct(predicted, change) if change else "-",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     noise = [pct(measured["same"][s], measured["base"][s]) for s in sorted(measured["base"])]
     lines.append("")
@@ -104,10 +143,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work-dir", help="where the runs go (default: a temporary folder, removed)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder")
+    parser.add_argument("--job", choices=("demo", "megatron"), default="demo", help="the job run (module docstring)")
     args = parser.parse_args()
     root = Path(args.work_dir or tempfile.mkdtemp(prefix="advise-accuracy-"))
     try:
-        runs = {name: run_demo(root, name, overrides) for name, overrides in RUNS.items()}
+        if args.job == "megatron":
+            runs = {name: run_megatron(root, name, options) for name, options in MEGATRON_RUNS.items()}
+        else:
+            runs = {name: run_demo(root, name, overrides) for name, overrides in RUNS.items()}
         print(table(runs))
     finally:
         if not args.work_dir and not args.keep:

@@ -59,7 +59,7 @@ def test_interrupted_it_says_what_was_measured_and_json_holds_it(tmp_path):
     assert result["interrupted"] == "SIGINT"
     assert [probe["outcome"] for probe in result["probes"]] == ["fits"]  # what was measured before the signal
     assert "the largest size measured to fit so far is 2" in result["error"]
-    assert "ranks with 2 measured steps: none yet" in "".join(said)
+    assert "ranks whose peak is steady: none yet" in "".join(said)
     assert "the largest size measured to fit so far is 2" in err
 
 

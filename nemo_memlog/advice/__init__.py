@@ -61,13 +61,14 @@ from .model import (
     peak,
     with_model_state,
 )
-from .predict import MAX_DIVISORS, divisors, max_micro_batch_size, predict, schedule_name, smallest_fix
+from .predict import MAX_DIVISORS, MAX_RANGE, divisors, max_micro_batch_size, predict, schedule_name, smallest_fix
 from .search import COSTS, Fix, balanced_split, changes_that_fit
 
 __all__ = [
     "CHANGES",
     "COSTS",
     "MAX_DIVISORS",
+    "MAX_RANGE",
     "divisors",
     "Fix",
     "balanced_split",

@@ -29,6 +29,7 @@ class _Plan:
     in_flight: int | None
     layers: list  # per-layer rows: (kind, params, grads, optimizer, activations/mb, input/mb)
     temporaries_range: tuple[float, float] | None = None  # where one run cannot tell how they scale
+    keeps_top: bool = False  # a range wider than MAX_RANGE is cut at its bottom (else at its far end)
 
 
 @dataclass
@@ -70,8 +71,7 @@ class _State:
             predicted["activations_gb"] = plan.per_held * (plan.in_flight or 1)
             bounds = None
             if plan.temporaries_range is not None:
-                low, high = (peak({**predicted, "temporaries_gb": value}) for value in plan.temporaries_range)
-                bounds = (low, high)
+                bounds = _bounds(predicted, plan)
             out.append(
                 Outcome(
                     stage.stage,
@@ -85,6 +85,23 @@ class _State:
                 )
             )
         return out
+
+
+def _bounds(predicted: dict, plan: _Plan) -> tuple[float, float]:
+    """The stage's peak range from its temporaries' range, at most MAX_RANGE wide: cut at its far end
+    from the prediction, or (``keeps_top``: one run on a GPU, judged by the top, as under-prediction
+    crashes jobs) at its bottom, the prediction (``predicted``, changed in place) brought within."""
+    assert plan.temporaries_range is not None
+    low, high = (peak({**predicted, "temporaries_gb": value}) for value in plan.temporaries_range)
+    if high > MAX_RANGE * low:
+        if plan.keeps_top:
+            low = high / MAX_RANGE
+        else:
+            high = MAX_RANGE * low
+    shortfall = low - peak(predicted)
+    if shortfall > 0:
+        predicted["temporaries_gb"] = (predicted.get("temporaries_gb") or 0.0) + shortfall
+    return (low, high)
 
 
 #: The pipeline schedules whose microbatches in flight are known (Megatron's warm-up counts).
@@ -165,19 +182,40 @@ def _micro_batch_size(run: Profile, state: _State, change: Change) -> None:
     else:
         factor = amount
     growth = run.temporaries_growth or (1.0,) * len(state.plans)
+    host_rule = False
     for plan, power in zip(state.plans, growth):
+        layer_working_set = max((row["activations_per_microbatch_gb"] for row in plan.layers), default=0.0)
         plan.per_held *= factor
         for row in plan.layers:
             row["activations_per_microbatch_gb"] *= factor
             row["input_per_microbatch_gb"] *= factor
         today = plan.parts.get("temporaries_gb")
-        if today:
+        if today and not run.temporaries_growth and not run.gpu and layer_working_set > 0:
+            plan.parts["temporaries_gb"] = _host_temporaries(today, layer_working_set, factor)
+            far = today * factor if factor > 1 else today  # the other rule: in proportion, or held
+            point = plan.parts["temporaries_gb"]
+            plan.temporaries_range = (min(point, far), max(point, far))
+            host_rule = True
+        elif today:
             plan.parts["temporaries_gb"] = today * factor**power
             if not run.temporaries_growth:  # one run: x1 (they do not scale) to x factor (they do), both hold
                 plan.temporaries_range = (min(today, today * factor), max(today, today * factor))
+                plan.keeps_top = True
     if run.temporaries_growth:
         powers = ", ".join(f"{power:.2f}" for power in growth)
         grows = f"the temporaries x{factor:g}**p, p per stage from two runs at two sizes: {powers}"
+    elif host_rule:
+        grows = (
+            "the host's temporaries (the process's peak beyond its idle size, the model state and the activations) "
+            + (
+                f"gain one layer's working set per added share ({LAYER_WORKING_SET:g}x its largest layer's "
+                f"activations per microbatch, x{factor - 1:g}: what the allocator already holds is reused)"
+                if factor > 1
+                else f"shrink in proportion (x{factor:g})"
+            )
+            + f"; the range reaches toward x{factor:g} of them, at most {MAX_RANGE:g}x wide "
+            "(--calibrate-with a second run measures their growth)"
+        )
     else:
         grows = (
             f"so do the temporaries (the working set of the microbatch being computed, x{factor:g}); one run "
@@ -199,6 +237,29 @@ def _micro_batch_size(run: Profile, state: _State, change: Change) -> None:
             f"not a whole number; pick a micro-batch size that divides the samples per iteration, or add microbatches=N"
         )
     _in_flight_for(run, state, round(samples))
+
+
+#: A predicted peak's range is at most this wide (``peak_high_gb / peak_low_gb``): wider says nothing.
+MAX_RANGE = 1.25
+
+
+#: The working set one layer adds at the peak, per added share of the micro-batch, in its measured
+#: activations per microbatch (``_host_temporaries``): 1.5 keeps the change's error smallest over the two
+#: regimes measured (docs/advise.md: +17% at most where activations dominate, -22% where they do not).
+LAYER_WORKING_SET = 1.5
+
+
+def _host_temporaries(today: float, layer_gb: float, factor: float) -> float:
+    """A CPU stage's temporaries under a micro-batch size x ``factor``, from one run (``layer_gb``: its
+    largest layer's activations per microbatch). Measured on megatron-core's GPT under 1F1B, PP 2
+    (docs/advise.md), the host's temporaries shrank in proportion at x0.5 (x0.49, x0.55 per stage)
+    but grew at x2 by about one to two layers' working set, not in proportion (x1.15 and x1.39 where
+    activations dominate, x1.42 and x1.69 where they do not): the blocks the allocator already holds
+    are reused by the larger microbatch (tensors past glibc's mmap threshold are returned at once),
+    and what it adds is the layer being computed, grown."""
+    if factor <= 1:
+        return today * factor
+    return min(today + LAYER_WORKING_SET * layer_gb * (factor - 1), today * factor)
 
 
 def _microbatches(run: Profile, state: _State, change: Change) -> None:

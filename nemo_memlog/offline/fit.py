@@ -37,7 +37,7 @@ from . import fit_words
 from .advise import AdviseError, load
 from .fit_words import PLACEHOLDER, SLOT
 from .guard import Guarded
-from .probe import PROBE_DIR_ENV, STEPS, Probe, run_probe
+from .probe import MAX_STEPS, PROBE_DIR_ENV, Probe, run_probe
 
 #: Exit status when even the smallest size does not fit.
 NOTHING_FITS = 2
@@ -239,7 +239,8 @@ class _Search:
 
         def progress(probe: Probe, seconds: float) -> None:
             ranks = f"{probe.ranks_recorded} of {probe.world_size}" if probe.world_size else "none yet"
-            self._say(f"probe {number}: running, {seconds:.0f} s; ranks with {STEPS} measured steps: {ranks}")
+            steps = f"measured steps {probe.steps} (at most {MAX_STEPS}); " if probe.steps else ""
+            self._say(f"probe {number}: running, {seconds:.0f} s; {steps}ranks whose peak is steady: {ranks}")
 
         try:
             probe = run_probe(

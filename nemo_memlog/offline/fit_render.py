@@ -43,6 +43,7 @@ def _launch(launch: Launch, secrets: list[str]) -> dict:
         "outcome": launch.outcome,
         "exit_code": probe.exit_code,
         "seconds": round(probe.seconds, 1),
+        "measured_steps": probe.steps,  # the most any rank recorded before its peak was steady
         "fits": launch.fits,
         "predicted_peaks_gb": launch.predicted,
         "measured_peaks_gb": peaks(launch.run) if launch.run else None,

@@ -1,6 +1,7 @@
 """One probe of ``nemo-memlog fit``: the user's command launched at one micro-batch size, watched
-until every rank has recorded two measured logging steps, then ended as a launcher ends a job.
-No torch: processes, signals and the per-layer records only.
+until every rank's peak has stopped rising (``steady``: STEADY_STEPS measured logging steps after the
+first within STEADY of each other), at most MAX_STEPS measured steps, then ended as a
+launcher ends a job. No torch: processes, signals and the per-layer records only.
 
 The probe learns where to write through ``NEMO_MEMLOG_PROBE_DIR`` (config.schema.PROBE_DIR_ENV),
 which the product reads wherever it resolves its record folder, so every way in works unchanged.
@@ -13,6 +14,7 @@ after ``grace_s``, every one reaped.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import advice
 from ..measure import layer_record
 from ..redaction import scrubbed_text
 from .guard import Guarded
@@ -30,9 +33,18 @@ from .tables import printable
 
 #: The environment variable the product reads (config.schema.PROBE_DIR_ENV; not imported: no torch here).
 PROBE_DIR_ENV = "NEMO_MEMLOG_PROBE_DIR"
-#: Measured logging steps every rank records before a probe is ended: the first may precede the
-#: optimizer's state (Adam's moments appear at the first step), the second is a steady iteration.
+#: Measured logging steps every rank records at least: the first may precede the optimizer's state
+#: (Adam's moments appear at the first step). A job that ends by itself after them was measured whole.
 STEPS = 2
+#: A rank's peak has stopped rising when its last STEADY_STEPS measured steps after the first (the
+#: optimizer's state there) lie within this share of each other. On megatron-core's GPT a lifetime
+#: peak creeps: 0.7193, 0.7385, 0.7555, 0.7555, 0.7587 GB over steps 1-5 (two steps read 2.7% low; on
+#: a Megatron-LM job 3% and 8%); two steps within 1% stopped 5% low where a rise came later, three
+#: within 1% read each stage within 2% of 8 steps (tests/test_fit.py).
+STEADY = 0.01
+STEADY_STEPS = 3
+#: Measured steps after which a probe ends even where a peak still rises (``Probe.rising`` says so).
+MAX_STEPS = 8
 POLL_S = 0.2
 #: How often a running probe says how far it is (``progress``), in seconds.
 PROGRESS_S = 10.0
@@ -50,9 +62,11 @@ LINE_CHARS = 300
 
 @dataclass
 class Probe:
-    """What one launch at ``micro_batch_size`` gave: ``status`` "measured" (every rank recorded
-    STEPS measured steps), "died" (the command ended first, ``exit_code`` not 0), "ended" (it ended
-    with 0 before that) or "timeout"; the folder of its records and its output (``LOG_NAME``)."""
+    """What one launch at ``micro_batch_size`` gave: ``status`` "measured" (every rank's peak
+    steady, or MAX_STEPS measured steps, or the command ended with 0 after STEPS), "died" (the
+    command ended first, ``exit_code`` not 0), "ended" (it ended with 0 before that) or "timeout";
+    the folder of its records and its output (``LOG_NAME``). ``peaks``: per rank, each measured
+    step's peak as the polls saw it (GB); ``ranks_recorded``: the ranks steady (or at MAX_STEPS)."""
 
     micro_batch_size: int
     folder: Path
@@ -63,6 +77,7 @@ class Probe:
     world_size: int | None = None
     notes: list[str] = field(default_factory=list)
     output_tail: str = ""  # the command's last lines, where it died or ended on its own
+    peaks: dict[int, dict[int, float]] = field(default_factory=dict)  # rank -> {measured step: peak GB}
     recent: bytes = b""  # the last TAIL_BYTES of its output (secrets scrubbed), kept as it ran
 
     def read_tail(self, lines: int = 12) -> str:
@@ -93,6 +108,22 @@ class Probe:
     @property
     def measured(self) -> bool:
         return self.status == "measured"
+
+    @property
+    def steps(self) -> int:
+        """The most measured steps a rank of the probe recorded (as the polls saw them)."""
+        return max((max(seen) for seen in self.peaks.values() if seen), default=0)
+
+    @property
+    def rising(self) -> dict[int, float]:
+        """The ranks whose peak still moved (more than STEADY) over their last STEADY_STEPS measured
+        steps seen: rank -> the rise (a share). Empty for a probe whose every peak was steady."""
+        out = {}
+        for rank, seen in self.peaks.items():
+            rise = _last_rise(seen)
+            if rise is not None and rise > STEADY:
+                out[rank] = rise
+        return out
 
 
 def _file_end(path: Path) -> bytes:
@@ -143,8 +174,8 @@ def run_probe(
     stop: Callable[[Probe], bool] | None = None,
 ) -> Probe:
     """Launch ``command`` (the size already in it) under a guard (guard.py) with its records going to
-    ``folder`` (emptied first); return when every rank has recorded STEPS measured logging steps, or
-    the command ended, or ``timeout_s`` passed, with every process it started ended (also when this
+    ``folder`` (emptied first); return when every rank's peak is steady (``steady``), or the command
+    ended, or ``timeout_s`` passed, with every process it started ended (also when this
     raises: KeyboardInterrupt; a second one during the grace makes it SIGKILL, never abandons).
     ``scratch``: the folder the guard removes should fit end without ending the probe (SIGKILL).
     Its output goes to LOG_NAME with ``secrets`` and URI passwords scrubbed. ``progress(probe, seconds)``
@@ -167,6 +198,9 @@ def run_probe(
     probe.seconds = time.monotonic() - started
     if probe.status in ("died", "ended", "timeout"):
         probe.output_tail = probe.read_tail()
+    elif probe.status == "measured" and probe.rising:
+        rises = ", ".join(f"rank {rank} +{rise * 100:.1f}%" for rank, rise in sorted(probe.rising.items()))
+        _note(probe, f"a peak still rose at the last measured step ({rises}; at most {MAX_STEPS} steps are waited for)")
     return probe
 
 
@@ -242,7 +276,8 @@ def _watch(
         code = guarded.poll()
         if code is not None:
             probe.exit_code = code
-            probe.status = "measured" if _recorded(probe) else ("ended" if code == 0 else "died")
+            whole = _recorded(probe) or (code == 0 and _recorded(probe, ended=True))
+            probe.status = "measured" if whole else ("ended" if code == 0 else "died")
             return
         now = time.monotonic()
         if now > deadline:
@@ -263,11 +298,11 @@ def _whole(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
-def _recorded(probe: Probe) -> bool:
-    """Whether every rank's record in the probe's folder has STEPS measured steps (counts noted).
-    A record whose counts are not whole numbers counts as none yet (advise.load names it later);
-    a folder the command removed, as no record."""
-    steps: dict[int, int] = {}
+def _recorded(probe: Probe, ended: bool = False) -> bool:
+    """Whether every rank's record in the probe's folder shows a steady peak (``steady``; with
+    ``ended``, the command having ended by itself: STEPS measured steps), each step's peak noted in
+    ``probe.peaks``. A record whose counts are not whole numbers counts as none yet (advise.load
+    names it later); a folder the command removed, as no record."""
     try:
         names = [path.name for path in probe.folder.iterdir()]
     except OSError:
@@ -282,6 +317,41 @@ def _recorded(probe: Probe) -> bool:
                 _note(probe, f"{probe.folder / name}: field {key!r}: {record.get(key)!r:.40} is not a whole number")
         world_size = _whole(record.get("world_size"))
         probe.world_size = world_size if world_size else probe.world_size
-        steps[rank] = _whole(record.get("measured_steps")) or 0
-    probe.ranks_recorded = sum(1 for count in steps.values() if count >= STEPS)
+        count = _whole(record.get("measured_steps")) or 0
+        peak = stage_peak(record.get("stage"))
+        seen = probe.peaks.setdefault(rank, {})
+        if count and peak is not None:
+            seen[count] = peak
+        elif count:
+            seen.setdefault(count, float("nan"))
+    done = [seen for seen in probe.peaks.values() if (max(seen, default=0) >= STEPS if ended else steady(seen))]
+    probe.ranks_recorded = len(done)
     return probe.world_size is not None and probe.ranks_recorded >= probe.world_size
+
+
+def stage_peak(stage: object) -> float | None:
+    """A record's stage peak as advise reads it (its parts' sum: advice.stage_parts), GB; None
+    where the record has no stage."""
+    if not isinstance(stage, dict):
+        return None
+    value = advice.peak(advice.stage_parts(stage.get, "peak_reserved_gb" in stage))
+    return value if math.isfinite(value) else None
+
+
+def steady(seen: dict[int, float]) -> bool:
+    """Whether a rank's peaks by measured step (``seen``) have stopped rising: its last STEADY_STEPS
+    seen steps, all from STEPS on (after the first), within STEADY; or MAX_STEPS steps recorded."""
+    if max(seen, default=0) >= MAX_STEPS:
+        return True
+    rise = _last_rise(seen)
+    return rise is not None and rise <= STEADY
+
+
+def _last_rise(seen: dict[int, float]) -> float | None:
+    """The share by which the peak moved over the last STEADY_STEPS steps seen from STEPS on (their
+    highest over their lowest), or None with fewer or a figure missing."""
+    steps = sorted(step for step in seen if step >= STEPS)[-STEADY_STEPS:]
+    values = [seen[step] for step in steps]
+    if len(steps) < STEADY_STEPS or not all(math.isfinite(value) and value > 0 for value in values):
+        return None
+    return max(values) / min(values) - 1.0

@@ -3,7 +3,8 @@ well under a second, as the tests of fit (tests/test_fit_hostile.py, tests/test_
 """
 
 #: A probe in a few lines (``python -c STUB SIZE MODE``): one rank's record at the size it is
-#: given (peak 5 GB + 0.1 GB per sample, 64 samples per iteration), as MODE says: "ok"; "nofacts"
+#: given (peak 5 GB + 0.1 GB per sample, 64 samples per iteration), rewritten at measured steps 2 to 8
+#: (one peak: steady, however fit's probe polls), as MODE says: "ok"; "nofacts"
 #: (no microbatches); "norank" and "steps-text" (a bad field); "oom-above-N" and "hang-above-N"
 #: (above size N: an OOM, or no record); "keeps-microbatches" (32 microbatches at any size; above
 #: size 2 one measured step, then a 600 s wait).
@@ -26,13 +27,14 @@ record = {"format": "nemo_memlog.layers", "version": 1, "rank": 0, "world_size":
           "measured_steps": 2, "run": {"micro_batch_size": size, **facts}, "stage": stage, "layers": [layer]}
 if mode == "norank":
     del record["rank"]
-if mode == "steps-text":
-    record["measured_steps"] = "two"
 slow = mode == "keeps-microbatches" and size != 2  # a later probe: its first measured step, then a long wait
-if slow:
-    record["measured_steps"] = 1
-with open(os.path.join(os.environ["NEMO_MEMLOG_PROBE_DIR"], "rank-00000.layers.json"), "w") as file:
-    json.dump(record, file)
+path = os.path.join(os.environ["NEMO_MEMLOG_PROBE_DIR"], "rank-00000.layers.json")
+for steps in [1] if slow else range(2, 9):  # steps 2..8, one peak: steady however fit's probe polls
+    record["measured_steps"] = "two" if mode == "steps-text" else steps
+    with open(path + ".tmp", "w") as file:
+        json.dump(record, file)
+    os.replace(path + ".tmp", path)
+    time.sleep(0.1)
 if slow:
     time.sleep(600)
 """
