@@ -228,7 +228,7 @@ def test_a_secret_on_the_command_line_is_written_nowhere(demo):
 # ---- the demo twice in a row, as a newcomer runs it ----------------------------------------
 # The second run follows the first (the `demo` fixture, no run.name either) into the same
 # run.root, with all four backends, the default peak window, Megatron's interleaved schedule
-# (parallel.vpp=2) and fewer iterations, starting over at step 1: the case that used to be
+# (parallel.vpp=2) on PP 2 (half the first run's processes) and fewer iterations, starting over at step 1: the case that used to be
 # stitched onto the first run's steps and called "resumed" ("interval -> run").
 
 
@@ -238,6 +238,7 @@ def two_runs(demo):
     first, first_run, _ = demo
     second = run_demo(
         f"run.root={first_run.parent}",
+        "parallel.pp=2",  # 2 ranks: the interleaved schedule and the four backends need no more
         "parallel.vpp=2",
         "train.iters=2",
         "train.micro_batch_size=16",
@@ -264,7 +265,7 @@ def command_after(stdout: str, heading: str) -> list[str]:
 @pytest.mark.slow
 def test_the_second_run_trains_on_the_interleaved_schedule(two_runs):
     _, _, second = two_runs
-    assert "PP 4, interleaved, VPP 2" in second.stderr  # the progress bar
+    assert "PP 2, interleaved, VPP 2" in second.stderr  # the progress bar
     assert "Peak host RSS per pipeline stage at iteration 2" in second.stdout
 
 
