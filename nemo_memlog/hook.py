@@ -24,6 +24,8 @@ Which monitor a call belongs to:
   first logging step; a later call that finds the monitor does not change them. The run
   config the writers record is the first config object's.
 - ``close_writers()`` ends every monitor training_log made; the next call starts a new one.
+- ``NEMO_MEMLOG_DISABLED=true`` (config/switches.py): no monitor is made; each call returns None
+  after one environment look-up (every rank reads the same environment: none enters a collective).
 
 What lives here is per process by nature (a free function has to find its monitor): the open
 monitors training_log made, and its one warning.
@@ -34,7 +36,7 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING, Any
 
-from .config import resolve
+from .config import resolve, switched_off
 from .monitor import MemoryMonitor
 from .reduce import runs_ended
 from .warn import WarnOnce
@@ -116,7 +118,8 @@ def training_log(
 
     Returns:
         The unified dict (the README's metric table) on every rank on logging iterations;
-        None otherwise.
+        None otherwise, and always with ``NEMO_MEMLOG_DISABLED=true`` (read when a config is
+        first seen: nothing is resolved, measured or gathered, on every rank alike).
 
     Raises:
         TypeError: ``config`` is no config; ``iteration`` is no int (checked when a config
@@ -132,6 +135,8 @@ def training_log(
     key = id(config) if writers is None else (id(config), id(writers))
     entry = _open_monitors.by_object.get(key)
     if entry is None or entry.config is not config:  # the entry holds its config: an id match is that object
+        if switched_off():  # NEMO_MEMLOG_DISABLED, read where a run would start: every rank reads it alike
+            return None
         entry = _entry_for(config, writers, key, pg_collection, pp_group, iteration)
     # The run's door, as every way in drives it: the step (the monitor's gate decides), then, when the
     # next iteration logs, its activations are measured.

@@ -3,14 +3,14 @@
 A run keeps its settings, reduction state, placement (placement.py), flight recorder, writers
 (writer rank only) and once-only warnings; ``close()`` releases them.
 
-Every way in (``training_log``, Megatron-LM, Megatron-Bridge, Lightning) drives the same protocol,
-the run's one door (docs/architecture.md): ``open`` (or the constructor), ``before_iteration``,
-``log``, ``phase_start``/``phase_end``, ``close``. Whether an iteration logs is ``logs_at``'s alone,
-from the settings and the iteration, so every rank decides alike; off the logging iterations that is
-the whole call: no collective, no measurement, no allocation, no backend call. In a framework's run
-a step is logged once. The facts, however given, are checked and redacted (``state_facts``). A
-logging step (``log_step``) measures (measure/step.py), records, gathers, attributes, advises,
-merges and writes, in that order.
+Every way in (``training_log``, Megatron-LM, Megatron-Bridge, Lightning) drives the same protocol, the
+run's one door (docs/architecture.md): ``open`` (or the constructor), ``before_iteration``, ``log``,
+``phase_start``/``phase_end`` (``log_phases`` after the last step), ``close``. Whether an iteration
+logs is ``logs_at``'s alone, from the settings and the iteration, so every rank decides alike; off the
+logging iterations that is the whole call: no collective, no measurement, no allocation, no backend
+call. In a framework's run a step is logged once. The facts, however given, are checked and redacted
+(``state_facts``). A logging step (``log_step``) measures (measure/step.py), records, gathers,
+attributes, advises, merges and writes, in that order.
 """
 
 from __future__ import annotations
@@ -179,9 +179,8 @@ class MemoryMonitor:
         return logged
 
     def before_iteration(self, iteration: int, model: torch.nn.Module | Sequence[torch.nn.Module] | None) -> None:
-        """Arm the activation meter on ``model`` if ``iteration`` is a logging iteration (every
-        rank alike: the gate's inputs only). Off them: a modulo, nothing installed. Raises TypeError
-        for a ``model`` that is no module (composition.check_model_and_optimizer)."""
+        """Arm the activation meter on ``model`` if ``iteration`` logs (every rank alike: the gate's inputs
+        only); off them a modulo, nothing installed. TypeError for a ``model`` that is no module."""
         if model is not None and self.logs_at(iteration):
             self._arm(model)
 
@@ -192,6 +191,25 @@ class MemoryMonitor:
     def phase_end(self, name: str) -> None:
         """End phase ``name`` (nothing where it is not open)."""
         self._phases.leave(name)
+
+    def log_phases(self, iteration: int) -> dict | None:
+        """The phases ended since the last logging step, gathered (one collective: every rank of the group
+        calls it at the same point) and written alone at ``iteration``: a framework's phases after its last
+        step (Megatron-LM's final evaluations). The unified dict; None for a run not placed or off."""
+        placement = self.placement
+        if not self.enabled or placement is None:
+            return None
+        report = phase.take_pending()
+        if takes_part({"": 0}, placement.group):  # the group alone decides, not this rank's phases: all alike
+            timeout_s = self.settings.memory_reduce_timeout_s
+            gathered = self.reduction.gather(report, placement.group, iteration=iteration, timeout_s=timeout_s)
+        else:
+            gathered = self.reduction.single_rank(report)
+        logged = self._attributed(gathered, placement)
+        if placement.is_writer_rank and logged:
+            self._writers().log(logged, iteration)
+            self._writers().flush()  # no later step flushes it
+        return logged
 
     def _arm(self, model: torch.nn.Module | Sequence[torch.nn.Module]) -> None:
         composition.check_model_and_optimizer(model, None)
@@ -278,8 +296,7 @@ class MemoryMonitor:
         return unified
 
     def _keep(self, step: StepMeasurement) -> None:
-        """Keep ``step`` where it counted a model (the OOM record's breakdown, ``run_facts``),
-        with the last activations measured where this step measured none."""
+        """Keep ``step`` where it counted a model (OOM record, ``run_facts``), with the last activations measured."""
         if step.state is None:
             return
         if step.measured is None and self._kept is not None:
@@ -287,8 +304,7 @@ class MemoryMonitor:
         self._kept = step
 
     def _attributed(self, gathered: Any, placement: Placement) -> dict:
-        """The gathered values as the logged metrics (attribution.py: max, where, per stage,
-        headroom), with the framework's estimate beside the measurement where one was given."""
+        """The gathered values as the logged metrics (attribution.py), with the framework's estimate where given."""
         settings = self.settings
         if placement.world:
             logged = attribution.world_metrics(gathered, settings.memory_per_stage_keys, placement.coordinates)
@@ -302,23 +318,17 @@ class MemoryMonitor:
         return logged
 
     @property
-    def group(self) -> Any:
-        """The group the run reduces over (its gloo twin where it has one); None until placed."""
+    def group(self) -> Any:  # the group the run reduces over (its gloo twin where it has one); None until placed
         return None if self.placement is None else self.placement.group
 
     @property
-    def is_writer_rank(self) -> bool:
-        """Whether this rank hands the steps to the writers; False until placed."""
+    def is_writer_rank(self) -> bool:  # hands the steps to the writers; False until placed
         return self.placement is not None and self.placement.is_writer_rank
 
     def place(self) -> Placement:
-        """Resolve this rank's group and place in the job now, instead of at the first logging step,
-        and open its flight record. Every rank of the job calls it at the same time, with the
-        process groups in place (see ``placement.place``).
-
-        Raises:
-            ValueError: ``writer_rank`` is not a rank of this job.
-        """
+        """Resolve this rank's group and place in the job now, instead of at the first logging step, and
+        open its flight record. Every rank calls it at the same time, with the process groups in place
+        (``placement.place``). Raises ValueError: ``writer_rank`` is not a rank of this job."""
         self.placement = place(self.settings, self.reduction, self._groups, self.writer_rank, self.warn_misuse)
         if self.record_dir is not None and self.recorder is None:
             from .failure.recorder import open_recorder
@@ -336,9 +346,7 @@ class MemoryMonitor:
 
     def _report(self) -> dict:
         """This rank's report now, as a logging step has it (for the recorder's OOM record)."""
-        report = memory.report_memory(self.settings.memory_keys)
-        report.update(memory.capacity_report())
-        return report
+        return {**memory.report_memory(self.settings.memory_keys), **memory.capacity_report()}
 
     def _oom_report(self) -> dict:
         """The report the flight recorder writes at a CUDA OOM: with the breakdown, once a model was seen."""
@@ -373,8 +381,7 @@ class MemoryMonitor:
 
     def use_writers(self, writers: Writers) -> None:
         """Write to ``writers`` (opened by someone else: flushed at close, never closed)."""
-        self.writers = writers
-        self._owns_writers = False
+        self.writers, self._owns_writers = writers, False
 
     def _writers(self):
         if self.writers is None:
@@ -382,13 +389,9 @@ class MemoryMonitor:
 
             self.writers = build_writers(self.settings, run_config=self.config)
             if not self.writers.backend_names:
-                self.warn_once(
-                    ("no-writer",),
-                    "log_memory_to_tensorboard is on but no writer is configured "
-                    "(set tensorboard_dir, wandb_project, mlflow_experiment or comet_project); "
-                    "training_log still returns the metrics",
-                    misuse=True,
-                )
+                no_writer = "log_memory_to_tensorboard is on but no writer is configured (set tensorboard_dir, "
+                no_writer += "wandb_project, mlflow_experiment or comet_project); training_log returns the metrics"
+                self.warn_once(("no-writer",), no_writer, misuse=True)
         return self.writers
 
     def _profile(self, gathered: Any, placement: Placement) -> advice.Profile | None:
@@ -398,7 +401,7 @@ class MemoryMonitor:
         except (TypeError, ValueError):  # a value that is not a number where a part should be
             return None
 
-    def _new_reduction(self) -> Reduction:
+    def _new_reduction(self) -> Reduction:  # with the run's stall watch
         reduction = Reduction(self.warnings, exchange=self.settings.memory_reduce_exchange)
         reduction.stall = (self.settings.memory_reduce_stall_warn_s, self._stalled)
         return reduction
@@ -415,13 +418,11 @@ class MemoryMonitor:
         self.warnings(("stall", iteration), peers.stall_message(iteration, waited_s, len(ranks), behind, timeout_s))
 
     def warn_once(self, key: Hashable, text: str, *, misuse: bool = False) -> None:
-        """Say ``nemo_memlog: <text>`` the first time this run sees ``key``: a notice on the
-        "nemo_memlog" logger, or, for ``misuse`` (the caller's own mistake), a RuntimeWarning at
-        the caller's line. Never raises, whatever the warning filters (warn.py)."""
+        """Say ``nemo_memlog: <text>`` the first time this run sees ``key``: a notice on the "nemo_memlog"
+        logger, or for ``misuse`` a RuntimeWarning at the caller's line. Never raises (warn.py)."""
         self.warnings(key, text, stacklevel=4, category=RuntimeWarning if misuse else None)
 
-    def warn_misuse(self, key: Hashable, text: str) -> None:
-        """``warn_once`` for the caller's own mistake (a metric that is no number, a setting off)."""
+    def warn_misuse(self, key: Hashable, text: str) -> None:  # warn_once for the caller's own mistake
         self.warnings(key, text, stacklevel=4, category=RuntimeWarning)
 
     def end_record(self) -> None:
@@ -431,11 +432,10 @@ class MemoryMonitor:
             recorder.close()
 
     def close(self, *, writers: bool = True) -> None:
-        """End the run on this rank: end its phases and the flight record ("close"); release the
-        reduction state (channels, and the gloo twin, destroyed: no collective, see Reduction.close);
-        drain and close the writers this monitor built, and only flush writers it was given.
-        ``writers=False`` leaves the writers alone (a framework that already ended them). Logging
-        again afterwards places the run anew (every rank, as at its first step), a new run."""
+        """End the run on this rank: end its phases and the flight record ("close"); release the reduction
+        state (channels, and the gloo twin, destroyed: no collective, see Reduction.close); drain and close
+        the writers this monitor built, only flush those it was given (``writers=False``: leave them alone,
+        a framework ended them). Logging again afterwards places the run anew, a new run."""
         self._phases.leave_all()
         self.meter.finish()  # armed for a logging iteration that never came: its hooks come off
         self.end_record()

@@ -24,6 +24,7 @@ import statistics
 import numpy as np
 import pytest
 
+from nemo_memlog.offline import events, report
 from nemo_memlog.testing import megatron_cpu
 from nemo_memlog.testing.bridge_env import bridge_version
 from nemo_memlog.testing.bridge_harness import RunSpec, end_runs, exit_early_then_train_again, train
@@ -321,10 +322,12 @@ def test_activations_measured_between_step_start_and_step_end_on_every_stage(wit
 
 def test_tensorboard_bridge_series_unchanged(with_callback, bridge_alone):
     run = with_callback
-    _, tb = tensorboard_events(run.spec.root)
+    files, tb = tensorboard_events(run.spec.root)
     _, history, _ = wandb_run(run.spec.root)
     (mlflow_run,) = mlflow_runs(run.spec.mlflow_uri, "memlog-bridge")
     check_bridge_metrics(run, tb, history, mlflow_run["metrics"])
+    # The run config is recorded in Bridge's own TensorBoard run: report names the peak window.
+    assert report.peak_window_line(events.load_run(files[0].parent)).startswith("peak window: run (")
     _, alone = tensorboard_events(bridge_alone.spec.root)
     bridge_tags = sorted(t for t in alone if not t.startswith("memory"))
     assert sorted(t for t in tb if not t.startswith("memory")) == bridge_tags, "no Bridge series lost or added"

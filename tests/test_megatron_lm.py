@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from nemo_memlog.integrations import megatron_lm
+from nemo_memlog.offline import events, report
 from nemo_memlog.offline.rank_files import read_rank_file
 from nemo_memlog.testing import megatron_lm_stand_ins, torchrun
 from tests import readback
@@ -187,10 +188,22 @@ def test_checkpoint_saves_and_evaluation_are_phases_and_the_offline_commands_rea
     main = readback.tensorboard_runs(root / "tb")["."]
     for name in ("checkpoint_save", "eval"):
         assert main[f"memory/phase/{name}/seconds"], name  # measured on the save and the evaluation at 2
+    # The evaluations at the last iteration (in train(), then pretrain's on the valid and test sets, after
+    # train() returned: no logging step follows them) are phases too, each written at that iteration, as
+    # Megatron-LM writes its own validation loss: one point per evaluation, counted apart by Megatron-LM.
+    last = max(step for step, _ in main["lm loss"])
+    evaluations = [step for step, _ in main["lm loss validation"]].count(last)
+    assert evaluations == 3  # at 4 in train(), then valid and test
+    assert [step for step, _ in main["memory/phase/eval/seconds"]] == [3] + [last] * evaluations  # 2's at 3
+    assert [step for step, _ in main["memory/peak_stage/phase/eval/seconds"]] == [3] + [last] * evaluations
     for path in (root / "memory_records").glob("rank-*.memrec"):  # what a post-mortem of a kill mid-save reads
-        phases = [(r["name"], r["event"], r["iteration"]) for r in read_rank_file(path).records if r["kind"] == "phase"]
+        records = read_rank_file(path).records
+        phases = [(r["name"], r["event"], r["iteration"]) for r in records if r["kind"] == "phase"]
         assert ("checkpoint_save", "start", 2) in phases and ("checkpoint_save", "end", 2) in phases, path
         assert ("eval", "start", 2) in phases, path
+        assert phases.count(("eval", "start", last)) == phases.count(("eval", "end", last)) == evaluations, path
+    # The run config is in Megatron-LM's own TensorBoard run: report names the peak window.
+    assert report.peak_window_line(events.load_run(root / "tb")).startswith("peak window: run (")
     cli = [sys.executable, "-m", "nemo_memlog.cli"]
     advised = subprocess.run([*cli, "advise", root / "tb"], capture_output=True, text=True, timeout=120)
     assert advised.returncode == 0, advised.stderr
@@ -207,6 +220,7 @@ from types import SimpleNamespace
 from nemo_memlog.testing import megatron_lm_job, megatron_lm_stand_ins
 megatron_lm_job.hide_modelopt()
 megatron_lm_stand_ins.install()
+import os
 import megatron.training.training as training
 from megatron.training import global_vars
 from nemo_memlog import megatron_lm
@@ -215,6 +229,13 @@ class Keep(logging.Handler):
     def emit(self, record):
         said.append(record.getMessage())
 logging.getLogger("nemo_memlog").addHandler(Keep())
+# NEMO_MEMLOG_DISABLED: install() rebinds nothing, reads no setting (this one cannot work) and says nothing
+loop = {name: getattr(training, name) for name in megatron_lm.WRAPPED}
+os.environ["NEMO_MEMLOG_DISABLED"] = "true"
+off = megatron_lm.install(memory_reduce_timeout_s=-1)
+unbound = off.stopped and all(getattr(training, name) is function for name, function in loop.items())
+del os.environ["NEMO_MEMLOG_DISABLED"]
+off_said = len(said)
 # install() from inside a train of the loop's module: too late for that train
 space = {"__name__": training.__name__, "install": megatron_lm.install}
 exec("def train():\\n    return install()", space)
@@ -226,7 +247,8 @@ global_vars.set_args(SimpleNamespace(log_memory_to_tensorboard=True, tensorboard
 callback.on_train_start(None, None)
 callback.on_log(1)  # stopped: nothing, no second notice
 callback.on_train_end()
-print(json.dumps({"said": said, "wrapped": wrapped, "stopped": callback.stopped, "monitor": callback.monitor}))
+print(json.dumps({"said": said, "wrapped": wrapped, "stopped": callback.stopped, "monitor": callback.monitor,
+                  "unbound": unbound, "off_said": off_said}))
 """
 
 
@@ -236,6 +258,7 @@ def test_a_framework_argument_that_cannot_work_and_a_late_install_are_one_notice
     )
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.splitlines()[-1])
+    assert found["unbound"] and found["off_said"] == 0  # NEMO_MEMLOG_DISABLED: Megatron-LM's loop as it was
     assert found["wrapped"] and found["stopped"] and found["monitor"] is None
     said = found["said"]
     assert said[0] == megatron_lm.TOO_LATE

@@ -8,6 +8,7 @@
 - overrides.py: ``from_overrides``, a LoggerConfig from dotted command-line overrides;
 - text.py: settings typed from text (``--set``, ``NEMO_MEMLOG_<FIELD>``) by each field's declared type;
 - facts.py: the rules of the run's facts (``training_log(..., facts=...)``), checked once;
+- switches.py: the environment's switches (``NEMO_MEMLOG_DISABLED``...), read one way (``switched_off``);
 - the secrets in a config (one walk that redacts and collects them, and scrubbing) are
   ../redaction.py's, a leaf the warnings and the writers reach too.
 
@@ -29,6 +30,7 @@ from .schema import (
     memory_record_dir,
     setting,
 )
+from .switches import switched_off
 from .text import TextError, field_from_text, fields_from_text
 from .validation import PEAK_WINDOWS, RECORD_OFF, REDUCE_BACKENDS, REDUCE_EXCHANGES, WRITER_MODES, did_you_mean
 
@@ -66,4 +68,5 @@ __all__ = [
     "scrubbed",
     "secrets_of",
     "setting",
+    "switched_off",
 ]

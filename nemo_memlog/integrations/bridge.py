@@ -57,7 +57,7 @@ from typing import Any
 
 from megatron.bridge.training.callbacks import Callback
 
-from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve_fields
+from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve_fields, switched_off
 from ..measure import estimate
 from ..monitor import MemoryMonitor
 from ..warn import notice
@@ -98,12 +98,16 @@ class MemoryLogCallback(Adapter, Callback):
     FRAMEWORK = "Megatron-Bridge's loop"
 
     def __init__(self, **settings: Any):
-        self.settings = checked_settings(
-            "MemoryLogCallback",
-            settings,
-            OWN_SETTINGS,
-            " (log_memory_to_tensorboard, tensorboard_log_interval and memory_keys come from the recipe's cfg.logger)",
-        )
+        self.stopped = switched_off()  # NEMO_MEMLOG_DISABLED: every event does nothing; no setting is read
+        self.settings = settings
+        if not self.stopped:
+            checked_settings(
+                "MemoryLogCallback",
+                settings,
+                OWN_SETTINGS,
+                " (log_memory_to_tensorboard, tensorboard_log_interval and memory_keys come from the recipe's "
+                "cfg.logger)",
+            )
         self.monitor: MemoryMonitor | None = None
         self._bridge_logger = None
         self._save_interval = None  # cfg.checkpoint.save_interval, where Bridge saves (on_train_start)
@@ -134,7 +138,7 @@ class MemoryLogCallback(Adapter, Callback):
         monitor = MemoryMonitor.open(
             run_settings,
             pg_collection=_pg_collection(context.model),
-            writers=lambda: _adopt_open_loggers(context.state),
+            writers=lambda: _adopt_open_loggers(context.state, run_settings),
             facts=_facts(context.state.cfg, microbatches),
         )
         _silence_bridge_memory_report()
@@ -273,9 +277,10 @@ def _pg_collection(model):
     return get_pg_collection(model) if model else None
 
 
-def _adopt_open_loggers(state):
+def _adopt_open_loggers(state, settings):
     """Writers over every logger Bridge opened: each ``*_logger`` property of its state
-    (opened on first access, on the last rank only), whatever backends this Bridge has."""
+    (opened on first access, on the last rank only), whatever backends this Bridge has; the run's
+    ``settings`` recorded in its TensorBoard run (the peak window ``nemo-memlog report`` reads)."""
     from ..writers import adopt_writers
 
     names = sorted(
@@ -283,7 +288,8 @@ def _adopt_open_loggers(state):
         for name in dir(type(state))
         if name.endswith("_logger") and isinstance(getattr(type(state), name), property)
     )
-    return adopt_writers((getattr(state, name) for name in names), spellings={"mlflow": bridge_mlflow_spelling()})
+    loggers = (getattr(state, name) for name in names)
+    return adopt_writers(loggers, spellings={"mlflow": bridge_mlflow_spelling()}, config=settings)
 
 
 def bridge_mlflow_spelling() -> Callable[[str], str]:

@@ -25,7 +25,9 @@ Event = TypeVar("Event", bound=Callable[..., Any])
 
 class Adapter:
     """A framework's way in: its run (``monitor``, None while none is open) and whether an event of
-    ours failed (``stopped``: every later event does nothing). ``FRAMEWORK`` names it in notices."""
+    ours failed (``stopped``: every later event does nothing). ``FRAMEWORK`` names it in notices.
+    An adapter made while ``NEMO_MEMLOG_DISABLED`` is true (config/switches.py) starts stopped: its
+    events do nothing, as without it (every rank reads the same environment: all alike)."""
 
     FRAMEWORK = "the framework"
     monitor: MemoryMonitor | None = None

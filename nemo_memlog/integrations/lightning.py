@@ -45,7 +45,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .. import megatron
-from ..config import LoggerConfig, checked_settings, resolve_fields
+from ..config import LoggerConfig, checked_settings, resolve_fields, switched_off
 from ..monitor import MemoryMonitor
 from ..warn import misuse
 from ..writers import adopt_writers
@@ -116,12 +116,15 @@ class MemoryLogCallback(Adapter, LightningCallback):
     def __init__(self, **settings: Any):
         # None means "the default" for our settings; an unknown name raises whatever its value.
         given = {name: value for name, value in settings.items() if value is not None or name not in SETTINGS}
-        self.settings = checked_settings(
-            "MemoryLogCallback",
-            {"log_memory_to_tensorboard": True, **given},
-            SETTINGS,
-            ". It writes into the Trainer's own loggers: add one there (Trainer(logger=...)), not a writer setting",
-        )
+        self.stopped = switched_off()  # NEMO_MEMLOG_DISABLED: every event does nothing; no setting is read
+        self.settings = {"log_memory_to_tensorboard": True, **given}
+        if not self.stopped:
+            checked_settings(
+                "MemoryLogCallback",
+                self.settings,
+                SETTINGS,
+                ". It writes into the Trainer's own loggers: add one there (Trainer(logger=...)), not a writer setting",
+            )
         self.monitor: MemoryMonitor | None = None
 
     @guarded

@@ -37,7 +37,14 @@ MemoryMonitor, and nothing in the core imports this module.
 - Facts from Megatron-LM's args: micro-batch size, microbatches, global batch, distributed
   optimizer, recompute, schedule (interleaved with virtual pipeline stages).
 - Memory phases: ``checkpoint_save`` around ``save_checkpoint_and_time`` and ``eval`` around
-  ``evaluate_and_print_results``, on every rank.
+  ``evaluate_and_print_results``, on every rank. The run stays open after ``train()`` returns, for
+  what ``pretrain`` runs next: a final save and the evaluations on the valid and test sets are
+  phases as well; as no logging step follows them, the phases of the last iterations are written
+  when ``train()`` returns and each final evaluation's when it ends, at the last iteration
+  (``MemoryMonitor.log_phases``: one gather), and the last of them ends the run.
+- Run config: recorded in Megatron-LM's TensorBoard run as a run of ours records it (its
+  ``memory_peak_window`` included, which ``nemo-memlog report`` reads), secrets redacted.
+- ``NEMO_MEMLOG_DISABLED=true``: ``install()`` rebinds nothing (config/switches.py).
 - Flight records: beside ``--tensorboard-dir`` (``memory_records``), else ``--wandb-save-dir``,
   else the working directory; ``memory_record_dir=`` in ``install()`` picks another folder.
 """
@@ -53,7 +60,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
-from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve_fields
+from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve_fields, switched_off
 from ..memory import DEFAULT_MEMORY_KEYS, GB
 from ..monitor import MemoryMonitor
 from ..warn import notice
@@ -98,16 +105,21 @@ class MemoryLogCallback(Adapter):
     FRAMEWORK = "Megatron-LM's loop"
 
     def __init__(self, **settings: Any):
-        self.settings = checked_settings(
-            "megatron_lm.install",
-            settings,
-            OWN_SETTINGS,
-            " (--log-memory-to-tensorboard and --tensorboard-log-interval come from Megatron-LM's flags)",
-        )
+        self.stopped = switched_off()  # NEMO_MEMLOG_DISABLED: every event does nothing; no setting is read
+        self.settings = settings
+        if not self.stopped:
+            checked_settings(
+                "megatron_lm.install",
+                settings,
+                OWN_SETTINGS,
+                " (--log-memory-to-tensorboard and --tensorboard-log-interval come from Megatron-LM's flags)",
+            )
         self.monitor: MemoryMonitor | None = None
         self._model: Any = None
         self._optimizer: Any = None
         self._flag_off_said = False
+        self._iteration: int | None = None  # the iteration training_log last ran at
+        self._evaluations_left = 0  # pretrain's evaluations after train() returned, still to come
 
     @guarded
     def on_train_start(self, model: Any, optimizer: Any) -> None:
@@ -116,6 +128,8 @@ class MemoryLogCallback(Adapter):
         from megatron.training.global_vars import get_args, get_tensorboard_writer, get_wandb_writer
 
         args = get_args()
+        if self._evaluations_left:  # a train() after one whose final evaluations never came: that run ends
+            self.on_train_end()
         self._model, self._optimizer = model, optimizer
         if self.monitor is not None:
             return
@@ -138,10 +152,15 @@ class MemoryLogCallback(Adapter):
             memory_keys=MEMORY_KEYS,
             **{**self.settings, "memory_record_dir": folder},
         )
+        run_config = _run_config(args)
         monitor = MemoryMonitor.open(
             settings,
-            run_config=_run_config(args),
-            writers=lambda: adopt_writers([get_tensorboard_writer(), get_wandb_writer()]),
+            run_config=run_config,
+            # Megatron-LM's own writers, with the run config recorded in its TensorBoard run (the peak
+            # window ``nemo-memlog report`` reads: its events hold no config of ours otherwise).
+            writers=lambda: adopt_writers(
+                [get_tensorboard_writer(), get_wandb_writer()], config=settings, run_config=run_config
+            ),
             facts=facts(args),
         )
         monitor.derived = megatron_lm_series
@@ -157,6 +176,7 @@ class MemoryLogCallback(Adapter):
     def on_log(self, iteration: int) -> None:
         """``training_log`` of ``iteration`` has run (every rank): memory at the same step."""
         if self.monitor is not None:
+            self._iteration = iteration
             self.monitor.log(iteration, model=self._model, optimizer=self._optimizer)
 
     @guarded
@@ -165,7 +185,7 @@ class MemoryLogCallback(Adapter):
             self.monitor.phase_start("checkpoint_save", iteration)
 
     @guarded
-    def on_save_checkpoint_end(self) -> None:
+    def on_save_checkpoint_end(self, iteration: int | None) -> None:
         if self.monitor is not None:
             self.monitor.phase_end("checkpoint_save")
 
@@ -175,17 +195,48 @@ class MemoryLogCallback(Adapter):
             self.monitor.phase_start("eval", iteration)
 
     @guarded
-    def on_eval_end(self) -> None:
-        if self.monitor is not None:
-            self.monitor.phase_end("eval")
+    def on_eval_end(self, iteration: int | None) -> None:
+        """An evaluation ended. One of ``pretrain``'s after ``train()`` returned (on the valid, then the
+        test set): no logging step follows it, so its phase is written now, at ``iteration`` (the last
+        one, where Megatron-LM writes its validation loss), and the last of them ends the run."""
+        monitor = self.monitor
+        if monitor is None:
+            return
+        monitor.phase_end("eval")
+        if self._evaluations_left:
+            self._evaluations_left -= 1
+            monitor.log_phases(iteration if isinstance(iteration, int) else self._iteration or 0)
+            if not self._evaluations_left:
+                self.on_train_end()
+
+    @guarded
+    def on_train_returned(self, iteration: Any) -> None:
+        """``train()`` returned (every rank, at the same point): the phases of its last iterations (an
+        evaluation at the last one) are written at its last step, which no logging step follows; the
+        run stays open for the evaluations ``pretrain`` runs next (``final_evaluations``: they are
+        phases too, and a final checkpoint save before them), and ends after the last, or now."""
+        monitor = self.monitor
+        if monitor is None:
+            return
+        from megatron.training.global_vars import get_args
+
+        last = iteration if isinstance(iteration, int) else self._iteration
+        if last is not None:
+            monitor.log_phases(last)
+        self._evaluations_left = final_evaluations(get_args())
+        if not self._evaluations_left:
+            self.on_train_end()
 
     @guarded
     def on_train_end(self) -> None:
-        """``train()`` returned or exits (``sys.exit`` on its should_exit path): end the phases and the
-        flight record, release the run's gloo group and flush Megatron-LM's writers (never closed:
-        they are its own). Never raises."""
+        """The run ends: after ``pretrain``'s last evaluation, when ``train()`` returned with none to
+        come, or when ``train()`` exits (``sys.exit`` on its should_exit path, an error). End the
+        phases and the flight record, release the run's gloo group and flush Megatron-LM's writers
+        (never closed: they are its own). A run whose evaluations never come (the process ends
+        first) is ended by interpreter exit, its flight record marked "exit". Never raises."""
         monitor, self.monitor = self.monitor, None
         self._model = self._optimizer = None
+        self._evaluations_left = 0
         if monitor is not None:
             monitor.close()
 
@@ -209,6 +260,14 @@ def megatron_lm_series(logged: dict) -> dict:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             out[name] = round(value * GB) if in_bytes else int(value)
     return out
+
+
+def final_evaluations(args: Any) -> int:
+    """How many ``evaluate_and_print_results`` calls ``pretrain`` makes after ``train()`` returns: on
+    the valid set (``do_valid``; not on the RL path, whose evaluation is another function) and on
+    the test set (``do_test``)."""
+    valid = bool(getattr(args, "do_valid", False)) and not getattr(args, "perform_rl_step", False)
+    return int(valid) + int(bool(getattr(args, "do_test", False)))
 
 
 def facts(args: Any) -> dict:
@@ -251,7 +310,8 @@ def install(**settings: Any) -> MemoryLogCallback:
     are said to be ignored). Where the loop's functions are no longer the ones it rebound (the
     module was reloaded, ``importlib.reload``), it says so and rebinds them again. Called while
     ``train()`` runs, it says that this ``train()`` is not instrumented (a later one is). Each is
-    one notice of this process on the "nemo_memlog" logger.
+    one notice of this process on the "nemo_memlog" logger. With ``NEMO_MEMLOG_DISABLED=true`` it
+    rebinds nothing and checks no setting: it returns a callback whose events do nothing.
 
     Args:
         **settings: nemo_memlog's own settings (``memory_record_dir``, ``memory_reduce_timeout_s``...).
@@ -263,6 +323,8 @@ def install(**settings: Any) -> MemoryLogCallback:
         MegatronLMError: no ``megatron.training.training``, or it lacks a function install() wraps.
         ValueError: an unknown setting, or one that cannot work.
     """
+    if switched_off():  # NEMO_MEMLOG_DISABLED: Megatron-LM's loop as without us, its mem-* included
+        return MemoryLogCallback(**settings)  # stopped: its events do nothing, and none is fired
     callback = _installed.get("callback")
     if callback is not None:
         if settings and settings != callback.settings:
@@ -356,9 +418,12 @@ def _train(original: Callable, signature: inspect.Signature, callback: MemoryLog
     def train(*args: Any, **kwargs: Any) -> Any:
         callback.on_train_start(model_of(args, kwargs), optimizer_of(args, kwargs))
         try:
-            return original(*args, **kwargs)
-        finally:
+            result = original(*args, **kwargs)
+        except BaseException:  # sys.exit on the should_exit path, an error: no evaluation follows
             callback.on_train_end()
+            raise
+        callback.on_train_returned(result[0] if isinstance(result, tuple) and result else None)
+        return result
 
     return train
 
@@ -408,11 +473,12 @@ def _phase(start: str, end: str) -> Callable:
         def phased(*args: Any, **kwargs: Any) -> Any:
             if callback.monitor is None:
                 return original(*args, **kwargs)
-            getattr(callback, start)(iteration_of(args, kwargs))
+            iteration = iteration_of(args, kwargs)
+            getattr(callback, start)(iteration)
             try:
                 return original(*args, **kwargs)
             finally:
-                getattr(callback, end)()
+                getattr(callback, end)(iteration)
 
         return phased
 

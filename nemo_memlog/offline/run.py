@@ -20,6 +20,15 @@ import sys
 from pathlib import Path
 
 from ..config import FIELDS, TextError, did_you_mean, fields_from_text
+from ..config.switches import (
+    CPU_STAND_INS_ENV,
+    DISABLED_ENV,
+    DISABLED_WAYS_ENV,
+    FALSE_WORDS,
+    TRUE_WORDS,
+    switch_word,
+    switched_off,
+)
 from ..redaction import launch_secrets, scrubbed_text
 
 USAGE = "usage: nemo-memlog run [--set key=value ...] [--cpu] [-h] -- COMMAND [ARGS ...]"
@@ -27,11 +36,8 @@ USAGE = "usage: nemo-memlog run [--set key=value ...] [--cpu] [-h] -- COMMAND [A
 BOOTSTRAP = Path(__file__).resolve().parents[1] / "integrations" / "autorun"
 ENV_PREFIX = "NEMO_MEMLOG_"
 RUN_ENV = "NEMO_MEMLOG_RUN"
-#: The switches every process reads (the bootstrap's names: integrations/autorun/sitecustomize.py).
-DISABLED_ENV = "NEMO_MEMLOG_DISABLED"
-DISABLED_WAYS_ENV = "NEMO_MEMLOG_DISABLED_INTEGRATIONS"
-CPU_STAND_INS_ENV = "NEMO_MEMLOG_CPU_STAND_INS"
-SWITCH_WORDS = ("true", "1", "yes", "on", "false", "0", "no", "off", "")
+#: The words a switch may be (config/switches.py, which the bootstrap's copy is held to).
+SWITCH_WORDS = TRUE_WORDS + FALSE_WORDS
 #: The longest banner (characters): COMMAND's first words, scrubbed.
 BANNER_CHARS = 160
 
@@ -142,7 +148,7 @@ def checked(settings: dict[str, str], environ: dict[str, str]) -> dict[str, str]
         where = "--set " + name if name in settings else ENV_PREFIX + name.upper()
         raise UsageError(f"nemo-memlog run: {where}: {error}") from None
     for switch in (DISABLED_ENV, CPU_STAND_INS_ENV):
-        if environ.get(switch, "").strip().lower() not in SWITCH_WORDS:
+        if switch_word(environ, switch) not in SWITCH_WORDS:
             raise UsageError(f"nemo-memlog run: {switch} must be true or false; got {environ[switch]!r}")
     excluded = {name.strip().lower() for name in environ.get(DISABLED_WAYS_ENV, "").split(",") if name.strip()}
     for name in sorted(excluded - set(WAYS_IN)):
@@ -181,15 +187,11 @@ def banner(command: list[str], environ: dict[str, str], secrets: list[str]) -> s
     """The one line ``run`` prints before COMMAND: what it does and COMMAND's first words, scrubbed of
     secrets (redaction.py's rules, as fit's) and at most BANNER_CHARS long."""
     words = " ".join(command[:3]) + (" ..." if len(command) > 3 else "")
-    if environ.get(DISABLED_ENV, "").strip().lower() in ("true", "1", "yes", "on"):
+    if switched_off(environ):
         what = f"{DISABLED_ENV} is set: no memory logging in"
     else:
         what = "memory logging added to every Python process of"
-        what += (
-            " (CPU stand-ins on)"
-            if environ.get(CPU_STAND_INS_ENV, "").strip().lower() in ("true", "1", "yes", "on")
-            else ""
-        )
+        what += " (CPU stand-ins on)" if switch_word(environ, CPU_STAND_INS_ENV) in TRUE_WORDS else ""
     text = scrubbed_text(f"nemo-memlog run: {what}: {words}", secrets)
     return text if len(text) <= BANNER_CHARS else text[: BANNER_CHARS - 4] + " ..."
 

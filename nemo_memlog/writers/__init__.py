@@ -60,11 +60,7 @@ def build_writers(config: Any, *, run_config: Any = None) -> Writers:
         and never raises.
     """
     settings = resolve(config)  # a Settings is used as it is: checked once, where it was resolved
-    run_config = config if run_config is None else run_config
-    logger, apart = _logger_of(run_config, config)
-    params, secrets = recorded(run_config, logger)  # one walk of the run config: the params and its secrets
-    if apart:  # the logger section is not in the run config (a dict of hyperparameters): its secrets too
-        secrets += secrets_of(logger)
+    params, secrets = _recorded(config, run_config)
     names = enabled_backends(settings)
     secrets += environment_secrets(names, dict(os.environ))  # OTLP headers: kept off the writer process's environment
     writers = None
@@ -75,14 +71,21 @@ def build_writers(config: Any, *, run_config: Any = None) -> Writers:
     return writers
 
 
-def adopt_writers(open_loggers: Iterable[Any], spellings: dict | None = None) -> InlineFanOut:
+def adopt_writers(
+    open_loggers: Iterable[Any], spellings: dict | None = None, *, config: Any = None, run_config: Any = None
+) -> InlineFanOut:
     """Writers over open loggers a framework already opened in this process (None entries
     are skipped; objects no backend recognises are ignored). They are written on the
     calling thread and flushed, never closed, by us: see inline.py.
 
     ``spellings``: ``{backend: key -> name}`` for a backend whose metric names the
     framework rewrites before writing into it (Megatron-Bridge's MLflow names); that
-    backend's ``adopt`` spells ours the same way, so they sit with the framework's own."""
+    backend's ``adopt`` spells ours the same way, so they sit with the framework's own.
+
+    ``config`` (the run's settings, or any config): given, each adopted backend that records a
+    run's configuration (TensorBoard's "config" text) records ``run_config`` (default ``config``)
+    now, once, as ``build_writers``' backends do: secrets redacted and scrubbed, the resolved
+    ``memory_peak_window`` added (``nemo-memlog report`` reads it from the framework's own events)."""
     spellings = spellings or {}
     modules = {name: backend_module(name) for name in ADOPTABLE}
     backends = []
@@ -94,7 +97,22 @@ def adopt_writers(open_loggers: Iterable[Any], spellings: dict | None = None) ->
             if backend is not None:
                 backends.append((name, backend))
                 break
-    return InlineFanOut(backends)
+    writers = InlineFanOut(backends)
+    if config is not None and backends:
+        writers.record_config(*_recorded(config, run_config))
+    return writers
+
+
+def _recorded(config: Any, run_config: Any) -> tuple[dict, list[str]]:
+    """(the params the backends record of ``run_config`` (default ``config``), the secrets to scrub),
+    from one walk of the run config (config.recorded), with the logger section's secrets where the
+    run config does not hold it."""
+    run_config = config if run_config is None else run_config
+    logger, apart = _logger_of(run_config, config)
+    params, secrets = recorded(run_config, logger)  # one walk of the run config: the params and its secrets
+    if apart:  # the logger section is not in the run config (a dict of hyperparameters): its secrets too
+        secrets += secrets_of(logger)
+    return params, secrets
 
 
 def _logger_of(run_config, config):

@@ -31,6 +31,14 @@ class InlineFanOut:
             if self._call(name, "log", backend.log, metrics, step):
                 self._written[name] += 1
 
+    def record_config(self, params: dict, secrets: list[str]) -> None:
+        """``params`` recorded once by each backend that records a run's configuration (one with a
+        ``record_config``: TensorBoard), secrets scrubbed; failures isolated, as a step's are."""
+        for name, backend in self.backends:
+            record = getattr(backend, "record_config", None)
+            if record is not None:
+                self._call(name, "record_config", record, params, secrets)
+
     def flush(self, timeout_s: float | None = None) -> bool:
         return all([self._call(name, "flush", backend.flush) for name, backend in self.backends])
 

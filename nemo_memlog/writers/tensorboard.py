@@ -24,6 +24,9 @@ exactly the per-stage metrics: one chart per ``memory/<name>``, over every run, 
 logged per stage sit on one page without the other memory series (written at the first step
 with stage runs, again when a later step brings a new name).
 
+An adopted writer (a framework's own SummaryWriter: Megatron-LM's, Megatron-Bridge's) gets the run
+config's text too, once, when it is adopted with one (``record_config``, from ``adopt_writers``).
+
 Enabled by ``tensorboard_dir``. Values are stored as TensorBoard's classic scalar
 (``simple_value``), which is a float32: ints come back as floats, and ints above 2**24
 lose precision. NaN, +inf and -inf are stored as they are and read back unchanged.
@@ -148,6 +151,12 @@ class TensorBoardBackend:
         self.stage_writers: dict[str, Any] = {}
         self.charted: set[str] = set()  # the shared tags the layout has a chart for
         self._warn_once = WarnOnce("tensorboard backend: ", secrets)
+
+    def record_config(self, params: dict, secrets: list[str]) -> None:
+        """Record ``params`` as the run's "config" text at step 0, secrets scrubbed, as ``open_backend``
+        does for a run of ours: into an adopted writer (a framework's own SummaryWriter), so that
+        ``nemo-memlog report`` reads the run's ``memory_peak_window`` from its event file."""
+        self.writer.add_text(CONFIG_TAG, config_text(params, secrets), 0)
 
     def log(self, metrics: dict, step: int) -> None:
         """One scalar per metric at ``step``, and each stage's value in its own run. Reads ``metrics`` only."""

@@ -64,3 +64,24 @@ def test_a_failing_adopted_logger_is_isolated_and_warned_once(tmp_path):
     (archive,) = tmp_path.glob("*.zip")
     _, messages = read_archive(archive)
     assert "memory/peak_allocated_gb" in str(messages), "the healthy backend still got every step"
+
+
+def test_an_adopted_summarywriter_given_the_run_config_records_it_once_and_report_reads_the_peak_window(tmp_path):
+    """Megatron-LM and Bridge write into their own SummaryWriter: its events hold our run config only as
+    ``adopt_writers(config=...)`` records it (Bridge's case here: the run config is the run's Settings;
+    Megatron-LM's, a dict of its args, is read back in tests/test_megatron_lm.py)."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    from nemo_memlog.config import resolve_fields
+    from nemo_memlog.offline import events, report
+
+    settings = resolve_fields(log_memory_to_tensorboard=True, memory_peak_window="interval")
+    writer = SummaryWriter(str(tmp_path))
+    writers = adopt_writers([writer], config=settings, run_config={**vars(settings), "wandb_api_key": "k-secret-1"})
+    write_steps(writers)
+    writers.close()
+    writer.close()
+    run = events.load_run(tmp_path)
+    assert report.peak_window_line(run).startswith("peak window: interval (")
+    text = b"".join(path.read_bytes() for path in tmp_path.glob("events.out.tfevents.*"))
+    assert text.count(b"config/text_summary") == 1 and b"k-secret-1" not in text
