@@ -228,8 +228,9 @@ def test_a_secret_on_the_command_line_is_written_nowhere(demo):
 # ---- the demo twice in a row, as a newcomer runs it ----------------------------------------
 # The second run follows the first (the `demo` fixture, no run.name either) into the same
 # run.root, with all four backends, the default peak window, Megatron's interleaved schedule
-# (parallel.vpp=2) on PP 2 (half the first run's processes) and fewer iterations, starting over at step 1: the case that used to be
-# stitched onto the first run's steps and called "resumed" ("interval -> run").
+# (parallel.vpp=2) on PP 2 (half the first run's processes) and fewer iterations, starting over at
+# step 1: the case that used to be stitched onto the first run's steps and called "resumed"
+# ("interval -> run").
 
 
 @pytest.fixture(scope="module")
