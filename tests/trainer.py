@@ -1,5 +1,6 @@
 """A small training process for the writer-process tests: every rank calls training_log
-every step, and the writer rank prints ``handed <step>`` once the call has returned.
+every step, and the writer rank prints ``handed <step>`` once the call has returned (in thread mode
+then ``written <backend>=<steps> ...``, the fan-out's count of the steps each backend has written).
 
     python tests/trainer.py ROOT [--mode process|thread|off] [--steps N] [--end close|os_exit]
     torchrun --nproc-per-node 2 tests/trainer.py ROOT --steps 0    # runs until killed
@@ -114,6 +115,9 @@ def main(argv=None) -> int:
         training_log(step, cfg, pp_group=dist.group.WORLD, writers=writers, metrics={"loss": loss})
         if writer_rank:
             print(f"handed {step}", flush=True)
+            if args.mode == "thread":  # which backends have opened and written (the fan-out's own count)
+                written = {name: stats["written"] for name, stats in writers.stats().items()}
+                print("written " + " ".join(f"{name}={count}" for name, count in written.items()), flush=True)
         time.sleep(0.02)
     if writer_rank:
         if writers is not None:
