@@ -72,11 +72,11 @@ def _fit_parser(commands) -> None:
         "fit",
         help="the largest micro-batch size that fits every stage, from probes of your own launch",
         description="Launch COMMAND (with {micro_batch_size} where the size goes) at one size, end it once every "
-        "rank has recorded two measured logging steps, predict the largest size that fits every pipeline stage, "
-        "and confirm it with another launch (docs/fit.md). Exit status: 0 with an answer, 2 when even the smallest "
-        "size does not fit (or a usage error), 1 when fit cannot tell (a probe could not measure: timed out, ended "
-        "early, died but not of memory, a bad record; the command keeps its microbatches, not its global batch), "
-        "130/143 interrupted.",
+        "rank's peak has stopped rising (at most 8 measured logging steps), predict the largest size that fits "
+        "every pipeline stage, and confirm it with another launch (docs/fit.md). Exit status: 0 with an answer, "
+        "2 when even the smallest size does not fit (or a usage error), 1 when fit cannot tell (a probe could not "
+        "measure: timed out, ended early, died but not of memory, a bad record; the command keeps its "
+        "microbatches, not its global batch), 130/143 interrupted.",
     )
     fit.add_argument("job", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="your launch, after --")
     fit.add_argument(
