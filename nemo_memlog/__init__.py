@@ -60,7 +60,7 @@ __all__ = [  # written out, so a linter and a type checker read it (a test keeps
     "reset_peaks",
     "training_log",
 ]
-__version__ = "0.6.3"
+__version__ = "0.7.0"
 
 
 def __getattr__(name):
