@@ -8,7 +8,8 @@ and unregister it when they close; this module holds no monitor state of its own
   draining writers can take ``writer_close_timeout_s``), then hands the signal on: to the
   handler installed before ours (the framework's own), or to the default action, so the
   process still ends as a SIGTERM'd process would. Installed from the main thread only.
-- ``on_exit``: at interpreter exit (atexit).
+- ``on_exit``: at interpreter exit (atexit), before the hooks of the libraries a backend opened
+  (``exit_first``).
 - ``on_exception``: an unhandled exception in the main thread, before the hook that was
   there (``sys.excepthook``), called as ``callback(kind, value, traceback)``.
 - ``on_fork_child``: in a forked child (a data-loader worker), so it lets go of what
@@ -106,6 +107,17 @@ def on_exit(callback: Callable[[], object]) -> None:
     if "exit" not in _installed:
         _installed.add("exit")
         atexit.register(_dispatch, _exit)
+
+
+def exit_first() -> None:
+    """Make the exit callbacks run before every ``atexit`` hook registered so far (atexit runs the
+    last registered first). A library a backend opens after our hook was installed registers its
+    own teardown then (W&B's ends its service process at exit), and would otherwise end it before a
+    close that still has steps to write into it. Called once a backend has opened. Never raises."""
+    with _lock:
+        if "exit" in _installed:
+            atexit.unregister(_dispatch)
+            atexit.register(_dispatch, _exit)
 
 
 def on_exception(callback: Callable[..., object]) -> None:

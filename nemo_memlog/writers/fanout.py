@@ -219,6 +219,7 @@ class BufferedBackend:
             opened, self._backend = self._call("open", self._opener)
             if not opened:
                 return False
+            process_wide.exit_first()  # our close before the exit hooks its library just registered
         if not self._call("log", self._backend.log, metrics, step)[0]:
             return False
         self.written += 1

@@ -6,6 +6,7 @@ metadata capture would record it if it were on.
 
 import json
 import math
+import os
 import struct
 import sys
 import time
@@ -120,3 +121,36 @@ def wandb_records(path: Path):
             record.ParseFromString(pending)
             pending = b""
             yield record
+
+
+EXITS_WITHOUT_CLOSE = """
+import os, sys
+from nemo_memlog import LoggerConfig, build_writers
+cfg = LoggerConfig(log_memory_to_tensorboard=True, writer_mode="thread", wandb_project="p", wandb_save_dir=sys.argv[1])
+writers = build_writers(cfg)
+writers.log({"memory/peak_host_rss_gb": 1.0}, 1)
+assert writers.flush(120), writers.stats()  # W&B's run started: its library has registered its exit hooks
+for step in range(2, 302):
+    writers.log({"memory/peak_host_rss_gb": float(step)}, step)
+print("pending", writers.stats()["wandb"]["pending"], flush=True)
+sys.exit(0)  # no close: the interpreter's exit closes the writers
+"""
+
+
+@pytest.mark.processes
+def test_an_exit_without_close_in_thread_mode_writes_every_step_before_wandb_ends_its_service(tmp_path):
+    """W&B registers the end of its service process at exit when a run starts, after our exit hook;
+    atexit runs the last registered first, so our close used to find the service gone (ConnectionResetError:
+    Connection lost) and lose every step still buffered (299 of 301 here). Our hook now runs first."""
+    import subprocess
+
+    from tests.readback import wandb_finished, wandb_steps
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")} | {"WANDB_MODE": "offline"}
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_WITHOUT_CLOSE, str(tmp_path)], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 0, done.stdout  # steps were still buffered when the exit began
+    assert wandb_steps(tmp_path) == set(range(1, 302)), done.stderr[-3000:]
+    assert wandb_finished(tmp_path) and "Connection lost" not in done.stderr
