@@ -119,7 +119,9 @@ def arguments(argv) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=None, help="repetitions per variant (default: 400/300/200)")
     parser.add_argument("--non-logging-calls", type=int, default=None, help="default: 100000")
     parser.add_argument("--writer-steps", type=int, default=None, help="default: 100; 0 skips the writer part")
-    parser.add_argument("--backends", default=None, help=f"comma-separated, default: {','.join(BACKENDS)}")
+    parser.add_argument(
+        "--backends", default=None, help=f"comma-separated, default: {','.join(BACKENDS)} (otel: OTLP to a local sink)"
+    )
     parser.add_argument(
         "--work-ms", type=float, default=30.0, help="the writer part's training-thread work per step (default: 30)"
     )
@@ -139,9 +141,9 @@ def arguments(argv) -> argparse.Namespace:
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
     args.backends = tuple((args.backends or ("tensorboard" if args.smoke else ",".join(BACKENDS))).split(","))
-    unknown = set(args.backends) - set(BACKENDS)
+    unknown = set(args.backends) - set(BACKENDS) - {"otel"}
     if unknown:
-        parser.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}")
+        parser.error(f"unknown backends {sorted(unknown)}; choose from {', '.join(BACKENDS)}, otel")
     return args
 
 

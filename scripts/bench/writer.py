@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import time
 
 from bench.timing import python_work, rounds_for, summary
@@ -33,6 +35,7 @@ def backend_config(root: str, name: str, backends: tuple, mode: str = "thread"):
             mlflow_experiment="bench", mlflow_run_name=name, mlflow_tracking_uri=f"sqlite:///{root}/{name}/mlflow.db"
         ),
         "comet": dict(comet_project="bench", comet_offline_directory=f"{root}/{name}/comet"),
+        "otel": dict(otel_metrics=True),  # OTLP over HTTP to otel_sink(), each step exported (the OTEL_* variables)
     }
     fields = {k: v for backend in backends for k, v in chosen[backend].items()}
     return LoggerConfig(log_memory_to_tensorboard=True, writer_mode=mode, **fields)
@@ -49,6 +52,44 @@ def writer_part(metrics: dict, steps: int, backends: tuple, root: str, work_ms: 
     that step, GIL and CPU contention included."""
     os.environ["WANDB_MODE"] = "offline"
     os.environ.setdefault("WANDB_SILENT", "true")
+    sink = otel_sink() if "otel" in backends else None
+    try:
+        return _writer_part(metrics, steps, backends, root, work_ms)
+    finally:
+        if sink is not None:
+            sink.kill()
+            sink.wait()
+
+
+#: A collector stand-in for the otel backend: a process of its own on 127.0.0.1 that answers every OTLP
+#: request 200 (what it costs the writer to export, not what a collector does with it).
+SINK = """
+import http.server, sys
+class Sink(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Sink)
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def otel_sink() -> subprocess.Popen:
+    """Start the sink and point the OTEL_* variables at it (OTLP over HTTP, one export per step)."""
+    sink = subprocess.Popen([sys.executable, "-c", SINK], stdout=subprocess.PIPE, text=True)
+    port = sink.stdout.readline().strip()
+    os.environ.update(
+        OTEL_METRICS_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+        OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{port}",
+    )
+    return sink
+
+
+def _writer_part(metrics: dict, steps: int, backends: tuple, root: str, work_ms: float) -> dict:
     opened = time.perf_counter()
     fanouts, synchronous_backends = _open(metrics, backends, root)
     open_s = time.perf_counter() - opened
