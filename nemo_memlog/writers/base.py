@@ -46,6 +46,9 @@ class Backend(Protocol):
 
     def flush(self) -> None: ...
 
+    # Optional: ``end_reserve_s``, the seconds a store that is complete only once ended (a W&B run,
+    # a Comet offline archive) keeps at the end of the close budget for ending it: no write starts then.
+
     def close(self, deadline: float | None = None) -> None:
         """End the store; ``deadline`` (time.monotonic()) is when the close budget runs out: work
         that can be skipped (charts drawn at close) is, to end the store by then. None: no limit

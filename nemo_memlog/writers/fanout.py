@@ -18,8 +18,9 @@ backend's thread at once to write what it holds and then end its store, each on 
 or hung backend (a server that never answers, a store still opening) holds up no other
 backend's end. That matters most at a launcher's teardown, whose SIGKILL follows its SIGTERM
 by a fixed grace (30 s for torchrun, SLURM and Kubernetes): W&B's run and Comet's offline
-archive are only complete once ended, so each ends as soon as its own steps are written, and
-writing stops END_RESERVE_S before the close budget runs out so that the end still fits in it.
+archive are only complete once ended, so each ends as soon as its own steps are written, and a
+store that needs its end to keep them (a backend's ``end_reserve_s``) stops writing that long
+before the close budget runs out, so that the end still fits in it.
 Failures are said once per backend and kind of failure (notices on the "nemo_memlog" logger,
 warn.py), with secrets scrubbed from the message.
 """
@@ -49,10 +50,6 @@ CLOSE_ATTEMPTS = 3
 #: begins (a full disk, a hung server) hold the close: draining and closing it together. A healthy
 #: backend gets the whole close budget (writer_close_timeout_s).
 FAILING_CLOSE_S = 4.0
-#: At close, writing stops this long (at most half the budget) before the close budget runs out:
-#: the rest is the backend's to end its store (a W&B run's finish, a Comet archive), which is what
-#: makes every step written before it count.
-END_RESERVE_S = 5.0
 MAX_LOST_RANGES = 20  # step ranges kept per backend for the summary (the rest merged into the last)
 
 
@@ -74,7 +71,7 @@ class BufferedBackend:
         self._busy = False  # an item is being written right now
         self._closing = False
         self._close_by: float | None = None  # the close's deadline, handed to the backend's close
-        self._write_by: float | None = None  # at close: no write starts after this (END_RESERVE_S)
+        self._close_began: float | None = None  # when the close was asked for (the budget's start)
         self._close_failures = 0  # failed attempts since the close began (CLOSE_ATTEMPTS)
         self._reported = False  # close() reported what was not stored
         self._warn_once = WarnOnce(f"{name} backend: ", secrets)
@@ -126,14 +123,22 @@ class BufferedBackend:
 
     def request_close(self, deadline: float | None = None) -> None:
         """Stop taking steps: the thread writes what it holds (CLOSE_ATTEMPTS tries at most for a
-        failing backend, none begun within END_RESERVE_S of ``deadline``), then ends the backend's
-        store by ``deadline``, on its own, whatever the other backends' threads are doing."""
+        failing backend; none begun within the backend's ``end_reserve_s`` of ``deadline``), then
+        ends the backend's store by ``deadline``, on its own, whatever the other backends' threads do."""
         with self._cond:
             if self._close_by is None and deadline is not None:
-                self._close_by = deadline
-                self._write_by = deadline - min(END_RESERVE_S, max(0.0, deadline - time.monotonic()) / 2)
+                self._close_by, self._close_began = deadline, time.monotonic()
             self._closing = True
             self._cond.notify_all()
+
+    def _writes_end(self) -> float | None:
+        """At close, when no write may start: the deadline, less what the backend keeps to end its
+        store (``end_reserve_s``: W&B's finish, Comet's archive; at most half the budget). A store
+        that keeps each step as it is written (TensorBoard, MLflow) writes until the deadline."""
+        if self._close_by is None or self._close_began is None:
+            return None
+        reserve = getattr(self._backend, "end_reserve_s", 0.0)
+        return self._close_by - min(reserve, (self._close_by - self._close_began) / 2)
 
     def close(self, deadline: float) -> None:
         """``request_close(deadline)``, and wait for the backend's end until ``deadline``. What was
@@ -181,7 +186,7 @@ class BufferedBackend:
             with self._cond:
                 while not self._buffer and not self._closing:
                     self._cond.wait()
-                if not self._buffer or self._past(self._write_by):
+                if not self._buffer or self._past(self._writes_end()):
                     break  # closing, and drained or out of time to write: end the store now
                 metrics, step = self._buffer[0]
                 self._busy = True
@@ -201,9 +206,10 @@ class BufferedBackend:
                     break
                 if self._closing:
                     self._close_failures += 1
-                    if self._close_failures >= CLOSE_ATTEMPTS or self._past(self._write_by):
+                    writes_end = self._writes_end()
+                    if self._close_failures >= CLOSE_ATTEMPTS or self._past(writes_end):
                         break  # given up on: what it holds is counted at close
-                    self._cond.wait(min(delay, max(0.0, (self._write_by or 0) - time.monotonic())))
+                    self._cond.wait(min(delay, max(0.0, (writes_end or 0) - time.monotonic())))
                 else:
                     self._cond.wait(delay)  # back off; a drain() or the close wakes us early to retry now
                 delay = min(delay * 2, RETRY_MAX_S)

@@ -91,6 +91,10 @@ def adopt(obj: object) -> WandbBackend | None:
 
 
 class WandbBackend:
+    #: At close, no step is written within this long of the close budget's end: the run is only
+    #: complete once ended, and ending it is what the time is kept for (fanout.BufferedBackend).
+    end_reserve_s = FINISH_RESERVE_S
+
     def __init__(self, run: Any, commit: bool = True, close_budget_s: float = 25.0):
         self.run = run
         self.close_budget_s = close_budget_s
