@@ -230,7 +230,7 @@ def megatron_lm_loop(monkeypatch):
 
     for name in megatron_lm.WRAPPED:
         monkeypatch.setattr(training, name, getattr(training, name))
-    monkeypatch.setattr(megatron_lm, "_installed", {})
+    monkeypatch.delattr(training, megatron_lm.MARK, raising=False)  # no install yet (restored after)
     return training
 
 
@@ -257,7 +257,7 @@ def test_a_loop_without_what_install_wraps_is_named_with_the_version(megatron_lm
         megatron_lm.MegatronLMError, match=f"train_step is missing in megatron-core {version('megatron-core')}"
     ):
         megatron_lm.install()
-    assert not megatron_lm._installed
+    assert not hasattr(megatron_lm_loop, megatron_lm.MARK)
 
 
 def test_mem_series_are_the_pipelines_max_in_megatron_lms_units():

@@ -298,10 +298,6 @@ def _run_config(args: Any) -> dict:
 
 # ---- the way in: rebinding -------------------------------------------------------------------
 
-#: Per process, by nature: the one callback install() put into this process's Megatron-LM loop (a
-#: second install() returns it), under the key "callback".
-_installed: dict[str, MemoryLogCallback] = {}
-
 
 def install(**settings: Any) -> MemoryLogCallback:
     """Log pipeline-wide memory from Megatron-LM's own loop: call on every rank before ``pretrain``.
@@ -325,12 +321,13 @@ def install(**settings: Any) -> MemoryLogCallback:
     """
     if switched_off():  # NEMO_MEMLOG_DISABLED: Megatron-LM's loop as without us, its mem-* included
         return MemoryLogCallback(**settings)  # stopped: its events do nothing, and none is fired
-    callback = _installed.get("callback")
+    loop = sys.modules.get(LOOP)
+    callback: MemoryLogCallback | None = getattr(loop, MARK, None)  # what install() put into this loop
     if callback is not None:
         if settings and settings != callback.settings:
             notice("nemo_memlog: megatron_lm.install() again with other settings: the first install's stand")
-        loop = sys.modules.get(LOOP)
-        if loop is None or getattr(loop.train, MARK, None) is callback:
+        wrapped_by: MemoryLogCallback | None = getattr(loop.train, MARK, None) if loop is not None else None
+        if wrapped_by is callback:
             return callback
         notice(RELOADED)
     training = _loop()
@@ -343,12 +340,14 @@ def install(**settings: Any) -> MemoryLogCallback:
         wrapped = functools.wraps(original)(wrap(original, inspect.signature(original), callback))
         setattr(wrapped, MARK, callback)
         setattr(training, name, wrapped)
-    _installed["callback"] = callback
+    setattr(training, MARK, callback)  # the install state lives on the module it patched; a reload keeps it
     return callback
 
 
 #: The module install() rebinds, and the attribute that marks its wrappers (kept by functools.wraps
-#: in a wrapper of a wrapper).
+#: in a wrapper of a wrapper) and the module itself: the callback install() put there. On the module,
+#: it outlives ``importlib.reload`` (which keeps the module's namespace), so a second install() finds
+#: it and rebinds the reloaded functions with it.
 LOOP = "megatron.training.training"
 MARK = "__nemo_memlog_callback__"
 RELOADED = (
