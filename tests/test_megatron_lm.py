@@ -1,7 +1,8 @@
 """nemo_memlog in Megatron-LM's own training loop (``megatron.training.pretrain`` -> ``train`` ->
 ``train_step`` -> ``training_log``, from the megatron-core 0.19.2 wheel), PP 2 on CPU under torchrun,
-through both ways in: ``megatron_lm.install()`` in the script, and ``nemo-memlog run --`` around a
-launch nobody edited. The script is the project's own (nemo_memlog.testing.megatron_lm_job).
+through both ways in at once: ``nemo-memlog run --`` around the launch, and ``megatron_lm.install()``
+in the script as well (as a user who adds the prefix to a script that installs does). The script is
+the project's own (nemo_memlog.testing.megatron_lm_job).
 
 Held against what is made apart: Megatron-LM's own ``lm loss`` without the flag; every tensor
 autograd saved, counted around ``train_step`` (the job's ``--count-apart``); Megatron's own warm-up
@@ -46,12 +47,15 @@ MODEL = (
 #: A checkpoint and an evaluation at iteration 2 (the last --eval-interval counts): the phases.
 PHASES = ("--save-interval", "2", "--ckpt-format", "torch", "--eval-interval", "2")
 FLAG = "--log-memory-to-tensorboard"
-#: name -> (the launcher before torchrun, the job's flags beyond MODEL)
+INTERLEAVED = ("--num-layers-per-virtual-pipeline-stage", "1")
+#: name -> (the launcher before torchrun, the job's flags beyond MODEL). Two launches, both through the
+#: front door on the interleaved schedule (the harder in-flight count; 1F1B's is held in test_megatron.py,
+#: test_demo.py and test_fit.py): Megatron-LM's own reference, and the same run with the flag, where the
+#: script also calls install() (what run already did: the same callback, no second series), then reloads
+#: the loop module (importlib.reload) and installs again (said once per rank, wrapped anew).
 RUNS = {
-    "run, without the flag": (RUN, (*PHASES, "wandb")),
-    # The loop module reloaded after install() (importlib.reload), and install() again: said, and wrapped anew.
-    "install, 1f1b": ((), (*PHASES, "wandb", FLAG, "--nemo-memlog", "--reload-loop")),
-    "run, interleaved": (RUN, (FLAG, "--num-layers-per-virtual-pipeline-stage", "1")),
+    "run, without the flag": (RUN, (*PHASES, "wandb", *INTERLEAVED)),
+    "run and install, interleaved": (RUN, (*PHASES, "wandb", *INTERLEAVED, FLAG, "--nemo-memlog", "--reload-loop")),
 }
 WITH_FLAG = [name for name in RUNS if FLAG in RUNS[name][1]]
 
@@ -111,7 +115,7 @@ def _stages(root: Path) -> dict[int, dict]:
 
 
 def test_losses_are_megatron_lms_own_and_without_the_flag_nothing_is_written(trained):
-    without, with_us = trained("run, without the flag"), trained("install, 1f1b")
+    without, with_us = trained("run, without the flag"), trained("run and install, interleaved")
     runs = readback.tensorboard_runs(without / "tb")
     assert list(runs) == ["."]  # Megatron-LM's run alone: no stage runs
     assert not [tag for tag in runs["."] if tag.startswith(("memory/", "mem-"))]
@@ -126,7 +130,7 @@ def test_losses_are_megatron_lms_own_and_without_the_flag_nothing_is_written(tra
 
 
 def test_install_on_a_reloaded_loop_says_so_once_per_rank_and_wraps_it_again(trained):
-    output = (trained("install, 1f1b") / "output.txt").read_text()
+    output = (trained("run and install, interleaved") / "output.txt").read_text()
     assert output.count(megatron_lm.RELOADED) == 2  # one notice in each of the 2 ranks
     assert megatron_lm.TOO_LATE not in output  # before pretrain: in time
     # Wrapped again, once: the series of that run are the ones the tests above read, each at each step once.
@@ -184,7 +188,7 @@ def test_activations_and_in_flight_match_the_count_made_apart_and_megatrons_sche
 
 
 def test_checkpoint_saves_and_evaluation_are_phases_and_the_offline_commands_read_the_run(trained):
-    root = trained("install, 1f1b")
+    root = trained("run and install, interleaved")
     main = readback.tensorboard_runs(root / "tb")["."]
     for name in ("checkpoint_save", "eval"):
         assert main[f"memory/phase/{name}/seconds"], name  # measured on the save and the evaluation at 2
