@@ -10,12 +10,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from nemo_memlog.testing.probe_stub import STUB
 from nemo_memlog.testing.torchrun import ROOT
+from nemo_memlog.testing.wait import Lines, wait_for
 
 pytestmark = pytest.mark.processes
 FIT = [sys.executable, "-m", "nemo_memlog.offline.cli", "fit", "--capacity-gb", "8", "--json"]
@@ -42,32 +42,36 @@ def test_each_probe_is_said_as_it_starts_and_as_it_ends_and_json_stays_one_objec
 
 def test_interrupted_it_says_what_was_measured_and_json_holds_it(tmp_path):
     fit = _start(tmp_path, "hang-above-2")  # probe 1 (size 2) measures; probe 2 never records
-    said = []
+    out, said = Lines(fit.stdout), Lines(fit.stderr)  # read by threads: every wait below has a deadline
     try:
-        deadline = time.monotonic() + 90
-        while not any("probe 2: running" in line for line in said):  # the progress line, every 10 s
-            assert time.monotonic() < deadline and fit.poll() is None, said
-            said.append(fit.stderr.readline())
+        wait_for(lambda: "probe 2: running" in said.text(), 90, "the progress line of probe 2 (every 10 s)",
+                 proc=fit, detail=said.text)  # fmt: skip
         fit.send_signal(signal.SIGINT)
-        out, err = fit.communicate(timeout=60)
+        fit.wait(timeout=60)
+        out_text, err = out.ended(30), said.ended(30)
     finally:
         if fit.poll() is None:
             fit.kill()
-            fit.communicate()
+            fit.wait(timeout=30)
     assert fit.returncode == 130, err
-    result = json.loads(out)
+    result = json.loads(out_text)
     assert result["interrupted"] == "SIGINT"
     assert [probe["outcome"] for probe in result["probes"]] == ["fits"]  # what was measured before the signal
     assert "the largest size measured to fit so far is 2" in result["error"]
-    assert "ranks whose peak is steady: none yet" in "".join(said)
+    assert "ranks whose peak is steady: none yet" in err
     assert "the largest size measured to fit so far is 2" in err
 
 
 def test_a_command_that_keeps_its_microbatches_is_refused_at_the_second_probes_first_record(tmp_path):
     fit = _start(tmp_path, "keeps-microbatches")  # probe 2 records one step, then would run 600 s
-    began = time.monotonic()
-    out, err = fit.communicate(timeout=120)
+    try:
+        # A fit that waited for probe 2's further measured steps, or for its end, would wait out the
+        # stub's 600 s: it would still run at this deadline (TimeoutExpired), whatever the machine's load.
+        out, err = fit.communicate(timeout=120)
+    finally:
+        if fit.poll() is None:
+            fit.kill()
+            fit.communicate(timeout=30)
     assert fit.returncode == 1, err
-    assert time.monotonic() - began < 60  # not its measured steps, nor its 600 s
     result = json.loads(out)
     assert "keeps its microbatches per iteration, not its global batch" in result["error"]

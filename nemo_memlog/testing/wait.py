@@ -2,6 +2,8 @@
 
     wait_for(lambda: path.exists(), 60, "the rank's ready file")
     wait_for(lambda: progress() >= 6, 180, "six finished iterations", proc=torchrun)
+    seconds = seconds_until(lambda: not alive(pid), 30, "the writer process's exit")
+    said = Lines(proc.stderr)  # read by a thread: wait_for(lambda: "ready" in said.text(), 60, ...)
 
 Stdlib only (and guard.py's /proc reading, stdlib too): rank and child scripts import it too.
 """
@@ -9,6 +11,7 @@ Stdlib only (and guard.py's /proc reading, stdlib too): rank and child scripts i
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,7 +19,7 @@ from typing import TypeVar
 
 from ..offline.guard import alive, descendants
 
-__all__ = ["alive", "descendants", "left_behind", "wait_for"]
+__all__ = ["Lines", "alive", "descendants", "left_behind", "returns_within", "seconds_until", "wait_for"]
 
 T = TypeVar("T")
 
@@ -43,6 +46,56 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"no {what} within {timeout_s:g} s" + _more(detail))
         time.sleep(interval_s)
+
+
+def seconds_until(predicate: Callable[[], object], timeout_s: float, what: str, **how) -> float:
+    """``wait_for``, returning the seconds it waited (for a test to print, never to bound)."""
+    began = time.monotonic()
+    wait_for(predicate, timeout_s, what, **how)
+    return time.monotonic() - began
+
+
+def returns_within(call: Callable[[], T], timeout_s: float, what: str) -> T:
+    """``call()``'s result, run in a daemon thread of its own; fails (AssertionError) if it has not
+    returned within ``timeout_s`` seconds: a call that blocks fails the test with ``what`` named,
+    instead of hanging it until pytest's timeout. The call's own exception is raised here."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, call()))
+        except BaseException as error:  # handed to the caller
+            outcome.append((False, error))
+
+    threading.Thread(target=run, name="returns_within", daemon=True).start()
+    ((returned, value),) = wait_for(lambda: outcome, timeout_s, what, interval_s=0.01)
+    if not returned:
+        raise value
+    return value
+
+
+class Lines:
+    """The lines of a text stream (a child's pipe), read as they come by a thread of their own, so
+    that a test waits on them with ``wait_for`` and a deadline, never in a blocking ``readline``."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def text(self) -> str:
+        """What was read so far."""
+        return "".join(self.lines)
+
+    def ended(self, timeout_s: float) -> str:
+        """Everything, once the stream has ended (the writing process and any that share the pipe
+        are gone); fails (AssertionError) after ``timeout_s`` seconds."""
+        wait_for(lambda: not self._reader.is_alive(), timeout_s, "the end of the stream", detail=self.text)
+        return self.text()
 
 
 def left_behind(marker: str) -> list[str]:

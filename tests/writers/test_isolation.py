@@ -11,13 +11,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 
 import pytest
 
 from nemo_memlog import LoggerConfig, build_writers
 from nemo_memlog.testing.cluster import free_port
+from nemo_memlog.testing.wait import returns_within, wait_for
 from tests.notices import said
 
 
@@ -57,17 +57,19 @@ def test_failing_backends_do_not_stop_the_others(tmp_path, monkeypatch, fresh_wa
     )
     with said(warned=False) as caught:
         fanout = build_writers(cfg)
-        started = time.perf_counter()
-        for step in range(1, 6):
-            fanout.log({"memory/peak_host_rss_gb": 1.0 + step, "loss": 0.5}, step)  # never raises
-        handoff = time.perf_counter() - started
-        deadline = time.monotonic() + 120  # MLflow's first open is slow on a loaded 2-core box
-        while fanout.stats()["mlflow"]["written"] < 5 and time.monotonic() < deadline:
-            time.sleep(0.2)
+
+        def hand_off_5_steps() -> None:
+            for step in range(1, 6):
+                fanout.log({"memory/peak_host_rss_gb": 1.0 + step, "loss": 0.5}, step)  # never raises
+
+        # The training thread must not wait on a failing backend: W&B and TensorBoard never write a
+        # step here, so a log that waited for its step to be written would not return by this deadline.
+        returns_within(hand_off_5_steps, 60, "five steps handed over")
+        # MLflow's first open is slow on a loaded 2-core box
+        wait_for(lambda: fanout.stats()["mlflow"]["written"] >= 5, 120, "MLflow's five steps", interval_s=0.2)
         assert fanout.flush(timeout_s=2) is False  # two backends could not drain
         stats = fanout.stats()
         fanout.close(timeout_s=2)
-    assert handoff < 1.0, "the training thread must not wait on a failing backend"
     assert stats["mlflow"]["written"] == 5 and stats["mlflow"]["pending"] == 0, (
         stats,
         [w for w in caught],
@@ -134,20 +136,24 @@ class MlflowServer:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def healthy() -> bool:
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1)
-                return
+                return True
             except OSError:
-                time.sleep(0.5)
-        self.stop()
-        raise TimeoutError("mlflow server did not come up")
+                return False
+
+        try:
+            wait_for(healthy, timeout, "the mlflow server's health", proc=self.proc, interval_s=0.5)
+        except AssertionError:
+            self.stop()
+            raise
 
     def stop(self):
         if self.proc and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            self.proc.wait(timeout=60)
 
 
 class Outage:

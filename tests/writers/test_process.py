@@ -12,14 +12,13 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from nemo_memlog import LoggerConfig, build_writers
 from nemo_memlog.testing import torchrun
-from nemo_memlog.testing.wait import alive, descendants, wait_for
+from nemo_memlog.testing.wait import alive, descendants, returns_within, seconds_until, wait_for
 from nemo_memlog.writers import child, parent
 from tests.notices import said
 from tests.readback import stored_steps, tensorboard_steps, wandb_finished
@@ -27,16 +26,19 @@ from tests.readback import stored_steps, tensorboard_steps, wandb_finished
 ROOT = Path(__file__).resolve().parents[2]
 TRAINER = ROOT / "tests" / "trainer.py"
 SECRET = "SECRET-WRITER-KEY"
-CLOSE_TIMEOUT_S = 5.0  # the close of a writer process already killed
+GONE_CLOSE_BUDGET_S = 300.0  # the close of a writer process already killed: never waited out
 
 
-def _wait_gone(pids, timeout_s: float) -> float:
+def _seconds_until_gone(pids, timeout_s: float) -> float:
     """Seconds until none of ``pids`` runs; fails the test after ``timeout_s``."""
-    started = time.monotonic()
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() - started < timeout_s, f"still running: {[p for p in pids if alive(p)]}"
-        time.sleep(0.05)
-    return time.monotonic() - started
+    return seconds_until(lambda: not any(alive(pid) for pid in pids), timeout_s, "the processes' end",
+                         detail=lambda: f"still running: {[p for p in pids if alive(p)]}", interval_s=0.05)  # fmt: skip
+
+
+def _stopped(pid: int) -> bool:
+    """Whether ``pid`` is stopped (SIGSTOP): its state in /proc/PID/stat is T."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "T"
 
 
 def _trainer_env() -> dict:
@@ -114,8 +116,8 @@ def test_sigkill_of_the_trainer_loses_no_handed_step_and_leaves_no_process(tmp_p
         ours = set(descendants(job.pid))
         assert {trainer, writer} <= ours
         os.kill(trainer, signal.SIGKILL)  # as the OOM killer does: this one process, nothing else
-        writer_exit_s = _wait_gone([writer], close_s + 10)
-        _wait_gone(ours | {job.pid}, close_s + 60)  # torchrun ends rank 0 and itself
+        writer_exit_s = _seconds_until_gone([writer], close_s + 10)
+        _seconds_until_gone(ours | {job.pid}, close_s + 60)  # torchrun ends rank 0 and itself
     finally:
         torchrun.kill_group(job)
     stored = stored_steps(run)
@@ -183,10 +185,11 @@ def test_a_dead_trainer_and_a_hung_backend_leave_no_writer_process_behind(tmp_pa
                 check=True,
             )
         writer = json.loads((tmp_path / "stdout").read_text().strip().splitlines()[-1])["writer_pid"]
-        exit_s = _wait_gone([writer], 30)  # from the trainer's end
-    # Within its close timeout, with room for a loaded machine; a writer that waited on the hung
-    # server instead would take MLflow's own HTTP timeouts (minutes) and fail _wait_gone above.
-    assert exit_s < 4 * close_s, exit_s
+        # A writer that waited on the hung server would take MLflow's own HTTP timeouts (minutes): past this.
+        exit_s = _seconds_until_gone([writer], 60)  # from the trainer's end
+    # Its promise, as in the SIGKILL test: the close budget, then its watchdog's grace (a parent poll
+    # at most to learn of the death; here the socket's end says it at once).
+    assert exit_s < close_s + child.EXIT_GRACE_S + child.PARENT_POLL_S, exit_s
     assert tensorboard_steps(run) == set(range(1, 11))
     assert "nemo_memlog: mlflow backend: did not finish closing in time" in (tmp_path / "stderr").read_text()
 
@@ -230,37 +233,34 @@ def test_a_stopped_or_killed_writer_process_never_holds_up_training(tmp_path, mo
         fanout.log({"x": 0.0}, 0)
         assert fanout.flush(120)
         os.kill(fanout.pid, signal.SIGSTOP)  # stuck: reads nothing
-        try:
-            handoff = []
+        wait_for(lambda: _stopped(fanout.pid), 30, "the writer process stopped")
+
+        def hand_off_200_steps() -> int:
             for step in range(1, 201):
-                started = time.perf_counter()
                 fanout.log({"x": float(step), **padding}, step)
-                handoff.append(time.perf_counter() - started)
-            dropped_here = fanout.dropped
+            return fanout.dropped
+
+        try:
+            # The training thread never waits for the writer process: a log that waited on it (a
+            # blocking send once the socket is full) would never return while it is stopped.
+            dropped_here = returns_within(hand_off_200_steps, 60, "200 steps handed over")
+            assert _stopped(fanout.pid), "every hand-off returned while the writer process was stopped"
         finally:
             os.kill(fanout.pid, signal.SIGCONT)
         assert fanout.flush(60)
         stats = fanout.stats()["tensorboard"]
         os.kill(fanout.pid, signal.SIGKILL)  # gone
-        deadline = time.monotonic() + 30
-        while not any("writer process ended unexpectedly" in w for w in caught):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: any("writer process ended unexpectedly" in w for w in caught), 30, "the notice of its end")
         for step in range(201, 206):
             fanout.log({"x": float(step)}, step)  # never raises
-        started = time.perf_counter()
-        fanout.close(timeout_s=CLOSE_TIMEOUT_S)
-        close_s = time.perf_counter() - started
+        # The writer process is gone: a close that waited out its budget would still run at this deadline.
+        returns_within(lambda: fanout.close(timeout_s=GONE_CLOSE_BUDGET_S), 60, "the close without a writer process")
     messages = [w for w in caught]
-    # A hand-off is a non-blocking send or a queue append (microseconds); 0.5 s leaves room for a
-    # loaded 2-core machine's scheduling and still fails any wait on the stopped process.
-    assert max(handoff) < 0.5, "the training thread never waits for the writer process"
     assert 0 < dropped_here < 200 and stats["pending"] == 0
     assert stats["written"] + stats["dropped"] == 201, stats  # every step written or counted
     assert len([m for m in messages if "the writer process is behind" in m]) == 1
     assert len([m for m in messages if "writer process ended unexpectedly" in m]) == 1
-    # The writer process is gone: close does not wait out its timeout (half of it: a loaded machine's margin).
-    assert fanout.dropped == dropped_here + 5 and close_s < CLOSE_TIMEOUT_S / 2, close_s
+    assert fanout.dropped == dropped_here + 5
 
 
 @pytest.mark.processes

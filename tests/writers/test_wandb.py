@@ -9,12 +9,12 @@ import math
 import os
 import struct
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
+from nemo_memlog.testing.wait import wait_for
 from nemo_memlog.writers import wandb as wandb_writer
 from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
@@ -65,19 +65,18 @@ def test_config_is_the_redacted_params(run):
 def test_history_on_disk_has_every_metric_at_its_step(run):
     root, _ = run
     (log,) = (root / "runs" / "wandb").glob("offline-run-*/run-*.wandb")
+
     # W&B's service process appends to the run file on its own; on a loaded machine the last
     # records can land a moment after finish() returned: wait for them (bounded), never sleep blind.
-    deadline = time.monotonic() + 30
-    while True:
+    def both_steps() -> dict:
         history = {}
         for record in wandb_records(log):
             if record.WhichOneof("record_type") == "history":
                 items = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
                 history[int(items["_step"])] = items
-        if sorted(history) == [10, 20] or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert sorted(history) == [10, 20]
+        return history if sorted(history) == [10, 20] else {}
+
+    history = wait_for(both_steps, 30, "W&B's history records of steps 10 and 20", interval_s=0.2)
     for step, metrics in STEPS.items():
         for key, value in metrics.items():
             stored = json.loads(history[step][key])  # Python's json reads NaN and Infinity too
