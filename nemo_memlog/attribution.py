@@ -30,6 +30,23 @@ from fnmatch import fnmatchcase
 from functools import lru_cache
 from typing import NamedTuple
 
+from .keys import (
+    DEVICE_OTHER,
+    DEVICE_TOTAL,
+    HEADROOM,
+    HEADROOM_STAGE,
+    HOST_AVAILABLE,
+    HOST_HEADROOM,
+    HOST_HEADROOM_STAGE,
+    HOST_LIMIT,
+    HOST_LIMIT_USED,
+    HOST_TOTAL,
+    PEAK_HOST_RSS,
+    PEAK_HOST_RSS_PCT,
+    PEAK_RESERVED,
+    PEAK_RESERVED_PCT,
+)
+
 
 @dataclass
 class GatheredMemory:
@@ -80,7 +97,7 @@ def line_up(keys: tuple[str, ...], reports: list) -> GatheredMemory:
 
 PREFIX = "memory/"
 #: Capacity keys (memory.capacity_report) feed headroom; their max has no "peak stage".
-CAPACITY = frozenset({"device_total_gb", "host_total_gb", "host_available_gb", "host_limit_gb"})
+CAPACITY = frozenset({DEVICE_TOTAL.key, HOST_TOTAL.key, HOST_AVAILABLE.key, HOST_LIMIT.key})
 
 
 def memory_metrics(
@@ -94,7 +111,7 @@ def memory_metrics(
     labels = stage_names or [f"pp_stage_{i}" for i in range(len(per_rank))]
     out = {}
     for key, value in gathered.maximum.items():
-        if key != "host_available_gb":  # its max says nothing: memory/host_headroom_gb is its min
+        if key != HOST_AVAILABLE.key:  # its max says nothing: memory/host_headroom_gb is its min
             out[PREFIX + key] = value
     for key, rank in gathered.peak_rank.items():
         if key not in CAPACITY:
@@ -145,10 +162,10 @@ def _column(keys, per_rank, name):
 
 def _headroom(keys, per_rank) -> dict:
     out = {}
-    totals = _column(keys, per_rank, "device_total_gb")
-    reserved = _column(keys, per_rank, "peak_reserved_gb")
+    totals = _column(keys, per_rank, DEVICE_TOTAL.key)
+    reserved = _column(keys, per_rank, PEAK_RESERVED.key)
     # Memory outside the allocator (CUDA context, NCCL, other processes) is not free for it.
-    other = _column(keys, per_rank, "device_other_gb") or [None] * len(per_rank)
+    other = _column(keys, per_rank, DEVICE_OTHER.key) or [None] * len(per_rank)
     if totals and reserved:
         stages = [
             (t - (o or 0.0) - r, stage, r / t)
@@ -159,9 +176,9 @@ def _headroom(keys, per_rank) -> dict:
             headroom, stage, used = min(stages)
             out.update(
                 {
-                    PREFIX + "headroom_gb": headroom,
-                    PREFIX + "headroom_stage": stage,
-                    PREFIX + "peak_reserved_pct": 100.0 * used,
+                    PREFIX + HEADROOM.key: headroom,
+                    PREFIX + HEADROOM_STAGE.key: stage,
+                    PREFIX + PEAK_RESERVED_PCT.key: 100.0 * used,
                 }
             )
     out.update(_host_headroom(keys, per_rank))
@@ -172,9 +189,9 @@ def _host_headroom(keys, per_rank) -> dict:
     """Per stage: MemAvailable, or the smaller of it and (limit - usage) of its memory cgroup."""
     out = {}
     none = [None] * len(per_rank)
-    available = _column(keys, per_rank, "host_available_gb") or none
-    limits = _column(keys, per_rank, "host_limit_gb") or none
-    used = _column(keys, per_rank, "host_limit_used_gb") or none
+    available = _column(keys, per_rank, HOST_AVAILABLE.key) or none
+    limits = _column(keys, per_rank, HOST_LIMIT.key) or none
+    used = _column(keys, per_rank, HOST_LIMIT_USED.key) or none
     left = []
     for stage, (a, limit, u) in enumerate(zip(available, limits, used)):
         to_limit = None if limit is None or u is None else limit - u
@@ -183,9 +200,9 @@ def _host_headroom(keys, per_rank) -> dict:
             left.append((min(candidates), stage))
     if left:
         headroom, stage = min(left)
-        out.update({PREFIX + "host_headroom_gb": headroom, PREFIX + "host_headroom_stage": stage})
-    host_totals = _column(keys, per_rank, "host_total_gb") or none
-    rss = _column(keys, per_rank, "peak_host_rss_gb")
+        out.update({PREFIX + HOST_HEADROOM.key: headroom, PREFIX + HOST_HEADROOM_STAGE.key: stage})
+    host_totals = _column(keys, per_rank, HOST_TOTAL.key) or none
+    rss = _column(keys, per_rank, PEAK_HOST_RSS.key)
     if rss:
         shares = [
             100.0 * r / (limit or total)
@@ -193,7 +210,7 @@ def _host_headroom(keys, per_rank) -> dict:
             if (limit or total) and r is not None
         ]
         if shares:
-            out[PREFIX + "peak_host_rss_pct"] = max(shares)
+            out[PREFIX + PEAK_HOST_RSS_PCT.key] = max(shares)
     return out
 
 
@@ -201,17 +218,17 @@ def _host_headroom(keys, per_rank) -> dict:
 _HEADROOM_KINDS = (
     (
         "device",
-        "headroom_gb",
-        "device_total_gb",
-        "headroom_stage",
+        HEADROOM.key,
+        DEVICE_TOTAL.key,
+        HEADROOM_STAGE.key,
         "pipeline stage {stage} has {left:.2f} GB of device memory left ({pct:.1f}% of {total:.1f} GB): "
         "close to CUDA OOM",
     ),
     (
         "host",
-        "host_headroom_gb",
-        "host_total_gb",
-        "host_headroom_stage",
+        HOST_HEADROOM.key,
+        HOST_TOTAL.key,
+        HOST_HEADROOM_STAGE.key,
         "pipeline stage {stage}'s node has {left:.2f} GB of RAM available ({pct:.1f}% of {total:.1f} GB): "
         "close to the OOM killer (SIGKILL)",
     ),
@@ -227,7 +244,7 @@ _LIMIT_SENTENCE = (
 def low_headroom(metrics: dict, fraction: float) -> list[tuple[str, int, str]]:
     """(kind, stage, sentence) for each headroom below ``fraction`` of capacity."""
     found = []
-    limit = metrics.get(PREFIX + "host_limit_gb")
+    limit = metrics.get(PREFIX + HOST_LIMIT.key)
     for kind, left_key, total_key, stage_key, sentence in _HEADROOM_KINDS:
         left, total = metrics.get(PREFIX + left_key), metrics.get(PREFIX + total_key)
         if kind == "host" and limit is not None and limit == limit:  # a cgroup limit binds first
@@ -259,7 +276,7 @@ def world_metrics(
     stage_of = [where.pp_rank for where in coordinates]
     out = {}
     for key, value in gathered.maximum.items():
-        if key == "host_available_gb":
+        if key == HOST_AVAILABLE.key:
             continue
         out[PREFIX + key] = value
         if key in CAPACITY:

@@ -19,6 +19,20 @@ import torch
 
 from . import process_wide
 from .host_limit import limit_of_process
+from .keys import (
+    ALLOCATOR_KEYS,
+    DEVICE_KEYS,
+    DEVICE_OTHER,
+    DEVICE_TOTAL,
+    DEVICE_USED,
+    HOST_AVAILABLE,
+    HOST_KEYS,
+    HOST_LIMIT,
+    HOST_LIMIT_USED,
+    HOST_RSS,
+    HOST_TOTAL,
+    PEAK_HOST_RSS,
+)
 from .process_wide import proc_field, proc_fields
 from .warn import WarnOnce, misuse
 
@@ -28,25 +42,7 @@ GB = 1e9
 #: ``logger.memory_keys``, so a recipe's existing mapping can be passed unchanged. Read-only (a
 #: change here would be silently ignored: it is resolved once): extend it in a mapping of your
 #: own, ``memory_keys={**DEFAULT_MEMORY_KEYS, "num_device_alloc": "device_allocs"}``.
-DEFAULT_MEMORY_KEYS: Mapping[str, str] = MappingProxyType(
-    {
-        "allocated_bytes.all.peak": "peak_allocated_gb",
-        "reserved_bytes.all.peak": "peak_reserved_gb",
-        "active_bytes.all.peak": "peak_active_gb",
-        "inactive_split_bytes.all.peak": "peak_inactive_gb",
-        "allocated_bytes.all.current": "current_allocated_gb",
-        "reserved_bytes.all.current": "current_reserved_gb",
-        "active_bytes.all.current": "current_active_gb",
-        "inactive_split_bytes.all.current": "current_inactive_gb",
-        "num_alloc_retries": "alloc_retries",
-        "num_ooms": "num_ooms",
-        "allocation.all.allocated": "allocation_count",
-    }
-)
-
-HOST_KEYS = ("host_rss_gb", "peak_host_rss_gb")
-#: Whole-device figures from cudaMemGetInfo, beside the allocator's own (CUDA in use only).
-DEVICE_KEYS = ("device_used_gb", "device_other_gb")
+DEFAULT_MEMORY_KEYS: Mapping[str, str] = MappingProxyType(dict(ALLOCATOR_KEYS))
 
 #: A value a rank reports for a statistic it does not have. The reduction ignores it,
 #: and drops the key only when every rank lacks it.
@@ -115,11 +111,11 @@ def report_memory(memory_keys: dict[str, str] | None = None) -> dict[str, int | 
             report[logged_name] = value
     rss, peak_rss = host_rss_bytes()
     peak_rss = max(peak_rss, peak_counters.host)
-    report["host_rss_gb"] = rss / GB
-    report["peak_host_rss_gb"] = peak_rss / GB
+    report[HOST_RSS.key] = rss / GB
+    report[PEAK_HOST_RSS.key] = peak_rss / GB
     used, other = _device_usage(device, stats)
-    report["device_used_gb"] = MISSING if used is None else used / GB
-    report["device_other_gb"] = MISSING if other is None else other / GB
+    report[DEVICE_USED.key] = MISSING if used is None else used / GB
+    report[DEVICE_OTHER.key] = MISSING if other is None else other / GB
     return report
 
 
@@ -372,11 +368,11 @@ def capacity_report() -> dict[str, float]:
     device_total = device_total_bytes()
     limit = host_limit_bytes()
     return {
-        "device_total_gb": MISSING if device_total is None else device_total / GB,
-        "host_total_gb": host_total_bytes() / GB,
-        "host_available_gb": host_available_bytes() / GB,
-        "host_limit_gb": MISSING if limit is None else limit[0] / GB,
-        "host_limit_used_gb": MISSING if limit is None else limit[1] / GB,
+        DEVICE_TOTAL.key: MISSING if device_total is None else device_total / GB,
+        HOST_TOTAL.key: host_total_bytes() / GB,
+        HOST_AVAILABLE.key: host_available_bytes() / GB,
+        HOST_LIMIT.key: MISSING if limit is None else limit[0] / GB,
+        HOST_LIMIT_USED.key: MISSING if limit is None else limit[1] / GB,
     }
 
 

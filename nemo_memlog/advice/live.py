@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..attribution import GatheredMemory, low_headroom, stage_value
+from ..keys import DEVICE_OTHER, DEVICE_TOTAL, HOST_LIMIT, HOST_TOTAL, PEAK_HOST_RSS, PEAK_RESERVED
 from ..parts import ACTIVATIONS, ALLOCATOR_SLACK, IN_FLIGHT, OUTSIDE, PARAMS, TEMPORARIES
 from .model import MODEL_STATE, Profile, Stage, fmt, parse
 from .predict import Refused, max_micro_batch_size, predict, smallest_fix
@@ -34,9 +35,9 @@ def stage_parts(figure: Callable[[str], Any], gpu: bool) -> dict:
     if gpu:
         parts[TEMPORARIES.key] = _gb(figure(TEMPORARIES.key))
         parts[ALLOCATOR_SLACK.key] = _gb(figure(ALLOCATOR_SLACK.key))
-        parts[OUTSIDE.key] = _gb(figure("device_other_gb"))
+        parts[OUTSIDE.key] = _gb(figure(DEVICE_OTHER.key))
     else:
-        rest = max(_gb(figure("peak_host_rss_gb")) - sum(parts.values()), 0.0)
+        rest = max(_gb(figure(PEAK_HOST_RSS.key)) - sum(parts.values()), 0.0)
         idle = _gb(figure("host_idle_rss_gb"))
         if idle:  # the idle size beyond the model state stays; what the microbatch adds grows with it
             outside = min(max(idle - sum(parts[name] for name in MODEL_STATE), 0.0), rest)
@@ -67,7 +68,7 @@ def run_from_gathered(
         The ``Profile``, or None where a stage has no measured activations or parameters.
     """
     maximum = gathered.maximum
-    stages, gpu = [], "peak_reserved_gb" in maximum
+    stages, gpu = [], PEAK_RESERVED.key in maximum
     for stage in range(int(layout.get("pp_size", 1))):
         figures = functools.partial(stage_value, gathered, stage, stage_of=stage_of)
         if figures(ACTIVATIONS.key) is None or figures(PARAMS.key) is None:
@@ -75,9 +76,9 @@ def run_from_gathered(
         in_flight = figures(IN_FLIGHT.key)
         stages.append(Stage(stage, stage_parts(figures, gpu), int(in_flight) if in_flight is not None else None))
     if gpu:
-        capacity = maximum.get("device_total_gb")
+        capacity = maximum.get(DEVICE_TOTAL.key)
     else:
-        total = maximum.get("host_limit_gb") or maximum.get("host_total_gb")
+        total = maximum.get(HOST_LIMIT.key) or maximum.get(HOST_TOTAL.key)
         capacity = total / max(int(layout.get("local_world_size", 1)), 1) if total else None
     return Profile.of(stages, layout, facts, gpu=gpu, capacity_gb=capacity)
 

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..keys import DEVICE_OTHER, DEVICE_USED
 from ..parts import PER_STAGE_KEYS
 from ..redaction import redact_uri
 from .validation import RECORD_OFF, FieldRules
@@ -58,7 +59,7 @@ class LoggerConfig:
     comet_offline_directory: str | None = None
     """Write a Comet offline archive here; also used when no API key is available."""
     memory_per_stage_keys: list[str] = field(
-        default_factory=lambda: ["peak_*", "device_used_gb", "device_other_gb", *PER_STAGE_KEYS]
+        default_factory=lambda: ["peak_*", DEVICE_USED.key, DEVICE_OTHER.key, *PER_STAGE_KEYS]
     )
     """Logged names (fnmatch patterns) that also get memory/pp_stage_{i}/<name>."""
     memory_peak_window: str = "run"

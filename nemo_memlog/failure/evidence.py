@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 from ..host_limit import limit_of_process
+from ..keys import HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS
 from ..memory import host_total_bytes
 from ..process_wide import proc_field
 
@@ -32,10 +33,10 @@ class HostEvidence:
     def read(self) -> dict:
         limit = None if self.limit is None else self.limit.read()
         return {
-            "host_limit_gb": None if limit is None else limit[0] / GB,
-            "host_limit_used_gb": None if limit is None else limit[1] / GB,
-            "host_available_gb": _gb(proc_field("/proc/meminfo", b"MemAvailable:", 1024)),
-            "host_rss_gb": _gb(proc_field("/proc/self/status", b"VmRSS:", 1024)),
+            HOST_LIMIT.key: None if limit is None else limit[0] / GB,
+            HOST_LIMIT_USED.key: None if limit is None else limit[1] / GB,
+            HOST_AVAILABLE.key: _gb(proc_field("/proc/meminfo", b"MemAvailable:", 1024)),
+            HOST_RSS.key: _gb(proc_field("/proc/self/status", b"VmRSS:", 1024)),
             "vmstat_oom_kill": proc_field("/proc/vmstat", b"oom_kill "),
             "cgroup_oom_kill": proc_field(self.cgroup, b"oom_kill "),
         }

@@ -47,6 +47,21 @@ from typing import TYPE_CHECKING, Any
 
 from .. import process_wide
 from ..commands import postmortem_command
+from ..keys import (
+    ALLOC_RETRIES,
+    CURRENT_ALLOCATED,
+    CURRENT_RESERVED,
+    DEVICE_OTHER,
+    DEVICE_TOTAL,
+    DEVICE_USED,
+    HOST_AVAILABLE,
+    HOST_RSS,
+    HOST_TOTAL,
+    NUM_OOMS,
+    PEAK_ALLOCATED,
+    PEAK_HOST_RSS,
+    PEAK_RESERVED,
+)
 from ..warn import WarnOnce
 from . import oom, records
 from .evidence import HostEvidence
@@ -58,19 +73,19 @@ if TYPE_CHECKING:
 LIVENESS_PERIOD_S = 1.0
 #: Report keys kept when a record does not fit its slot (the rest are dropped, "truncated": true).
 ESSENTIAL_KEYS = (
-    "peak_reserved_gb",
-    "peak_allocated_gb",
-    "current_reserved_gb",
-    "current_allocated_gb",
-    "num_ooms",
-    "alloc_retries",
-    "host_rss_gb",
-    "peak_host_rss_gb",
-    "host_available_gb",
-    "host_total_gb",
-    "device_total_gb",
-    "device_used_gb",
-    "device_other_gb",
+    PEAK_RESERVED.key,
+    PEAK_ALLOCATED.key,
+    CURRENT_RESERVED.key,
+    CURRENT_ALLOCATED.key,
+    NUM_OOMS.key,
+    ALLOC_RETRIES.key,
+    HOST_RSS.key,
+    PEAK_HOST_RSS.key,
+    HOST_AVAILABLE.key,
+    HOST_TOTAL.key,
+    DEVICE_TOTAL.key,
+    DEVICE_USED.key,
+    DEVICE_OTHER.key,
 )
 
 # Per process, not per run: every recorder this process opened (a custom loop's own

@@ -62,6 +62,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import parts
+from ..keys import PEAK_ALLOCATED, PEAK_RESERVED
 
 if TYPE_CHECKING:
     from torch import nn
@@ -154,7 +155,7 @@ def breakdown(report: dict, state: dict, measured: Any = None) -> dict:
     """``report`` (report_memory's) with ``state`` and the derived names added (a new dict).
     ``measured``: the logging iteration's activations.Measurement, or None (not measured)."""
     out = {**report, **state}
-    allocated, reserved = report.get("peak_allocated_gb", math.nan), report.get("peak_reserved_gb", math.nan)
+    allocated, reserved = report.get(PEAK_ALLOCATED.key, math.nan), report.get(PEAK_RESERVED.key, math.nan)
     activations = math.nan if measured is None else measured.activations_gb
     out["activations_gb"] = activations
     out["activations_per_microbatch_gb"] = math.nan if measured is None else measured.activations_per_microbatch_gb

@@ -42,6 +42,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..keys import HOST_RSS
+
 if TYPE_CHECKING:
     from ..bounded import ReadBudget
 
@@ -89,7 +91,7 @@ def step_record(
 def cgroup_figures(report: Mapping[str, Any], peak_gb: float) -> dict:
     """The figures a rank under a memory limit adds to its stage: its RSS now (``host_rss_gb``) and
     its cgroup's own peak charge (``host_limit_peak_gb``, where the kernel keeps one: NaN left out)."""
-    figures = {"host_rss_gb": report["host_rss_gb"]}
+    figures = {HOST_RSS.key: report[HOST_RSS.key]}
     if peak_gb == peak_gb:
         figures["host_limit_peak_gb"] = peak_gb
     return figures

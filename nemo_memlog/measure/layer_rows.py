@@ -9,6 +9,16 @@ from typing import Any
 from torch import nn
 
 from .. import parts
+from ..keys import (
+    DEVICE_OTHER,
+    DEVICE_TOTAL,
+    HOST_LIMIT,
+    HOST_LIMIT_USED,
+    HOST_TOTAL,
+    PEAK_ALLOCATED,
+    PEAK_HOST_RSS,
+    PEAK_RESERVED,
+)
 from . import composition
 from .activations import Measurement
 from .layers import chunks_of
@@ -17,14 +27,14 @@ from .layers import chunks_of
 RECORDED_STAGE_KEYS = (
     *parts.MODEL_STATE_KEYS,
     *parts.STEP_KEYS,
-    "peak_allocated_gb",
-    "peak_reserved_gb",
-    "device_other_gb",
-    "device_total_gb",
-    "peak_host_rss_gb",
-    "host_total_gb",
-    "host_limit_gb",
-    "host_limit_used_gb",
+    PEAK_ALLOCATED.key,
+    PEAK_RESERVED.key,
+    DEVICE_OTHER.key,
+    DEVICE_TOTAL.key,
+    PEAK_HOST_RSS.key,
+    HOST_TOTAL.key,
+    HOST_LIMIT.key,
+    HOST_LIMIT_USED.key,
 )
 
 

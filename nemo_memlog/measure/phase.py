@@ -38,6 +38,7 @@ import time
 from collections.abc import Iterator
 
 from .. import memory
+from ..keys import PEAK_ALLOCATED, PEAK_HOST_RSS, PEAK_RESERVED
 from ..warn import WarnOnce
 
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -198,10 +199,10 @@ def _fold_into_open() -> None:
 
 
 def _remember(phase: _Phase) -> None:
-    values = {"peak_host_rss_gb": phase.host / GB, "seconds": time.time() - phase.started}
+    values = {PEAK_HOST_RSS.key: phase.host / GB, "seconds": time.time() - phase.started}
     for path, name in (
-        (("allocated_bytes", "all", "peak"), "peak_allocated_gb"),
-        (("reserved_bytes", "all", "peak"), "peak_reserved_gb"),
+        (("allocated_bytes", "all", "peak"), PEAK_ALLOCATED.key),
+        (("reserved_bytes", "all", "peak"), PEAK_RESERVED.key),
     ):
         if path in phase.device:
             values[name] = phase.device[path] / GB

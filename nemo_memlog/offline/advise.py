@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .. import advice, parts
 from ..bounded import ReadBudget
+from ..keys import DEVICE_TOTAL, HOST_LIMIT, HOST_TOTAL, PEAK_RESERVED
 from ..measure import layer_record
 from ..parts import label_of
 from . import node_charge
@@ -66,7 +67,7 @@ def load(path: str | Path, capacity_gb: float | None = None, budget: ReadBudget 
     stages = tuple(_stage(stage, max(ranks, key=_peak_of)) for stage, ranks in sorted(by_stage.items()))
     first = records[0]
     facts = first.get("run") or {}
-    gpu = any("peak_reserved_gb" in record["stage"] for record in records)
+    gpu = any(PEAK_RESERVED.key in record["stage"] for record in records)
     capacity, source = (capacity_gb, "--capacity-gb") if capacity_gb is not None else _capacity(records, gpu)
     nodes = node_charge.nodes_of(records) if capacity_gb is None and not gpu else ()
     if nodes:
@@ -213,7 +214,7 @@ def _names(paths: list[Path]) -> str:
 
 
 def _parts(stage: dict) -> dict:
-    return advice.stage_parts(stage.get, "peak_reserved_gb" in stage)
+    return advice.stage_parts(stage.get, PEAK_RESERVED.key in stage)
 
 
 def _stage(stage: int, record: dict) -> advice.Stage:
@@ -240,14 +241,14 @@ def _capacity(records: list[dict], gpu: bool) -> tuple[float | None, str]:
         value = stage.get(key)
         return float(value) if value is not None and value == value and value > 0 else None
 
-    if gpu and positive("device_total_gb"):
-        return positive("device_total_gb"), "the device's total memory"
+    if gpu and positive(DEVICE_TOTAL.key):
+        return positive(DEVICE_TOTAL.key), "the device's total memory"
     ranks = max(int(records[0].get("local_world_size") or 1), 1)
     shared = f"shared by {ranks} ranks" if ranks > 1 else "one rank"
-    limit = positive("host_limit_gb")
+    limit = positive(HOST_LIMIT.key)
     if limit:
         return limit / ranks, f"the job's memory cgroup limit {size_text(limit)}, {shared} under it"
-    total = positive("host_total_gb")
+    total = positive(HOST_TOTAL.key)
     if total:
         return total / ranks, f"host memory {size_text(total)}, {shared} on this node"
     return None, "unknown"

@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import parts as _parts
+from ..keys import DEVICE_OTHER as _DEVICE_OTHER
+from ..keys import PEAK_HOST_RSS, PEAK_RESERVED
 from ..parts import OUTSIDE_CPU, label_of
 from .plotting import PART_COLOURS, new_figure, save
 from .tables import size_scale, size_text
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 
 #: (logged name, label, colour), bottom to top: on a GPU they add up to the peak reserved, then
 #: the memory outside the allocator. On CPU only the model state and activations are measured.
-DEVICE_OTHER = "device_other_gb"  # the outside part, as logged (parts.OUTSIDE)
+DEVICE_OTHER = _DEVICE_OTHER.key  # the outside part, as logged (parts.OUTSIDE)
 TEMPORARIES = _parts.TEMPORARIES.key
 PARTS = tuple(
     (key, label_of(key, True), PART_COLOURS[key])
@@ -33,7 +35,7 @@ PARTS = tuple(
 ) + ((DEVICE_OTHER, label_of(DEVICE_OTHER, True), PART_COLOURS[_parts.OUTSIDE.key]),)
 #: CPU: the rest of the process's resident memory, up to the stage's peak host RSS (no allocator).
 REST = "rest_of_process_gb"
-REST_PEAK = "peak_host_rss_gb"
+REST_PEAK = PEAK_HOST_RSS.key
 #: A capacity more than this many times the tallest bar (a 2 TB node) is named, not drawn.
 FAR = 10
 IN_FLIGHT = "microbatches_in_flight"
@@ -93,7 +95,7 @@ def write_png(run: MemoryRun, path: str | Path, records: Any = None) -> Path:
 
     step, parts = stage_parts(run)
     gpu = not any(REST in p for p in parts.values())
-    found = capacity_per_rank(run, "peak_reserved_gb" if gpu else REST_PEAK, records)
+    found = capacity_per_rank(run, PEAK_RESERVED.key if gpu else REST_PEAK, records)
     units, scale = unit(parts)
     if found is not None and found[0] <= FAR * max(_tops(parts), default=0.0):
         units, scale = size_scale(found[0])  # the capacity on the same axis

@@ -23,6 +23,7 @@ The node's peak charge is the smaller of two figures, each at or above the run's
 from __future__ import annotations
 
 from .. import advice
+from ..keys import HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS, PEAK_HOST_RSS
 
 
 def _figure(record: dict, key: str) -> float | None:
@@ -36,7 +37,7 @@ def nodes_of(records: list[dict]) -> tuple[advice.Node, ...]:
     groups: dict[str, list[dict]] = {}
     for record in records:
         name = record.get("host_cgroup")
-        if not isinstance(name, str) or _figure(record, "host_limit_gb") is None:
+        if not isinstance(name, str) or _figure(record, HOST_LIMIT.key) is None:
             return ()
         groups.setdefault(name, []).append(record)
     nodes = []
@@ -44,7 +45,7 @@ def nodes_of(records: list[dict]) -> tuple[advice.Node, ...]:
         charge = peak_charge(ranks)
         if len(ranks) < 2 or charge is None:
             return ()
-        limit = min(_figure(record, "host_limit_gb") or 0.0 for record in ranks)
+        limit = min(_figure(record, HOST_LIMIT.key) or 0.0 for record in ranks)
         nodes.append(advice.Node(name, limit, charge, tuple(int(record["pp_rank"]) for record in ranks)))
     return tuple(nodes)
 
@@ -54,8 +55,8 @@ def peak_charge(ranks: list[dict]) -> float | None:
     charge at the step plus its ranks' rises; None where neither is known."""
     candidates = [peak for peak in (_figure(record, "host_limit_peak_gb") for record in ranks) if peak]
     local = max(int(record.get("local_world_size") or 1) for record in ranks)
-    used = [_figure(record, "host_limit_used_gb") for record in ranks]
-    rises = [(_figure(r, "peak_host_rss_gb"), _figure(r, "host_rss_gb")) for r in ranks]
+    used = [_figure(record, HOST_LIMIT_USED.key) for record in ranks]
+    rises = [(_figure(r, PEAK_HOST_RSS.key), _figure(r, HOST_RSS.key)) for r in ranks]
     if len(ranks) >= local and None not in used and all(None not in pair for pair in rises):
         candidates.append(max(used) + sum(max(peak - now, 0.0) for peak, now in rises))  # type: ignore[operator]
     return min(candidates) if candidates else None

@@ -44,6 +44,7 @@ from pathlib import Path
 
 from ..bounded import ReadBudget, Refused
 from ..failure import records
+from ..keys import HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_TOTAL, PEAK_RESERVED
 from .postmortem_state import (
     DEFAULT_CLOCK_SKEW_S,
     LOW_AVAILABLE_FRACTION,
@@ -233,7 +234,7 @@ def _state(file: RankFile) -> RankState:
         last["iteration"] if last else None,
         alive,
         report,
-        finite_number(report.get("peak_reserved_gb")),
+        finite_number(report.get(PEAK_RESERVED.key)),
     )
 
 
@@ -259,12 +260,12 @@ def _host_evidence(states: list[RankState]) -> None:
                 state.host_oom_kill_evidence.append(
                     f"{state.host}'s {label} counter went up after its last beat ({before} -> {later})"
                 )
-        available, total = state.live("host_available_gb"), state.value("host_total_gb")
+        available, total = state.live(HOST_AVAILABLE.key), state.value(HOST_TOTAL.key)
         if available is not None and total and available < LOW_AVAILABLE_FRACTION * total:
             state.host_oom_kill_evidence.append(
                 f"MemAvailable was {gb_text(available, 1)} of {gb_text(total, 1)} at its last beat"
             )
-        limit, used = state.live("host_limit_gb"), state.live("host_limit_used_gb")
+        limit, used = state.live(HOST_LIMIT.key), state.live(HOST_LIMIT_USED.key)
         if limit and used is not None and used >= NEAR_LIMIT_FRACTION * limit:
             state.host_oom_kill_evidence.append(
                 f"its memory cgroup was at {used:.2f} of its {limit:.2f} GB limit at its last beat"

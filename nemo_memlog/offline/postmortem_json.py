@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..keys import HEADROOM, HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS, HOST_TOTAL, PEAK_RESERVED
 from .postmortem import allowance_s
 from .postmortem_sentence import fragmented, sentence, stopped_after_first
 from .postmortem_state import Postmortem, RankState
@@ -98,13 +99,13 @@ def _rank_json(state: RankState) -> dict:
         "stopped": state.failure_time,
         "died_of": None if state.died_of is None else state.died_of.rank,
         "phase": state.open_phase,
-        "peak_reserved_gb": state.peak_reserved_gb,
-        "headroom_gb": state.headroom_gb,
-        "host_rss_gb": state.live("host_rss_gb"),
-        "host_available_gb": state.live("host_available_gb"),
-        "host_total_gb": state.value("host_total_gb"),
-        "host_limit_gb": state.live("host_limit_gb"),
-        "host_limit_used_gb": state.live("host_limit_used_gb"),
+        PEAK_RESERVED.key: state.peak_reserved_gb,
+        HEADROOM.key: state.headroom_gb,
+        HOST_RSS.key: state.live(HOST_RSS.key),
+        HOST_AVAILABLE.key: state.live(HOST_AVAILABLE.key),
+        HOST_TOTAL.key: state.value(HOST_TOTAL.key),
+        HOST_LIMIT.key: state.live(HOST_LIMIT.key),
+        HOST_LIMIT_USED.key: state.live(HOST_LIMIT_USED.key),
         "probable_host_oom_kill": state.probable_host_oom_kill,
         "host_oom_kill_evidence": state.host_oom_kill_evidence,
         "oom": oom,

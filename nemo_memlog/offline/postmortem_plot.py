@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..keys import HOST_RSS, PEAK_HOST_RSS, PEAK_RESERVED
 from .plotting import finish_axes, integer_ticks, new_figure, save
 from .postmortem_state import Postmortem, RankState
 from .tables import finite_number, size_scale, size_text
 
-METRICS = ("peak_reserved_gb", "peak_host_rss_gb", "host_rss_gb")
+METRICS = (PEAK_RESERVED.key, PEAK_HOST_RSS.key, HOST_RSS.key)
 _STATUS_COLOR = {"closed": "tab:green", "cuda_oom": "tab:red", "unfinished": "tab:orange"}
 #: One colour per stage, none of them red or grey (the first failure is marked, not coloured).
 STAGE_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")

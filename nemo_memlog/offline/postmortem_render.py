@@ -11,6 +11,7 @@ import math
 import time
 from collections import Counter
 
+from ..keys import HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS
 from .postmortem_sentence import (
     ambiguity_line,
     fragmented,
@@ -136,8 +137,8 @@ def _rank_columns(postmortem: Postmortem, shown: list[RankState]) -> list[Column
         Column("outcome", "last iter", [cell(s.last_iteration) for s in shown]),
         Column("device GB", "peak reserved", [gb_cell(s.peak_reserved_gb) for s in shown]),
         Column("device GB", "headroom", [gb_cell(s.headroom_gb) for s in shown]),
-        Column("host GB", "RSS", [gb_cell(s.live("host_rss_gb")) for s in shown]),
-        Column("host GB", "MemAvailable", [gb_cell(s.live("host_available_gb")) for s in shown]),
+        Column("host GB", "RSS", [gb_cell(s.live(HOST_RSS.key)) for s in shown]),
+        Column("host GB", "MemAvailable", [gb_cell(s.live(HOST_AVAILABLE.key)) for s in shown]),
         *_limit_columns(shown),
         Column("stopped", "at", [clock(s.failure_time, fraction=True) for s in shown]),
         Column("stopped", "after first", [_after_first(postmortem, s) for s in shown]),
@@ -146,11 +147,11 @@ def _rank_columns(postmortem: Postmortem, shown: list[RankState]) -> list[Column
 
 def _limit_columns(shown: list[RankState]) -> list[Column]:
     """The memory cgroup's usage and limit at the last beat, where any rank ran under a limit."""
-    if not any(s.live("host_limit_gb") for s in shown):
+    if not any(s.live(HOST_LIMIT.key) for s in shown):
         return []
     return [
-        Column("host GB", "cgroup used", [gb_cell(s.live("host_limit_used_gb")) for s in shown]),
-        Column("host GB", "limit", [gb_cell(s.live("host_limit_gb")) for s in shown]),
+        Column("host GB", "cgroup used", [gb_cell(s.live(HOST_LIMIT_USED.key)) for s in shown]),
+        Column("host GB", "limit", [gb_cell(s.live(HOST_LIMIT.key)) for s in shown]),
     ]
 
 
@@ -190,8 +191,8 @@ def _stage_columns(ranks: list[RankState]) -> list[Column]:
         Column("", "last iter", [iterations(group) for _, group in rows]),
         Column("GB", "max peak reserved", [extreme(g, lambda s: s.peak_reserved_gb, max) for _, g in rows]),
         Column("GB", "least headroom", [extreme(g, lambda s: s.headroom_gb, min) for _, g in rows]),
-        Column("GB", "max host RSS", [extreme(g, lambda s: s.live("host_rss_gb"), max) for _, g in rows]),
-        Column("GB", "least MemAvailable", [extreme(g, lambda s: s.live("host_available_gb"), min) for _, g in rows]),
+        Column("GB", "max host RSS", [extreme(g, lambda s: s.live(HOST_RSS.key), max) for _, g in rows]),
+        Column("GB", "least MemAvailable", [extreme(g, lambda s: s.live(HOST_AVAILABLE.key), min) for _, g in rows]),
         Column("", "stopped", [alive_range(group) for _, group in rows]),
     ]
 

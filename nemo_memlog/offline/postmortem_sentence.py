@@ -8,6 +8,7 @@ from collections import Counter
 
 from .. import advice
 from ..failure.records import PEER_LOSS
+from ..keys import DEVICE_OTHER, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS, HOST_TOTAL
 from ..measure import layer_record
 from ..parts import MODEL_STATE_KEYS, OUTSIDE_GPU, STEP_KEYS
 from .postmortem_state import Postmortem, RankState
@@ -96,7 +97,7 @@ def composition_clause(report: dict) -> str:
     parts = {key: finite_number(report.get(key)) for key in COMPOSITION}
     if parts["model_state_gb"] is None or parts["activations_gb"] is None:
         return ""
-    other = parts["device_other_gb"] or 0.0
+    other = parts[DEVICE_OTHER.key] or 0.0
     temporaries = parts["temporaries_gb"]
     total = parts["model_state_gb"] + parts["activations_gb"] + (temporaries or 0.0)
     total += (parts["allocator_slack_gb"] or 0.0) + other
@@ -113,7 +114,7 @@ def composition_clause(report: dict) -> str:
     )
 
 
-COMPOSITION = (*MODEL_STATE_KEYS, *STEP_KEYS, "device_other_gb")
+COMPOSITION = (*MODEL_STATE_KEYS, *STEP_KEYS, DEVICE_OTHER.key)
 
 
 def _oom_iteration(state: RankState) -> str:
@@ -136,8 +137,8 @@ def fragmented(oom: dict) -> bool:
 
 
 def _vanished_sentence(state: RankState) -> str:
-    rss, total = state.live("host_rss_gb"), state.value("host_total_gb")
-    limit, used = state.live("host_limit_gb"), state.live("host_limit_used_gb")
+    rss, total = state.live(HOST_RSS.key), state.value(HOST_TOTAL.key)
+    limit, used = state.live(HOST_LIMIT.key), state.live(HOST_LIMIT_USED.key)
     memory = ""
     if rss is not None and limit:  # the job's limit binds, not the node's RAM: say that one
         memory = f" with host RSS {gb_text(rss, 1)}, the job's memory cgroup at {used:.2f} of its {limit:.2f} GB limit"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..failure import records
+from ..keys import DEVICE_OTHER, DEVICE_TOTAL
 from .rank_files import RankFile
 from .tables import finite_number
 
@@ -122,10 +123,10 @@ class RankState:
     @property
     def headroom_gb(self) -> float | None:
         """Device headroom as the logged ``memory/headroom_gb``: total - other - peak reserved."""
-        total, peak = self.value("device_total_gb"), self.peak_reserved_gb
+        total, peak = self.value(DEVICE_TOTAL.key), self.peak_reserved_gb
         if total is None or peak is None:
             return None
-        return total - (self.value("device_other_gb") or 0.0) - peak
+        return total - (self.value(DEVICE_OTHER.key) or 0.0) - peak
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import advice
+from ..keys import PEAK_RESERVED
 from ..measure import layer_record
 from ..redaction import scrubbed_text
 from .guard import Guarded
@@ -334,7 +335,7 @@ def stage_peak(stage: object) -> float | None:
     where the record has no stage."""
     if not isinstance(stage, dict):
         return None
-    value = advice.peak(advice.stage_parts(stage.get, "peak_reserved_gb" in stage))
+    value = advice.peak(advice.stage_parts(stage.get, PEAK_RESERVED.key in stage))
     return value if math.isfinite(value) else None
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..attribution import PREFIX
+from ..keys import DEVICE_TOTAL, HEADROOM, HEADROOM_STAGE, HOST_HEADROOM, HOST_TOTAL, PEAK_HOST_RSS, PEAK_RESERVED
 from .events import EXPECTED, EventFile, MemoryRun, ReportError, Series, is_host, load_run, split_runs
 from .tables import Column, metric_cell, printable, render_table, size_text
 
@@ -48,7 +49,7 @@ def choose_metric(run: MemoryRun, metric: str | None = None) -> str:
         if name not in available:
             raise ReportError(f"{run.run_dir}: no metric {metric!r}; available: {', '.join(available) or 'none'}")
         return name
-    for name in ("peak_reserved_gb", "peak_host_rss_gb", *available):
+    for name in (PEAK_RESERVED.key, PEAK_HOST_RSS.key, *available):
         if name in available:
             return name
     raise ReportError(f"{run.run_dir}: no per-stage memory metrics to plot; {EXPECTED}")
@@ -56,7 +57,7 @@ def choose_metric(run: MemoryRun, metric: str | None = None) -> str:
 
 def capacity_tag(name: str) -> str:
     """The capacity a metric is measured against: the node's RAM for host metrics, else the device."""
-    return "host_total_gb" if is_host(name) else "device_total_gb"
+    return HOST_TOTAL.key if is_host(name) else DEVICE_TOTAL.key
 
 
 _UNREAD = object()
@@ -134,13 +135,13 @@ def capacity_lines(run: MemoryRun, records: Any = None) -> list[str]:
     per-layer records: the host memory shared by the node's ranks, or the device), and why the
     host headroom column differs from it (the node's free memory now, shared by its ranks)."""
     lines = []
-    device, host = run.get("device_total_gb"), run.get("host_total_gb")
+    device, host = run.get(DEVICE_TOTAL.key), run.get(HOST_TOTAL.key)
     per_rank_host = records is not None and bool(records.capacity_gb) and not records.gpu
     if records is not None and records.capacity_gb:
         from .advise import capacity_line
 
         lines.append(capacity_line(records) + ", as `nemo-memlog advise` takes it")
-        peaks = run.per_stage("peak_host_rss_gb") if per_rank_host else {}
+        peaks = run.per_stage(PEAK_HOST_RSS.key) if per_rank_host else {}
         if per_rank_host and records.nodes:  # ranks sharing a cgroup: its charge, shared pages once
             node = min(records.nodes, key=lambda node: node.limit_gb - node.charge_gb)
             lines.append(
@@ -161,7 +162,7 @@ def capacity_lines(run: MemoryRun, records: Any = None) -> list[str]:
             f"host memory: {size_text(host.latest)} on this node, shared by its ranks (how many: the per-layer "
             "records say; `advise` divides it)"
         )
-    if host is not None and run.get("host_headroom_gb") is not None:
+    if host is not None and run.get(HOST_HEADROOM.key) is not None:
         lines.append(
             "headroom column (host): the node's MemAvailable (or cgroup room) now, least over stages: "
             "free to any rank, not per rank"
@@ -233,4 +234,4 @@ def _holder(run: MemoryRun, name: str) -> str:
 
 def _headroom(run: MemoryRun, prefix: str) -> tuple[str, str]:
     gb, stage = run.get(f"{prefix}_gb"), run.get(f"{prefix}_stage")
-    return metric_cell("headroom_gb", gb and gb.latest), metric_cell("headroom_stage", stage and stage.latest)
+    return metric_cell(HEADROOM.key, gb and gb.latest), metric_cell(HEADROOM_STAGE.key, stage and stage.latest)

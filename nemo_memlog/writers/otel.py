@@ -39,6 +39,7 @@ import threading
 import urllib.parse
 from typing import TYPE_CHECKING, Any
 
+from ..keys import COUNTER_KEYS
 from .stages import stage_values
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ RUN_NAME, WORLD_SIZE, PP_SIZE = "dl.run.name", "dl.world_size", "dl.pipeline_par
 #: The instrument holding the logged step.
 ITERATION = "memory.iteration"
 #: The allocator's cumulative counts (memory.DEFAULT_MEMORY_KEYS): monotonic counters.
-COUNTERS = frozenset({"alloc_retries", "num_ooms", "allocation_count"})
+COUNTERS = frozenset(COUNTER_KEYS)
 #: The series naming where a max is: their ``_gb`` names a metric, not a size.
 LOCATIONS = ("peak_stage", "peak_rank", "peak_tp_rank", "peak_dp_rank")
 EXPORTERS = ("otlp", "prometheus", "console")
