@@ -21,7 +21,12 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CURDIR)/$(VENV)/.torchinductor
 PIP_NOISE := is ignored: it is neither|dependency resolver does not currently take into account|^megatron-(bridge|core) [^ ]+ requires
 PIP_INSTALL = python -m pip install --progress-bar off -c constraints.txt
 # What a person sees of pip during the minutes of set-up: one line per package fetched, then the installs.
-PIP_PROGRESS := ^(Collecting|Processing|Downloading|Installing collected|Successfully installed)
+PIP_PROGRESS := ^(Collecting|Processing|Downloading|Installing collected|Successfully installed)|ERROR
+# pip's output through scripts/ticker.py: the lines above (noise hidden, cut to 150 characters), and a
+# line of its own after 8 s of silence saying how far pip is (packages collected, then installed of
+# the ones it listed). It reads to the end of pip's output and exits 0 whatever happens in it; pip's
+# status is the import check's to judge, as before.
+PIP_LINES = python scripts/ticker.py pip
 
 # $(call build_env,VENV,BRIDGE_CONSTRAINTS,EXTRA_PACKAGES): megatron-core and Megatron-Bridge
 # first, --no-deps (Bridge pins transformer-engine and CUDA-only packages) and
@@ -32,15 +37,12 @@ define build_env
 	@test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
 	@echo "$(1): megatron-core and Megatron-Bridge as pinned in $(2) (--no-deps) ..."
 	@$(1)/bin/$(PIP_INSTALL) -c $(2) --no-deps --ignore-requires-python megatron-core megatron-bridge 2>&1 \
-		| grep --line-buffered -Ev "$(PIP_NOISE)" | grep --line-buffered -E "$(PIP_PROGRESS)|ERROR" | cut -c1-150 || true
-	@echo "$(1): nemo_memlog[test], torch (CPU) and what Bridge's training modules import (a few minutes, a line per package) ..."
+		| $(1)/bin/$(PIP_LINES) $(1) --hide "$(PIP_NOISE)" --show "$(PIP_PROGRESS)" || true
+	@echo "$(1): nemo_memlog[test], torch (CPU) and what Bridge's training modules import (a few minutes: pip's lines as it fetches, then how many packages are in place) ..."
 	@$(1)/bin/$(PIP_INSTALL) -c $(2) -e '.[test]' transformers huggingface-hub datasets einops triton nvidia-modelopt $(3) 2>&1 \
-		| grep --line-buffered -Ev "$(PIP_NOISE)" | grep --line-buffered -E "$(PIP_PROGRESS)|ERROR" | cut -c1-150 || true
+		| $(1)/bin/$(PIP_LINES) $(1) --hide "$(PIP_NOISE)" --show "$(PIP_PROGRESS)" || true
 	@echo "$(1): (pip's complaints about Megatron-Bridge's own unmet pins are expected and hidden: it is installed --no-deps)"
-	@$(1)/bin/python -c "import re, nemo_memlog, torch, megatron.core, tensorboard, wandb, mlflow, comet_ml, omegaconf, transformers, triton, lightning.pytorch, pytorch_lightning; \
-		from importlib.metadata import version; \
-		pins = re.findall(r'^(megatron-(?:core|bridge))==(\S+)', open('$(2)').read(), re.M); \
-		assert pins and all(version(name) == pinned for name, pinned in pins), pins" 2>/dev/null \
+	@$(1)/bin/python scripts/ticker.py check $(1) $(2) 2>/dev/null \
 		|| { echo "set-up of $(1) failed: see pip's output above"; exit 1; }
 	@touch $(1)/.installed
 endef
@@ -54,8 +56,8 @@ setup: $(STAMP) $(STAMP03) prometheus-server
 prometheus-server:
 	@if command -v prometheus >/dev/null; then :; \
 	elif command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
-		echo "prometheus: apt-get install -y prometheus (the server tests/writers/test_otel.py scrapes our exporter with)"; \
-		{ apt-get install -y -qq prometheus || { apt-get update -qq && apt-get install -y -qq prometheus; }; } >/dev/null 2>&1 \
+		$(PYTHON) scripts/ticker.py run "prometheus: apt-get install -y prometheus (the server tests/writers/test_otel.py scrapes our exporter with)" \
+			-- sh -c "{ apt-get install -y -qq prometheus || { apt-get update -qq && apt-get install -y -qq prometheus; }; } >/dev/null 2>&1" \
 			|| echo "prometheus: apt-get could not install it; tests/writers/test_otel.py's Prometheus check skips"; \
 	else echo "prometheus: not installed (needs root and apt-get); tests/writers/test_otel.py's Prometheus check skips"; fi
 

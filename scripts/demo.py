@@ -36,6 +36,7 @@ Building and stepping the Megatron job lives in demo_model.py.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -67,8 +68,12 @@ from nemo_memlog.config.schema import PROBE_DIR_ENV
 from nemo_memlog.testing import megatron_cpu
 from nemo_memlog.testing.cluster import free_port
 from nemo_memlog.testing.tmp import private_tmpdir
+from ticker import ticking
 
 DEFAULT_PROCESSES = 4
+#: The file the launcher's "starting" line ticks until (rank 0 creates it when it starts to say what it
+#: does): set by relaunch() for the ranks it starts, absent under a torchrun of the user's.
+STARTED_ENV = "DEMO_STARTED_FLAG"
 
 
 @dataclass
@@ -391,8 +396,13 @@ def relaunch(overrides: list[str], log: Path | None = None) -> int:
         with private_tmpdir(prefix="nemo_memlog-demo-tmp-") as tmp:
             env["TMPDIR"] = str(tmp)
             if log is None:
-                return subprocess.call(command, env=env)
-            with open(log, "w") as out:
+                # A line every few seconds until rank 0 takes over saying what starts (4 processes
+                # importing torch on 2 cores: 10 s and more before it can).
+                started = Path(tmp) / "started"
+                env[STARTED_ENV] = str(started)
+                with ticking(f"demo.py: torchrun starts {DEFAULT_PROCESSES} processes", until=started.exists):
+                    return subprocess.call(command, env=env)
+            with open(log, "w") as out, ticking(f"demo.py: the job runs (its output: {log})"):
                 return subprocess.call(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     except KeyboardInterrupt:  # torchrun got the same Ctrl-C and stops the ranks
         return 130
@@ -401,24 +411,33 @@ def relaunch(overrides: list[str], log: Path | None = None) -> int:
 def train(cfg: DemoConfig, argv: list[str]) -> int:
     """One torchrun process: join the pipeline, train, log every iteration, report at the end.
     Its exit code: 2 when rank 0 could not claim the run folder."""
+    talks = os.environ.get("RANK", "0") == "0"  # rank 0 says what starts, on stderr (stdout is the job's)
+    if talks and os.environ.get(STARTED_ENV):
+        Path(os.environ[STARTED_ENV]).touch()  # the launcher's ticker stops: this one takes over
+    world = os.environ.get("WORLD_SIZE", "1")
     # Imported here, not at the top: the launching process has no use for its ~7 s import.
-    quiet_megatron()
-    from megatron.core import parallel_state as ps
+    with starting(talks, f"demo.py: importing megatron-core in {world} processes"):
+        quiet_megatron()
+        from megatron.core import parallel_state as ps
 
     torch.set_num_threads(1)
     device = stage_device()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    cfg = _with_claimed_run_dir(cfg, argv)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    with starting(talks, f"demo.py: joining the process group ({backend}, {world} processes)"):
+        dist.init_process_group(backend)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        cfg = _with_claimed_run_dir(cfg, argv)
     if cfg is None:
         dist.destroy_process_group()
         return 2
     if device.type == "cpu" and dist.get_rank() == 0:
         print(f"demo.py: {megatron_cpu.summary()}", flush=True)
-    job = build_job(job_spec(cfg), device)  # Megatron's groups, model, DDP, optimizer and schedule
-    dist.barrier()  # every rank joins the default group before the first pairwise send (NCCL)
-    last_logged = _train_loop(cfg, job, ps)
+    building = f"demo.py: building megatron-core's GPTModel, PP {cfg.parallel.pp}, in its DDP with its Adam"
+    with starting(talks, building):
+        job = build_job(job_spec(cfg), device)  # Megatron's groups, model, DDP, optimizer and schedule
+        dist.barrier()  # every rank joins the default group before the first pairwise send (NCCL)
+    last_logged = _train_loop(cfg, job, ps, talks)
     # Every rank: the writer rank's backends are flushed before the paths below are printed,
     # and every rank's flight record ends "close" (a clean end) rather than "exit".
     nemo_memlog.close_writers()
@@ -426,6 +445,11 @@ def train(cfg: DemoConfig, argv: list[str]) -> int:
         print(summary(cfg, last_logged), flush=True)
     dist.destroy_process_group()
     return 0
+
+
+def starting(talks: bool, what: str) -> contextlib.AbstractContextManager:
+    """What rank 0 says of a step of the start: the step, then a line every few seconds while it lasts."""
+    return ticking(what) if talks else contextlib.nullcontext()
 
 
 def _with_claimed_run_dir(cfg: DemoConfig, argv: list[str]) -> DemoConfig | None:
@@ -478,7 +502,7 @@ def stage_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _train_loop(cfg: DemoConfig, job: DemoJob, ps):
+def _train_loop(cfg: DemoConfig, job: DemoJob, ps, talks: bool = False):
     """The iterations; training_log on every rank each one. (iteration, dict) it last returned, or None."""
     writer = dist.get_rank() == dist.get_world_size() - 1  # a last stage: it has the loss to show
     if writer:
@@ -491,39 +515,43 @@ def _train_loop(cfg: DemoConfig, job: DemoJob, ps):
     last_logged = None
     # What nemo-memlog advise needs to know of the run (docs/advise.md)
     facts = job.spec.facts()
-    for iteration in range(1, t.iters + 1):
-        if iteration == cfg.fail.kill_at and stage == cfg.fail.kill_stage and job.dp_rank == 0:
-            os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer: no end, no goodbye
-        lr = learning_rate(iteration, t.iters, t.lr)
-        job.set_lr(lr)
-        loss = job.train_iteration()  # Megatron's schedule, DDP grad sync and optimizer step
-        if loss is not None and dp_size > 1:  # the last stages: the loss over the data-parallel replicas
-            total = torch.tensor([loss], device=job.device)
-            dist.all_reduce(total, group=dp_group)
-            loss = float(total) / dp_size
-        if t.save_every and iteration % t.save_every == 0:
-            save_checkpoint(cfg, job, stage, iteration)
-        metrics = {"lr": lr} if loss is None else {"lr": lr, "loss": loss}  # only last stages have a loss
-        logged = nemo_memlog.training_log(
-            iteration, cfg, metrics=metrics, model=job.model, optimizer=job.optimizer, facts=facts
-        )
-        if logged is not None:
-            last_logged = (iteration, logged)
-        if iteration == 1:
-            # Rank 0 says where the flight records are during the first logging step: the bar
-            # starts after that line is out, so that it is not drawn into the middle of the bar.
-            dist.barrier()
-            progress = tqdm(
-                total=t.iters,
-                initial=1,
-                desc=f"training ({dist.get_world_size()} processes, PP {stages}, {schedule})",
-                unit="it",
-                disable=not writer,
+    # Rank 0's lines during the first iteration, until the bar starts (closed there, or on the way out).
+    with contextlib.ExitStack() as first:
+        first.enter_context(starting(talks, "demo.py: iteration 1, the first logging step (the bar starts after it)"))
+        for iteration in range(1, t.iters + 1):
+            if iteration == cfg.fail.kill_at and stage == cfg.fail.kill_stage and job.dp_rank == 0:
+                os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer: no end, no goodbye
+            lr = learning_rate(iteration, t.iters, t.lr)
+            job.set_lr(lr)
+            loss = job.train_iteration()  # Megatron's schedule, DDP grad sync and optimizer step
+            if loss is not None and dp_size > 1:  # the last stages: the loss over the data-parallel replicas
+                total = torch.tensor([loss], device=job.device)
+                dist.all_reduce(total, group=dp_group)
+                loss = float(total) / dp_size
+            if t.save_every and iteration % t.save_every == 0:
+                save_checkpoint(cfg, job, stage, iteration)
+            metrics = {"lr": lr} if loss is None else {"lr": lr, "loss": loss}  # only last stages have a loss
+            logged = nemo_memlog.training_log(
+                iteration, cfg, metrics=metrics, model=job.model, optimizer=job.optimizer, facts=facts
             )
-        else:
-            progress.update(1)
-        if loss is not None:
-            progress.set_postfix(loss=f"{loss:.3f}")
+            if logged is not None:
+                last_logged = (iteration, logged)
+            if iteration == 1:
+                # Rank 0 says where the flight records are during the first logging step: the bar
+                # starts after that line is out, so that it is not drawn into the middle of the bar.
+                dist.barrier()
+                first.close()
+                progress = tqdm(
+                    total=t.iters,
+                    initial=1,
+                    desc=f"training ({dist.get_world_size()} processes, PP {stages}, {schedule})",
+                    unit="it",
+                    disable=not writer,
+                )
+            else:
+                progress.update(1)
+            if loss is not None:
+                progress.set_postfix(loss=f"{loss:.3f}")
     progress.close()
     return last_logged
 
