@@ -43,9 +43,11 @@ def torchrun_command(
 
 
 def torchrun_env(**extra: str) -> dict[str, str]:
-    """This process's environment with the repository root on PYTHONPATH (rank scripts import
-    ``tests.*``), OMP_NUM_THREADS=1, and ``extra``."""
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
+    """This process's environment with the repository root first on PYTHONPATH (rank scripts import
+    ``tests.*``; what was there stays after it: a GPU machine's megatron-core installed with
+    ``--target``), OMP_NUM_THREADS=1, and ``extra``."""
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
 def start(
