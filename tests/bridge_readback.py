@@ -17,8 +17,7 @@ from pathlib import Path
 
 from nemo_memlog.testing.wait import wait_for
 from nemo_memlog.writers.stages import STAGE_LABEL
-from tests.readback import wandb_log_finished
-from tests.writers.test_wandb import wandb_records
+from tests.readback import wandb_log_finished, wandb_records
 
 
 def stage_run(path: Path) -> str | None:

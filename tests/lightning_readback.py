@@ -14,7 +14,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tests.bridge_readback import mlflow_runs, tensorboard_events, wandb_run
-from tests.writers.test_comet import read_archive
+from tests.readback import read_archive
 
 BACKENDS = ("tensorboard", "csv", "mlflow", "wandb", "comet")
 EXPERIMENT = "memlog-lightning"  # tests/lightning_job.py's MLflow experiment and W&B/Comet project

@@ -1,15 +1,16 @@
-"""Read back what a run wrote to each backend: the steps at which TAG was stored.
+"""Read back what a run wrote to each backend, from the stores themselves: the steps at which TAG
+was stored, TensorBoard's runs, a W&B run log's records, a Comet archive.
 
 A run directory holds ``tensorboard/`` (event files), ``mlflow.db`` (an MLflow SQLite
 store), ``wandb/`` (W&B offline runs) and ``comet/`` (Comet offline archives), as the demo
-and tests/trainer.py write them.
+and tests/trainer.py write them. The backends' libraries are imported where they are read.
 """
 
 import json
 import re
-
-from tests.writers.test_comet import read_archive
-from tests.writers.test_wandb import wandb_records
+import struct
+import zipfile
+from pathlib import Path
 
 TAG = "memory/peak_host_rss_gb"
 
@@ -93,8 +94,38 @@ def wandb_log_finished(log) -> bool:
 
 def main_run_events(folder) -> list:
     """The event files under ``folder`` outside the per-stage runs (``pp_stage_<i>/``): the main run's."""
-    from pathlib import Path
-
     folder = Path(folder)
     found = folder.rglob("events.out.tfevents.*")
     return sorted(p for p in found if not any(part.startswith("pp_stage_") for part in p.relative_to(folder).parts))
+
+
+def wandb_records(path: Path):
+    """The protobuf records of a .wandb file (a LevelDB-style log: 7-byte file header,
+    32 KiB blocks of chunks, each with a 7-byte header: crc32, length, kind)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, position, pending = 32768, 7, b""
+    while position + 7 <= len(data):
+        if block - position % block < 7:  # a block's tail too short for a header is padding
+            position += block - position % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        if kind == 0:
+            break
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]  # generated protobuf
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def read_archive(archive):
+    """A Comet offline archive (.zip): (its experiment.json, its messages.json, one message a line)."""
+    with zipfile.ZipFile(archive) as z:
+        experiment = json.loads(z.read("experiment.json"))
+        messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines()]
+    return experiment, messages

@@ -13,7 +13,7 @@ import torch
 from nemo_memlog import advice
 from nemo_memlog.offline.advise import load
 from nemo_memlog.offline.cli import main
-from tests.notices import said
+from nemo_memlog.testing.notices import said
 from tests.test_activations import WIDTH, blocks
 
 #: The base run: 8 samples a microbatch, 4 microbatches, 2 blocks a stage, Adam.

@@ -7,7 +7,7 @@ import pytest
 from nemo_memlog import LoggerConfig, training_log
 from nemo_memlog.testing.cluster import Cluster, RankFailure
 from nemo_memlog.testing.collectives import GATHER, count_collectives
-from tests.notices import said
+from nemo_memlog.testing.notices import said
 
 BIG_MB = 300
 _ballast = []

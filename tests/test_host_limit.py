@@ -29,7 +29,7 @@ import pytest
 
 from nemo_memlog.host_limit import ProcessLimit, find_chain, find_limit
 from nemo_memlog.testing import cgroups
-from tests.notices import said
+from nemo_memlog.testing.notices import said
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 3_000_000_000

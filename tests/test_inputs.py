@@ -13,7 +13,7 @@ import pytest
 from nemo_memlog import LoggerConfig, close_writers, training_log
 from nemo_memlog.measure import layer_record
 from nemo_memlog.monitor import MemoryMonitor
-from tests.notices import said
+from nemo_memlog.testing.notices import said
 
 
 @pytest.fixture(autouse=True)

@@ -352,8 +352,8 @@ def test_an_error_in_a_hook_of_ours_is_one_notice_and_the_trainer_trains_on(tmp_
 
     from nemo_memlog.lightning import MemoryLogCallback
     from nemo_memlog.monitor import MemoryMonitor
+    from nemo_memlog.testing.notices import said
     from tests.lightning_job import make_module
-    from tests.notices import said
 
     def fails(self, *args, **kwargs):  # a logging step that fails (a reduction, a backend): provoked here
         raise RuntimeError("a logging step failed")

@@ -10,8 +10,8 @@ import torch
 
 from nemo_memlog import DEFAULT_MEMORY_KEYS, memory, report_memory
 from nemo_memlog.memory import DEVICE_KEYS, capacity_report, host_rss_bytes, reset_host_peak, reset_peaks
+from nemo_memlog.testing.notices import said
 from nemo_memlog.warn import WarnOnce
-from tests.notices import said
 
 CUDA_IN_USE = torch.cuda.is_available() and torch.cuda.is_initialized()
 

@@ -22,7 +22,7 @@ from nemo_memlog.failure.evidence import HostEvidence, cgroup_events_path
 from nemo_memlog.failure.identity import run_id
 from nemo_memlog.failure.recorder import open_recorder
 from nemo_memlog.memory import capacity_report, report_memory
-from tests.notices import said
+from nemo_memlog.testing.notices import said
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from nemo_memlog import payload
 from nemo_memlog.reduce import MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
 from nemo_memlog.testing.cluster import Cluster, RankFailure
 from nemo_memlog.testing.collectives import GATHER, count_collectives
-from tests.notices import said
+from nemo_memlog.testing.notices import said
 
 
 def _coords():

@@ -10,7 +10,7 @@ from nemo_memlog import LoggerConfig, hook, training_log
 from nemo_memlog.config import switches
 from nemo_memlog.integrations.autorun import sitecustomize as bootstrap
 from nemo_memlog.testing.collectives import count_collectives
-from tests.notices import said
+from nemo_memlog.testing.notices import said
 
 #: Spellings a user may write, each read by the bootstrap and by the package.
 WORDS = ["true", "TRUE", " yes ", "on", "1", "false", "False", "0", "no", " off", "", "maybe", "2", "disabled"]

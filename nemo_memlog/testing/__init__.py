@@ -8,7 +8,11 @@
 - ``tmp``: ``private_tmpdir``, a TMPDIR removed with what every process left in it.
 - ``torchrun``: torchrun for real, one way for every test: ``run_ranks`` (run, read each rank's
   ``rank-<r>.json``), ``run``, ``start`` and ``kill_group`` (for a job signalled while it runs).
-- ``wait``: ``wait_for``, a condition awaited with a deadline instead of a sleep; ``alive``.
+- ``wait``: ``wait_for``, a condition awaited with a deadline instead of a sleep (``seconds_until``
+  says how long it took; ``returns_within``, a call that must return by a deadline; ``Lines``, a
+  child's output read by a thread, for a wait); ``alive``.
+- ``notices``: ``said``, what nemo_memlog said (its notices and warnings) within a block.
+- ``mounts``: ``mounted`` and ``read_only``, folders mounted for a test (a full disk, a read-only one).
 - ``bench``: the parts of the benchmarks (scripts/bench_*.py are their command lines) and
   their one timing helper.
 """

@@ -4,10 +4,10 @@ thread, flushes it and never closes it. Comet here (Bridge >= 0.5 opens a
 ``comet_ml.Experiment``); TensorBoard, W&B and MLflow are read back in tests/test_bridge.py,
 inside Megatron-Bridge's own loggers."""
 
+from nemo_memlog.testing.notices import said
 from nemo_memlog.writers import adopt_writers, comet
-from tests.notices import said
+from tests.readback import read_archive
 from tests.writers.sample import STEPS, write_steps
-from tests.writers.test_comet import read_archive
 
 
 def test_a_comet_experiment_opened_elsewhere_gets_every_step_and_stays_open(tmp_path):

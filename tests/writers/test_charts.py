@@ -8,12 +8,12 @@ import time
 import pytest
 
 from nemo_memlog.config import LoggerConfig
+from nemo_memlog.testing.notices import said
 from nemo_memlog.writers import charts, comet
 from nemo_memlog.writers import mlflow as mlflow_writer
 from nemo_memlog.writers import wandb as wandb_writer
 from nemo_memlog.writers.fanout import BufferedBackend, ThreadFanOut
 from nemo_memlog.writers.stages import MAX_LINE, StageHistory
-from tests.notices import said
 
 SPIKE_STAGE, SPIKE_STEP, SPIKE = 7, 1237, 99.0
 
@@ -158,7 +158,7 @@ def test_mlflow_a_budget_too_short_for_any_chart_skips_them_says_so_and_still_fi
 
 
 def test_comet_at_many_stages_logs_readable_figures_and_ends(tmp_path):
-    from tests.writers.test_comet import read_archive
+    from tests.readback import read_archive
 
     cfg = LoggerConfig(comet_project="memlog-test", comet_offline_directory=str(tmp_path / "offline"))
     backend = comet.open_backend(cfg, {}, [])

@@ -4,7 +4,6 @@ The secret is in the config, in COMET_API_KEY and on the command line (``sys.arg
 where Comet's argument parsing and environment capture would find it if they were on.
 """
 
-import json
 import math
 import os
 import sys
@@ -14,6 +13,7 @@ import pytest
 
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.writers import comet
+from tests.readback import read_archive
 from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 
@@ -47,13 +47,6 @@ def run(tmp_path_factory):
         default.close()
     (archive,) = (root / "offline").glob("*.zip")
     return root, archive, hooks_off
-
-
-def read_archive(archive):
-    with zipfile.ZipFile(archive) as z:
-        experiment = json.loads(z.read("experiment.json"))
-        messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines()]
-    return experiment, messages
 
 
 def test_enabled_only_with_a_project():

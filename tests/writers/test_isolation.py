@@ -17,8 +17,8 @@ import pytest
 
 from nemo_memlog import LoggerConfig, build_writers
 from nemo_memlog.testing.cluster import free_port
+from nemo_memlog.testing.notices import said
 from nemo_memlog.testing.wait import returns_within, wait_for
-from tests.notices import said
 
 
 def _messages(caught, backend):

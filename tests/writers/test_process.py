@@ -18,9 +18,9 @@ import pytest
 
 from nemo_memlog import LoggerConfig, build_writers
 from nemo_memlog.testing import torchrun
+from nemo_memlog.testing.notices import said
 from nemo_memlog.testing.wait import alive, descendants, returns_within, seconds_until, wait_for
 from nemo_memlog.writers import child, parent
-from tests.notices import said
 from tests.readback import stored_steps, tensorboard_steps, wandb_finished
 
 ROOT = Path(__file__).resolve().parents[2]

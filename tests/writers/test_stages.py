@@ -11,14 +11,13 @@ import re
 import pytest
 
 from nemo_memlog.config import LoggerConfig
+from nemo_memlog.testing.notices import said
 from nemo_memlog.writers import adopt_writers, comet, tensorboard
 from nemo_memlog.writers import mlflow as mlflow_writer
 from nemo_memlog.writers import wandb as wandb_writer
 from nemo_memlog.writers.stages import MAX_LINE, StageHistory
-from tests.notices import said
-from tests.readback import tensorboard_runs
+from tests.readback import read_archive, tensorboard_runs
 from tests.writers.sample import STAGE_STEPS, STAGE_TAGS, STAGES, STEPS, stage_value, write_steps
-from tests.writers.test_comet import read_archive
 
 LABELS = [f"pp_stage_{stage}" for stage in range(STAGES)]
 
@@ -323,7 +322,7 @@ def test_every_name_taken_skips_that_stage_run_said_once_and_the_main_run_is_who
 
 @pytest.mark.processes  # mount
 def test_a_read_only_folder_of_that_name_sends_the_stage_run_to_a_free_name(tmp_path):
-    from tests.writers.test_folders import read_only
+    from nemo_memlog.testing.mounts import read_only
 
     folder = tmp_path / "tb"
     with read_only(folder / "pp_stage_2"):  # empty, so free for a run, but it cannot be opened

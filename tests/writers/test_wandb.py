@@ -7,15 +7,14 @@ metadata capture would record it if it were on.
 import json
 import math
 import os
-import struct
 import sys
-from pathlib import Path
 
 import pytest
 
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
 from nemo_memlog.testing.wait import wait_for
 from nemo_memlog.writers import wandb as wandb_writer
+from tests.readback import wandb_records
 from tests.writers.sample import LACKING_FIELDS, SECRET, STEPS, write_steps
 
 
@@ -96,30 +95,6 @@ def test_no_environment_capture_and_no_secret_anywhere(run):
     # Metadata (argv), console output, requirements: none written.
     names = {p.name for p in files}
     assert not names & {"wandb-metadata.json", "output.log", "requirements.txt"}
-
-
-def wandb_records(path: Path):
-    """The protobuf records of a .wandb file (a LevelDB-style log: 7-byte file header,
-    32 KiB blocks of chunks, each with a 7-byte header: crc32, length, kind)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    assert data[:4] == b":W&B"
-    block, position, pending = 32768, 7, b""
-    while position + 7 <= len(data):
-        if block - position % block < 7:  # a block's tail too short for a header is padding
-            position += block - position % block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        if kind == 0:
-            break
-        pending += data[position + 7 : position + 7 + length]
-        position += 7 + length
-        if kind in (1, 4):  # FULL or LAST: a whole record
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
 
 
 EXITS_WITHOUT_CLOSE = """
