@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from . import advice, attribution, memory
-from .config import checked_facts, resolve, secrets_of
+from .config import BACKEND_SETTINGS, checked_facts, resolve, secrets_of
 from .failure import peers
 from .measure import composition, estimate, layer_record, layer_rows, phase
 from .measure.activations import ActivationMeter
@@ -32,7 +32,7 @@ from .measure.step import StepMeasurement, measure_step
 from .metrics import merged
 from .placement import Placement, place
 from .reduce import Reduction, takes_part
-from .warn import BACKEND_SETTINGS, WarnOnce, logging_off_message
+from .warn import WarnOnce, logging_off_message
 
 if TYPE_CHECKING:
     import torch
@@ -389,8 +389,9 @@ class MemoryMonitor:
 
             self.writers = build_writers(self.settings, run_config=self.config)
             if not self.writers.backend_names:
-                no_writer = "log_memory_to_tensorboard is on but no writer is configured (set tensorboard_dir, "
-                no_writer += "wandb_project, mlflow_experiment or comet_project); training_log returns the metrics"
+                *most, last = BACKEND_SETTINGS
+                no_writer = f"log_memory_to_tensorboard is on but no writer is configured (set {', '.join(most)} "
+                no_writer += f"or {last}); training_log returns the metrics"
                 self.warn_once(("no-writer",), no_writer, misuse=True)
         return self.writers
 

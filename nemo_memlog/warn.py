@@ -80,10 +80,6 @@ class WarnOnce:
         return key in self._seen
 
 
-#: The settings that open a backend: with memory logging off, each is named in the one warning that says so.
-BACKEND_SETTINGS = ("tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project")
-
-
 def logging_off_message(off_settings: list[str], **given: object) -> str | None:
     """What a call ignores while log_memory_to_tensorboard is off (the backend settings set, the
     arguments it brought), as the one warning says it; None when it ignores nothing."""

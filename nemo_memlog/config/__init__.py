@@ -20,6 +20,7 @@ from .facts import checked_facts
 from .overrides import EXPECTED_FORM, from_overrides
 from .resolution import checked_settings, from_plain, recorded, resolve, resolve_fields
 from .schema import (
+    BACKEND_SETTINGS,
     FIELDS,
     FrozenMap,
     LoggerConfig,
@@ -35,6 +36,7 @@ from .text import TextError, field_from_text, fields_from_text
 from .validation import PEAK_WINDOWS, RECORD_OFF, REDUCE_BACKENDS, REDUCE_EXCHANGES, WRITER_MODES, did_you_mean
 
 __all__ = [
+    "BACKEND_SETTINGS",
     "EXPECTED_FORM",
     "FIELDS",
     "PEAK_WINDOWS",

@@ -133,6 +133,9 @@ class LoggerConfig:
 
 #: LoggerConfig's fields by name, and their rules (validation.py): defaults, types, values.
 FIELDS = {f.name: f for f in dataclasses.fields(LoggerConfig)}
+#: The settings that open a backend by naming where it writes: the one warning with memory logging
+#: off names those set, and the one without a writer names them all.
+BACKEND_SETTINGS = ("tensorboard_dir", "wandb_project", "mlflow_experiment", "comet_project")
 RULES = FieldRules(FIELDS.values())
 
 

@@ -6,6 +6,8 @@
   agrees, and no collective is entered.
 - ``NEMO_MEMLOG_DISABLED_INTEGRATIONS``: the ways in ``nemo-memlog run``'s bootstrap leaves out.
 - ``NEMO_MEMLOG_CPU_STAND_INS``: the bootstrap's CPU stand-ins (``run --cpu``).
+- ``NEMO_MEMLOG_<FIELD>`` (``env_name``): a LoggerConfig field's setting, which ``nemo-memlog run``
+  checks at launch and its bootstrap reads in each process (integrations/instrument.py).
 
 Spellings: ``TRUE_WORDS`` and ``FALSE_WORDS`` (case and surrounding blanks ignored). A value that is
 neither reads as true for ``NEMO_MEMLOG_DISABLED`` (off is the safe reading of a switch someone
@@ -22,8 +24,15 @@ from collections.abc import Mapping
 DISABLED_ENV = "NEMO_MEMLOG_DISABLED"
 DISABLED_WAYS_ENV = "NEMO_MEMLOG_DISABLED_INTEGRATIONS"
 CPU_STAND_INS_ENV = "NEMO_MEMLOG_CPU_STAND_INS"
+#: Settings from the environment: NEMO_MEMLOG_<FIELD in upper case>=value.
+ENV_PREFIX = "NEMO_MEMLOG_"
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off", "")
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a LoggerConfig field: ``NEMO_MEMLOG_<FIELD>``."""
+    return ENV_PREFIX + field.upper()
 
 
 def switch_word(environ: Mapping[str, str], name: str) -> str:

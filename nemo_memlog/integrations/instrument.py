@@ -33,15 +33,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import FIELDS, TextError, fields_from_text
+from ..config.switches import env_name
 
-#: Settings from the environment: NEMO_MEMLOG_<FIELD in upper case>=value.
-ENV_PREFIX = "NEMO_MEMLOG_"
 log = logging.getLogger("nemo_memlog")
-
-
-def env_name(field: str) -> str:
-    """The environment variable of a LoggerConfig field: ``NEMO_MEMLOG_<FIELD>``."""
-    return ENV_PREFIX + field.upper()
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:

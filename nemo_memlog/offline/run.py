@@ -26,6 +26,7 @@ from ..config.switches import (
     DISABLED_WAYS_ENV,
     FALSE_WORDS,
     TRUE_WORDS,
+    env_name,
     switch_word,
     switched_off,
 )
@@ -34,8 +35,6 @@ from ..redaction import launch_secrets, scrubbed_text
 USAGE = "usage: nemo-memlog run [--set key=value ...] [--cpu] [-h] -- COMMAND [ARGS ...]"
 #: The bootstrap folder (a path, not an import: the launcher imports no integration).
 BOOTSTRAP = Path(__file__).resolve().parents[1] / "integrations" / "autorun"
-ENV_PREFIX = "NEMO_MEMLOG_"
-RUN_ENV = "NEMO_MEMLOG_RUN"
 #: The words a switch may be (config/switches.py, which the bootstrap's copy is held to).
 SWITCH_WORDS = TRUE_WORDS + FALSE_WORDS
 #: The longest banner (characters): COMMAND's first words, scrubbed.
@@ -131,11 +130,11 @@ def checked(settings: dict[str, str], environ: dict[str, str]) -> dict[str, str]
     """The settings COMMAND's processes read, ``{field: text}``: the environment's ``NEMO_MEMLOG_<FIELD>``
     with ``--set`` over them, each checked as its processes will read it, and the switches. Raises
     UsageError naming the setting and what to write."""
-    given = {name: environ[ENV_PREFIX + name.upper()] for name in FIELDS if ENV_PREFIX + name.upper() in environ}
+    given = {name: environ[env_name(name)] for name in FIELDS if env_name(name) in environ}
     texts = {**given, **settings}
     for name in texts:
         if name not in TAKEN:
-            where = "--set " + name if name in settings else ENV_PREFIX + name.upper()
+            where = "--set " + name if name in settings else env_name(name)
             raise UsageError(
                 f"nemo-memlog run: {where}: no way in takes it from run: Megatron-LM and Megatron-Bridge write to "
                 f"the framework's own loggers (Megatron-LM's flags such as --tensorboard-dir and --wandb-project; "
@@ -145,7 +144,7 @@ def checked(settings: dict[str, str], environ: dict[str, str]) -> dict[str, str]
         fields_from_text(texts)
     except TextError as error:
         name = error.field or ""
-        where = "--set " + name if name in settings else ENV_PREFIX + name.upper()
+        where = "--set " + name if name in settings else env_name(name)
         raise UsageError(f"nemo-memlog run: {where}: {error}") from None
     for switch in (DISABLED_ENV, CPU_STAND_INS_ENV):
         if switch_word(environ, switch) not in SWITCH_WORDS:
@@ -162,14 +161,13 @@ def checked(settings: dict[str, str], environ: dict[str, str]) -> dict[str, str]
 def environment(settings: dict[str, str], environ: dict[str, str], cpu: bool = False) -> dict[str, str]:
     """COMMAND's environment: ``environ`` with the bootstrap before PYTHONPATH's entries, which are kept
     exactly (empty ones too: Python reads them as the working folder; an unset or empty PYTHONPATH
-    adds none), the settings as NEMO_MEMLOG_<FIELD>, NEMO_MEMLOG_RUN=1 and, with ``cpu``, the stand-ins'
+    adds none), the settings as NEMO_MEMLOG_<FIELD> and, with ``cpu``, the stand-ins'
     switch."""
     env = dict(environ)
     user_path = env.get("PYTHONPATH", "")
     if user_path != str(BOOTSTRAP) and not user_path.startswith(str(BOOTSTRAP) + os.pathsep):  # not nested
         env["PYTHONPATH"] = os.pathsep.join([str(BOOTSTRAP), user_path]) if user_path else str(BOOTSTRAP)
-    env.update({ENV_PREFIX + key.upper(): value for key, value in settings.items()})
-    env[RUN_ENV] = "1"
+    env.update({env_name(key): value for key, value in settings.items()})
     if cpu:
         env[CPU_STAND_INS_ENV] = "1"
     return env
