@@ -359,7 +359,7 @@ class MemoryMonitor:
         """This rank's per-layer record (measure/layer_record.py) of a step whose activations were
         measured, beside its flight record. Never raises."""
         try:
-            self._measured_steps += 1  # nemo-memlog fit ends a probe once every rank has two (offline/fit.py)
+            self._measured_steps += 1  # nemo-memlog fit ends a probe once every rank has two (launch/fit/__init__.py)
             assert self.record_dir is not None and self.placement is not None  # a placed run with a folder
             assert step.measured is not None and step.state is not None  # a measured step with a model
             rows = layer_rows.stage_and_rows(step.report, step.measured, model, optimizer, step.state)

@@ -93,7 +93,7 @@ def run_megatron(root: Path, name: str, options: list[str]) -> Path:
 
 
 def advised(run: Path, change: str, calibrate: Path | None = None) -> dict[int, dict]:
-    command = [sys.executable, "-m", "nemo_memlog.offline.cli", "advise", str(run), "--what-if", change]
+    command = [sys.executable, "-m", "nemo_memlog.cli", "advise", str(run), "--what-if", change]
     command += ["--json", "--no-png"] + (["--calibrate-with", str(calibrate)] if calibrate else [])
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
     return {row["stage"]: row for row in json.loads(done.stdout)["stages"]}

@@ -93,7 +93,7 @@ def recorded(folder: Path) -> dict:
 
 def advised(folder: Path) -> dict:
     """advise's JSON for the run in ``folder`` under micro_batch_size=x2: its stage 0."""
-    command = [sys.executable, "-m", "nemo_memlog.offline.cli", "advise", str(folder), "--what-if", CHANGE]
+    command = [sys.executable, "-m", "nemo_memlog.cli", "advise", str(folder), "--what-if", CHANGE]
     done = subprocess.run([*command, "--json", "--no-png"], cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"advise failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")

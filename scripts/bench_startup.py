@@ -26,7 +26,7 @@ import statistics
 import sys
 import tempfile
 
-from nemo_memlog.offline.run import BOOTSTRAP
+from nemo_memlog.launch.run import BOOTSTRAP
 
 
 def child(argv: list[str], env: dict[str, str], cwd: str) -> tuple[float, int]:

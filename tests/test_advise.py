@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from nemo_memlog import advice
+from nemo_memlog.cli import main
 from nemo_memlog.offline.advise import load
-from nemo_memlog.offline.cli import main
 from nemo_memlog.testing.notices import said
 from tests.test_activations import WIDTH, blocks
 

@@ -16,7 +16,7 @@ import pytest
 
 from nemo_memlog.config import TextError, field_from_text, fields_from_text
 from nemo_memlog.integrations.autorun import sitecustomize as bootstrap
-from nemo_memlog.offline.run import BOOTSTRAP
+from nemo_memlog.launch.run import BOOTSTRAP
 
 pytestmark = pytest.mark.processes
 
@@ -189,7 +189,7 @@ def test_settings_are_typed_by_the_fields_declared_type():
 
 def test_the_bootstraps_tables_name_the_ways_in_that_instrument_adds():
     from nemo_memlog.integrations import instrument
-    from nemo_memlog.offline import run
+    from nemo_memlog.launch import run
 
     assert set(bootstrap.WATCHED.values()) == set(instrument.WAYS_IN) == set(run.WAYS_IN)
     assert (bootstrap.DISABLED_ENV, bootstrap.DISABLED_WAYS_ENV, bootstrap.CPU_STAND_INS_ENV) == (

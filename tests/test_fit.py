@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from nemo_memlog.launch import fit as fit_module
 from nemo_memlog.offline import advise
-from nemo_memlog.offline import fit as fit_module
 from nemo_memlog.testing import cgroups, megatron_cpu
 from nemo_memlog.testing.torchrun import ROOT
 from nemo_memlog.testing.wait import left_behind
@@ -36,7 +36,7 @@ SWEPT_ITERS = 8
 #: How far two runs of one size apart differ in a stage's host peak on this machine (the probe against
 #: the sweep; stage 1's peak creeps up to 5% after its third step): what a rerun is held to, never less.
 RERUN_NOISE = 0.05
-FIT = [sys.executable, "-m", "nemo_memlog.offline.cli", "fit", "--json"]
+FIT = [sys.executable, "-m", "nemo_memlog.cli", "fit", "--json"]
 
 
 def job(out: Path, size="{micro_batch_size}", *extra: str) -> list[str]:
@@ -161,7 +161,7 @@ def test_fit_under_a_real_cgroup_answers_the_larger_size_that_runs_and_report_sh
     # its records kept in fit's probe folder) shows no negative headroom.
     assert jobs[4] * 1e9 < limit
     reported = subprocess.run(
-        [sys.executable, "-m", "nemo_memlog.offline.cli", "report", str(tmp_path / "fit"), "--records", str(four),
+        [sys.executable, "-m", "nemo_memlog.cli", "report", str(tmp_path / "fit"), "--records", str(four),
          "--png", str(tmp_path / "r.png")], env=ENV, cwd=ROOT, capture_output=True, text=True,
     )  # fmt: skip
     assert reported.returncode == 0, reported.stderr
@@ -176,7 +176,7 @@ def test_the_probes_steady_rule_reads_each_stages_peak_within_5_percent_of_the_r
     """The probe's stop rule (probe.steady) on the sweep's own runs, step by step as their TensorBoard
     events logged each stage's peak: where it would have ended the probe, each stage's peak within 5%
     of the same run's at its end (SWEPT_ITERS steps), no rerun's noise between them."""
-    from nemo_memlog.offline import probe
+    from nemo_memlog.launch.fit import probe
     from tests.readback import tensorboard_runs
 
     _, _, root = sweep
@@ -236,7 +236,7 @@ def test_nothing_fits_exits_2_and_names_what_would(tmp_path):
     assert code == 0 and first["micro_batch_size"] == 1, text
     records = next(measure.glob("probe-1-*"))
     advised = subprocess.run(
-        [sys.executable, "-m", "nemo_memlog.offline.cli", "advise", str(records), "--what-if", "recompute=full",
+        [sys.executable, "-m", "nemo_memlog.cli", "advise", str(records), "--what-if", "recompute=full",
          "--json", "--no-png"], env=ENV, cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     predicted = max(stage["peak_gb"] for stage in json.loads(advised.stdout)["stages"])
@@ -260,7 +260,7 @@ def test_fit_refuses_a_command_without_the_placeholder(tmp_path):
 
 def test_candidates_keep_the_global_batch_and_the_interleaved_schedules_group():
     from nemo_memlog import advice
-    from nemo_memlog.offline.fit import _candidates
+    from nemo_memlog.launch.fit import _candidates
 
     stages = [advice.Stage(s, {"params_gb": 0.1}, 2 - s, chunks=2) for s in range(2)]
     run = advice.Profile.of(
@@ -275,7 +275,7 @@ def test_candidates_keep_the_global_batch_and_the_interleaved_schedules_group():
 
 
 def test_a_died_probes_tail_leads_with_its_error(tmp_path):
-    from nemo_memlog.offline.probe import LOG_NAME, Probe
+    from nemo_memlog.launch.fit.probe import LOG_NAME, Probe
 
     (tmp_path / LOG_NAME).write_text("start\n[rank0]: ValueError: no\n" + "\n".join(f"summary {i}" for i in range(20)))
     tail = Probe(1, tmp_path).read_tail(5).splitlines()

@@ -1,4 +1,4 @@
-"""Nothing of a probe outlives ``nemo-memlog fit`` (offline/guard.py), whatever happens to fit: a
+"""Nothing of a probe outlives ``nemo-memlog fit`` (launch/guard.py), whatever happens to fit: a
 SIGKILL, two Ctrl-C or two SIGTERMs during the grace; with the probe's processes of every kind the
 parent-death signal alone missed: a wrapper script, a setsid daemon, a daemon that double-forked,
 a child that ignores SIGTERM, and torchrun's ranks under ``bash -c``. Real processes; what is left
@@ -19,7 +19,7 @@ from nemo_memlog.testing.probe_stub import STUB
 from nemo_memlog.testing.torchrun import ROOT
 from nemo_memlog.testing.wait import left_behind, seconds_until, wait_for
 
-FIT = [sys.executable, "-m", "nemo_memlog.offline.cli", "fit"]
+FIT = [sys.executable, "-m", "nemo_memlog.cli", "fit"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 #: The probe: a wrapper script that starts, each with the script's folder (the test's) in its
 #: command line, a setsid daemon, one orphaned at once (double fork), a child that ignores SIGTERM,

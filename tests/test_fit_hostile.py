@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from nemo_memlog.offline import fit as fit_module
-from nemo_memlog.offline import fit_words
-from nemo_memlog.offline.probe import Probe
+from nemo_memlog.launch import fit as fit_module
+from nemo_memlog.launch.fit import words as fit_words
+from nemo_memlog.launch.fit.probe import Probe
 from nemo_memlog.redaction import command_secrets, environ_secrets
 from nemo_memlog.testing.probe_stub import STUB
 from nemo_memlog.testing.torchrun import ROOT
 
-FIT = [sys.executable, "-m", "nemo_memlog.offline.cli", "fit"]
+FIT = [sys.executable, "-m", "nemo_memlog.cli", "fit"]
 SECRETS = ("PASS456", "SECRET123", "COMETKEY1", "KEY789")
 
 

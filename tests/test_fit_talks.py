@@ -18,7 +18,7 @@ from nemo_memlog.testing.torchrun import ROOT
 from nemo_memlog.testing.wait import Lines, wait_for
 
 pytestmark = pytest.mark.processes
-FIT = [sys.executable, "-m", "nemo_memlog.offline.cli", "fit", "--capacity-gb", "8", "--json"]
+FIT = [sys.executable, "-m", "nemo_memlog.cli", "fit", "--capacity-gb", "8", "--json"]
 
 
 def _start(tmp_path, mode: str) -> subprocess.Popen:

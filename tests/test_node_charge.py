@@ -20,10 +20,10 @@ import pytest
 
 from nemo_memlog import advice
 from nemo_memlog.host_limit import ProcessLimit, find_limit
+from nemo_memlog.launch.fit import measured_fits
 from nemo_memlog.measure import layer_record
 from nemo_memlog.offline import node_charge, report
 from nemo_memlog.offline.advise import load
-from nemo_memlog.offline.fit import measured_fits
 
 HOST = 64_000_000_000
 CGROUP = "node-a:/sys/fs/cgroup/memory/job"

@@ -22,8 +22,8 @@ from nemo_memlog.cli import main
 from nemo_memlog.failure import records
 from nemo_memlog.measure import layer_record
 from nemo_memlog.offline import advise
-from nemo_memlog.offline.postmortem_render import format_text
-from nemo_memlog.offline.postmortem_state import Postmortem, RankState
+from nemo_memlog.offline.postmortem.render import format_text
+from nemo_memlog.offline.postmortem.state import Postmortem, RankState
 from nemo_memlog.offline.rank_files import RankFile
 from nemo_memlog.testing.flight_sim import layout, write_run
 

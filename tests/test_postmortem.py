@@ -581,7 +581,7 @@ def test_png_colours_each_stage_apart_and_marks_the_first_failure_another_way(tm
     last record, named beside it, never a red line over its stage's (issue 40)."""
     from matplotlib.colors import to_hex
 
-    from nemo_memlog.offline import postmortem_plot
+    from nemo_memlog.offline.postmortem import plot as postmortem_plot
 
     figures = []
     real = postmortem_plot.save

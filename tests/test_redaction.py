@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_memlog.offline.fit_words import shown
+from nemo_memlog.launch.fit.words import shown
 from nemo_memlog.redaction import REDACTED, command_secrets, environ_secrets, launch_secrets, redact, secret_name
 
 #: Options and fields that carry a credential, in the spellings users write them.

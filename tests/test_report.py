@@ -158,12 +158,15 @@ def test_new_style_scalars_are_read(tmp_path, capsys):
 
 
 def test_cli_does_not_import_torch_itself():
-    """The offline commands (cli, report, postmortem, their renderers and plots) import no torch."""
-    modules = sorted((Path(__file__).parents[1] / "nemo_memlog" / "offline").glob("*.py"))
-    assert {"cli.py", "report.py", "report_plot.py", "postmortem.py"} <= {module.name for module in modules}
+    """The command line, the offline commands (report, postmortem, advise, their renderers and plots)
+    and the launchers (run, fit) name no torch in their source (the import graph: `make lint`)."""
+    package = Path(__file__).parents[1] / "nemo_memlog"
+    modules = sorted([package / "cli.py", *(package / "offline").rglob("*.py"), *(package / "launch").rglob("*.py")])
+    names = {str(module.relative_to(package)) for module in modules}
+    assert {"cli.py", "offline/report/__init__.py", "offline/report/plot.py", "launch/fit/probe.py"} <= names
     for module in modules:
         source = module.read_text()
-        assert "import torch" not in source and "from torch" not in source, module.name
+        assert "import torch" not in source and "from torch" not in source, module
 
 
 @pytest.mark.processes
@@ -244,7 +247,7 @@ def test_png_marks_the_last_stage_as_stock_dashboards_and_labels_the_gap(report,
     """The gap the PNG labels: at the last step, the peak over stages minus the last stage's value
     (what stock Megatron dashboards, written by the last rank, show); the Title names the folder."""
     from nemo_memlog.offline.events import load_run
-    from nemo_memlog.offline.report_plot import gap_to_last_stage
+    from nemo_memlog.offline.report.plot import gap_to_last_stage
 
     run = load_run(run_dir)
     k = STEPS[-1] // 10
@@ -276,8 +279,8 @@ def write_composition(tensorboard_dir, activations_gb, steps=(0, 10)):
 
 @pytest.mark.parametrize("activations_gb, unit", [((0.54, 0.41, 0.27, 0.14), "MB"), ((5.4, 4.1, 2.7, 1.4), "GB")])
 def test_composition_png_picks_its_unit_and_names_the_microbatches_in_flight(tmp_path, capsys, activations_gb, unit):
-    from nemo_memlog.offline import composition_plot
     from nemo_memlog.offline.events import load_run
+    from nemo_memlog.offline.report import composition as composition_plot
 
     write_composition(tmp_path / "tb", activations_gb)
     run = load_run(tmp_path)
@@ -448,7 +451,8 @@ def test_records_kept_apart_are_read_with_records_and_an_unreadable_folder_is_na
 
 
 def test_one_name_per_part_in_the_tables_and_the_pictures(tmp_path, capsys, monkeypatch):
-    from nemo_memlog.offline import advise_plot, composition_plot
+    from nemo_memlog.offline.advise import plot as advise_plot
+    from nemo_memlog.offline.report import composition as composition_plot
 
     run = cpu_run(tmp_path / "run")
     advise_figures = captured(monkeypatch, advise_plot)
@@ -471,7 +475,7 @@ def test_one_name_per_part_in_the_tables_and_the_pictures(tmp_path, capsys, monk
 
 
 def test_the_composition_bars_reach_the_measured_peak_against_the_capacity(tmp_path, capsys, monkeypatch):
-    from nemo_memlog.offline import composition_plot
+    from nemo_memlog.offline.report import composition as composition_plot
 
     run = cpu_run(tmp_path / "run")
     figures = captured(monkeypatch, composition_plot)
@@ -486,7 +490,7 @@ def test_the_composition_bars_reach_the_measured_peak_against_the_capacity(tmp_p
 
 
 def test_report_png_labels_a_gap_only_beyond_the_runs_own_variation(tmp_path, capsys, monkeypatch):
-    from nemo_memlog.offline import report_plot
+    from nemo_memlog.offline.report import plot as report_plot
 
     figures = captured(monkeypatch, report_plot)
     apart = cpu_run(tmp_path / "apart")

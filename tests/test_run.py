@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from nemo_memlog.integrations import instrument
-from nemo_memlog.offline.run import BOOTSTRAP
+from nemo_memlog.launch.run import BOOTSTRAP
 
 RUN = [sys.executable, "-m", "nemo_memlog.cli", "run"]
 
@@ -207,7 +207,7 @@ def test_bridge_callbacks_get_ours_unless_present():
     instrument.with_bridge_callback(empty)
     assert [type(f.__self__) for f in empty.list_callbacks("on_train_start")] == [MemoryLogCallback]
     from nemo_memlog.integrations import bridge, lightning, megatron_lm
-    from nemo_memlog.offline import run
+    from nemo_memlog.launch import run
 
     # run refuses at launch only what no way in takes: its table is theirs (it imports none of them)
     assert run.TAKEN_BY == {

@@ -1,6 +1,6 @@
 """FlightRecorder: this rank's recent memory history, in a file of its own that survives a SIGKILL.
 
-The writing side of the failure path (records.py is the format, offline/postmortem.py the
+The writing side of the failure path (records.py is the format, offline/postmortem/__init__.py the
 reader; identity.py says who writes, evidence.py what the host shows, oom.py what a CUDA OOM
 adds):
 

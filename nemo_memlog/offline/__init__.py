@@ -1,15 +1,15 @@
-"""The offline commands: ``nemo-memlog report`` and ``nemo-memlog postmortem``.
+"""The offline commands: ``nemo-memlog report``, ``postmortem`` and ``advise``.
 
-They read what a run left on disk (TensorBoard events, flight records) and need no torch,
-no process group and no training code. One line per module, in the data's order:
+They read what a run left on disk (TensorBoard events, flight records, per-layer records) and
+need no torch, no process group and no training code. The command line is nemo_memlog/cli.py;
+the commands that launch a job (run, fit) are in nemo_memlog/launch/. In the data's order:
 
-    cli                 the command line: parses, prints, writes the PNGs, sets the exit status
-    events              TensorBoard event files -> MemoryRun (the memory/ series of one run)
-    report              MemoryRun -> the per-stage table            report_plot      -> its PNG
-    rank_files          flight-record ring files -> RankFile (one per rank; format: failure.records)
-    postmortem          RankFiles -> Postmortem (status per rank, the first failure)
-    postmortem_render   Postmortem -> the text                      postmortem_plot  -> its PNG
-    postmortem_json     Postmortem -> the JSON for a failure hook
-    node_charge         per-layer records -> the nodes whose ranks share a memory cgroup (advise, fit, report)
-    tables, plotting    what the renderers share: table layout, number and time formats; figure and save
+    events          TensorBoard event files -> MemoryRun (the memory/ series of one run)
+    rank_files      flight-record ring files -> RankFile (one per rank; format: failure.records)
+    node_charge     per-layer records -> the nodes whose ranks share a memory cgroup (advise, fit, report)
+    report/         MemoryRun -> the per-stage table (__init__); plot: its PNG; composition: the parts' PNG
+    postmortem/     RankFiles -> Postmortem (__init__: status per rank, the first failure); state: the data;
+                    sentence, render: the words; as_json: the JSON for a failure hook; plot: its PNG
+    advise/         per-layer records -> each stage's parts today and under a change (__init__); plot: its PNG
+    tables, plotting  what the renderers share: table layout, number and time formats; figure and save
 """

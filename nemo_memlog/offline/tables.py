@@ -2,7 +2,7 @@
 
 Reads no file and prints nothing: ``Column`` lists in, lines of text out; numbers and unix
 times in, short strings out. The report's table (report.py), the post-mortem's text
-(postmortem_render.py) and both PNGs (report_plot.py, postmortem_plot.py) format through here,
+(postmortem/render.py) and both PNGs (report/plot.py, postmortem/plot.py) format through here,
 so one figure reads the same in every output.
 """
 

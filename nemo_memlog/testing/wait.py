@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ..offline.guard import alive, descendants
+from ..launch.guard import alive, descendants
 
 __all__ = ["Lines", "alive", "descendants", "left_behind", "returns_within", "seconds_until", "wait_for"]
 

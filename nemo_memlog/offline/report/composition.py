@@ -15,15 +15,15 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import parts as _parts
-from ..keys import DEVICE_OTHER as _DEVICE_OTHER
-from ..keys import PEAK_HOST_RSS, PEAK_RESERVED
-from ..parts import OUTSIDE_CPU, label_of
-from .plotting import PART_COLOURS, new_figure, save
-from .tables import size_scale, size_text
+from ... import parts as _parts
+from ...keys import DEVICE_OTHER as _DEVICE_OTHER
+from ...keys import PEAK_HOST_RSS, PEAK_RESERVED
+from ...parts import OUTSIDE_CPU, label_of
+from ..plotting import PART_COLOURS, new_figure, save
+from ..tables import size_scale, size_text
 
 if TYPE_CHECKING:
-    from .events import MemoryRun
+    from ..events import MemoryRun
 
 #: (logged name, label, colour), bottom to top: on a GPU they add up to the peak reserved, then
 #: the memory outside the allocator. On CPU only the model state and activations are measured.
@@ -91,7 +91,7 @@ def write_png(run: MemoryRun, path: str | Path, records: Any = None) -> Path:
     host's capacity per rank, as ``report`` and ``advise`` say it); returns the path. A part no
     stage measured (temporaries, slack and outside the allocator on CPU: no CUDA allocator) is
     left out and said so under the legend."""
-    from .report import capacity_per_rank, replica_line
+    from . import capacity_per_rank, replica_line
 
     step, parts = stage_parts(run)
     gpu = not any(REST in p for p in parts.values())

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .plotting import finish_axes, integer_ticks, new_figure, save
-from .report import MemoryRun, capacity_per_rank, replica_line
-from .tables import size_scale, size_text, unit
+from ..plotting import finish_axes, integer_ticks, new_figure, save
+from ..tables import size_scale, size_text, unit
+from . import MemoryRun, capacity_per_rank, replica_line
 
 
 def write_png(run: MemoryRun, metric: str, path: str | Path, records: Any = None) -> Path:

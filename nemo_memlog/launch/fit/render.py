@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 
-from ..redaction import scrubbed_text
-from .advise import fix_dict
-from .fit import CANDIDATES_SHOWN, Launch, Options, Result, command_for, peaks
-from .fit_words import shown
-from .tables import printable, size_text
+from ...offline.advise import fix_dict
+from ...offline.tables import printable, size_text
+from ...redaction import scrubbed_text
+from . import CANDIDATES_SHOWN, Launch, Options, Result, command_for, peaks
+from .words import shown
 
 
 def _stages(result: Result) -> list[dict]:

@@ -1,6 +1,6 @@
 """``nemo-memlog fit -- COMMAND``: the largest micro-batch size whose measured peak leaves ``margin`` of
 the capacity free on every pipeline stage, found from the job itself and confirmed before it is
-handed back. No torch: the probes are the user's own launches (offline/probe.py), the predictions
+handed back. No torch: the probes are the user's own launches (launch/fit/probe.py), the predictions
 ``advice``'s arithmetic over what they recorded.
 
 The search: the first probe (``start``) measures every stage; ``advice`` predicts the largest
@@ -30,14 +30,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import advice
-from ..measure import layer_record
-from ..redaction import launch_secrets, scrubbed_text
-from . import fit_words
-from .advise import AdviseError, load
-from .fit_words import PLACEHOLDER, SLOT
-from .guard import Guarded
+from ... import advice
+from ...measure import layer_record
+from ...offline.advise import AdviseError, load
+from ...redaction import launch_secrets, scrubbed_text
+from ..guard import Guarded
+from . import words
 from .probe import MAX_STEPS, PROBE_DIR_ENV, Probe, run_probe
+from .words import PLACEHOLDER, SLOT
 
 #: Exit status when even the smallest size does not fit.
 NOTHING_FITS = 2
@@ -131,7 +131,7 @@ def check_command(command: list[str]) -> None:
     if not command:
         raise FitError(f"no COMMAND: nemo-memlog fit [options] -- COMMAND ... {PLACEHOLDER} ...", USAGE)
     if not any(SLOT.search(part) for part in command):
-        raise FitError(f"COMMAND has no {PLACEHOLDER}: {fit_words.placeholder_hint(command)}", USAGE)
+        raise FitError(f"COMMAND has no {PLACEHOLDER}: {words.placeholder_hint(command)}", USAGE)
 
 
 def check_work_dir(work_dir: Path) -> None:
@@ -160,7 +160,7 @@ def search(options: Options) -> Result:
     work = options.work_dir or scratch
     assert work is not None  # one of the two is given
     state = _Search(options, work, secrets, scratch)
-    notes = [note for note in [fit_words.shared_tensorboard(options.command)] if note]
+    notes = [note for note in [words.shared_tensorboard(options.command)] if note]
     for note in notes:
         state._say(f"note: {note}")
     error, late, interrupted = None, None, None
@@ -170,7 +170,7 @@ def search(options: Options) -> Result:
         error = str(failed) + (f"\nthe probes' records and output are kept in {scratch}" if scratch else "")
     except KeyboardInterrupt as interrupt:  # every probe's processes have ended (run_probe): say what was measured
         interrupted = "SIGTERM" if interrupt.args == ("SIGTERM",) else "SIGINT"
-        error = fit_words.interrupted(interrupted, state)
+        error = words.interrupted(interrupted, state)
     finally:
         if scratch is not None and (error is None or interrupted):  # interrupted: the JSON holds what was measured
             shutil.rmtree(scratch, ignore_errors=True)
@@ -210,15 +210,15 @@ class _Search:
     def run(self) -> None:
         first = self._launch(self.options.start or stated_size(self.options.command) or 1, None)
         if first.run is None:
-            raise FitError(fit_words.no_measurement(first.probe, self.options))
+            raise FitError(words.no_measurement(first.probe, self.options))
         if first.outcome == "could not measure":
-            raise FitError(fit_words.could_not_measure(1, first, self.best, self.options))
+            raise FitError(words.could_not_measure(1, first, self.best, self.options))
         self.candidates = _candidates(first.run)
         size = self._next()
         while size is not None and len(self.launches) < self.options.max_launches:
             launch = self._launch(size, self._predicted(size))
             if launch.outcome == "could not measure":
-                raise FitError(fit_words.could_not_measure(len(self.launches), launch, self.best, self.options))
+                raise FitError(words.could_not_measure(len(self.launches), launch, self.best, self.options))
             size = self._next()
         if self.best is None:
             seen = [launch for launch in self.launches if launch.run]  # the smallest size, measured ones first
@@ -234,8 +234,8 @@ class _Search:
         number = len(self.launches) + 1
         folder = self.work / f"probe-{number}-mbs-{size}"
         command = command_for(self.options.command, size)
-        expected = f" (predicted peaks per stage {fit_words.sizes(predicted)})" if predicted else ""
-        self._say(f"probe {number}: micro-batch size {size}{expected}: starting {fit_words.shown(command)}")
+        expected = f" (predicted peaks per stage {words.sizes(predicted)})" if predicted else ""
+        self._say(f"probe {number}: micro-batch size {size}{expected}: starting {words.shown(command)}")
 
         def progress(probe: Probe, seconds: float) -> None:
             ranks = f"{probe.ranks_recorded} of {probe.world_size}" if probe.world_size else "none yet"
@@ -256,12 +256,10 @@ class _Search:
         measured = ""
         if run is not None and run.nodes:  # judged as the kernel charges the node: its charge against the limit
             node = max(run.nodes, key=lambda node: node.charge_gb / node.limit_gb)
-            measured = f"peaks per stage {fit_words.sizes(peaks(run))}; the node's peak charge "
-            measured += (
-                f"{fit_words.sizes([node.charge_gb])} against its cgroup's limit {fit_words.sizes([node.limit_gb])}; "
-            )
+            measured = f"peaks per stage {words.sizes(peaks(run))}; the node's peak charge "
+            measured += f"{words.sizes([node.charge_gb])} against its cgroup's limit {words.sizes([node.limit_gb])}; "
         elif run is not None and self.limit is not None:
-            measured = f"peaks per stage {fit_words.sizes(peaks(run))} against {fit_words.sizes([self.limit])}; "
+            measured = f"peaks per stage {words.sizes(peaks(run))} against {words.sizes([self.limit])}; "
         self._say(f"probe {number}: micro-batch size {size}: {launch.outcome} ({measured}{probe.seconds:.0f} s)")
         if fits:
             if self.best is None or size > self.best.probe.micro_batch_size:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..keys import HOST_RSS, PEAK_HOST_RSS, PEAK_RESERVED
-from .plotting import finish_axes, integer_ticks, new_figure, save
-from .postmortem_state import Postmortem, RankState
-from .tables import finite_number, size_scale, size_text
+from ...keys import HOST_RSS, PEAK_HOST_RSS, PEAK_RESERVED
+from ..plotting import finish_axes, integer_ticks, new_figure, save
+from ..tables import finite_number, size_scale, size_text
+from .state import Postmortem, RankState
 
 METRICS = (PEAK_RESERVED.key, PEAK_HOST_RSS.key, HOST_RSS.key)
 _STATUS_COLOR = {"closed": "tab:green", "cuda_oom": "tab:red", "unfinished": "tab:orange"}

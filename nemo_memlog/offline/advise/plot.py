@@ -8,13 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..advice import PARTS
-from ..parts import label_of
-from .plotting import PART_COLOURS, integer_ticks, new_figure, save
-from .tables import size_scale, size_text
+from ...advice import PARTS
+from ...parts import label_of
+from ..plotting import PART_COLOURS, integer_ticks, new_figure, save
+from ..tables import size_scale, size_text
 
 if TYPE_CHECKING:
-    from ..advice import Change, Outcome, Profile
+    from ...advice import Change, Outcome, Profile
 
 COLOURS = PART_COLOURS  # bottom to top, as the composition PNG colours them
 
@@ -22,7 +22,7 @@ COLOURS = PART_COLOURS  # bottom to top, as the composition PNG colours them
 def write_png(run: Profile, changes: list[Change], outcomes: list[Outcome], path: str | Path) -> Path:
     """Two bars per stage (today, predicted) into the PNG at ``path``, the stage holding the peak
     today and predicted named over its bar and in the title; returns the path."""
-    from .advise import capacity_line, peak_line, replica_line
+    from . import capacity_line, peak_line, replica_line
 
     tallest = max([o.peak_now_gb for o in outcomes] + [o.peak_gb for o in outcomes] + [run.capacity_gb or 0.0])
     unit, scale = size_scale(tallest)

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..keys import HEADROOM, HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS, HOST_TOTAL, PEAK_RESERVED
-from .postmortem import allowance_s
-from .postmortem_sentence import fragmented, sentence, stopped_after_first
-from .postmortem_state import Postmortem, RankState
-from .tables import iso_time
+from ...keys import HEADROOM, HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS, HOST_TOTAL, PEAK_RESERVED
+from ..tables import iso_time
+from . import allowance_s
+from .sentence import fragmented, sentence, stopped_after_first
+from .state import Postmortem, RankState
 
 _OOM_KEYS = (
     "time",

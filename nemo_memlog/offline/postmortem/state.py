@@ -1,16 +1,16 @@
 """What ``nemo-memlog postmortem`` finds, as data: every rank's state (``RankState``), the first
 failure and what could not be read (``Postmortem``). Built by postmortem.py's ``analyse``, put in
-words by postmortem_render.py and postmortem_json.py, drawn by postmortem_plot.py. No torch."""
+words by postmortem/render.py and postmortem/as_json.py, drawn by postmortem/plot.py. No torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..failure import records
-from ..keys import DEVICE_OTHER, DEVICE_TOTAL
-from .rank_files import RankFile
-from .tables import finite_number
+from ...failure import records
+from ...keys import DEVICE_OTHER, DEVICE_TOTAL
+from ..rank_files import RankFile
+from ..tables import finite_number
 
 DEFAULT_CLOCK_SKEW_S = 2.0
 DEFAULT_LIVENESS_PERIOD_S = 1.0

@@ -25,12 +25,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import advice
-from ..keys import PEAK_RESERVED
-from ..measure import layer_record
-from ..redaction import scrubbed_text
-from .guard import Guarded
-from .tables import printable
+from ... import advice
+from ...keys import PEAK_RESERVED
+from ...measure import layer_record
+from ...offline.tables import printable
+from ...redaction import scrubbed_text
+from ..guard import Guarded
 
 #: The environment variable the product reads (config.schema.PROBE_DIR_ENV; not imported: no torch here).
 PROBE_DIR_ENV = "NEMO_MEMLOG_PROBE_DIR"

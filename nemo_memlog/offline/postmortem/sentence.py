@@ -1,18 +1,18 @@
 """The post-mortem's words for one rank and for the run: the lead sentence (``sentence``), the
 OOM's composition and advice clauses, the ambiguity and victims lines. Reads a
-``postmortem_state.Postmortem``; used by postmortem_render.py (the text) and postmortem_json.py."""
+``state.Postmortem``; used by postmortem/render.py (the text) and postmortem/as_json.py."""
 
 from __future__ import annotations
 
 from collections import Counter
 
-from .. import advice
-from ..failure.records import PEER_LOSS
-from ..keys import DEVICE_OTHER, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS, HOST_TOTAL
-from ..measure import layer_record
-from ..parts import MODEL_STATE_KEYS, OUTSIDE_GPU, STEP_KEYS
-from .postmortem_state import Postmortem, RankState
-from .tables import clock, finite_number, gb_text, size_text, whole_number
+from ... import advice
+from ...failure.records import PEER_LOSS
+from ...keys import DEVICE_OTHER, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS, HOST_TOTAL
+from ...measure import layer_record
+from ...parts import MODEL_STATE_KEYS, OUTSIDE_GPU, STEP_KEYS
+from ..tables import clock, finite_number, gb_text, size_text, whole_number
+from .state import Postmortem, RankState
 
 FRAGMENTATION_FIX = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 #: A clean end's reason (the recorder's word) in words.

@@ -2,8 +2,8 @@
 
 Reads the per-rank ring files that recorder.py writes (their format: records.py) anywhere
 below a folder, on the cluster or on a copy of it, through rank_files.py; prints nothing:
-``analyse`` returns a ``Postmortem`` that postmortem_render.py and postmortem_json.py put
-in words and postmortem_plot.py draws. No torch, no process group, no training code.
+``analyse`` returns a ``Postmortem`` that postmortem/render.py and postmortem/as_json.py put
+in words and postmortem/plot.py draws. No torch, no process group, no training code.
 
 Every rank that left a readable header gets exactly one status:
 
@@ -42,10 +42,12 @@ import re
 import time
 from pathlib import Path
 
-from ..bounded import ReadBudget, Refused
-from ..failure import records
-from ..keys import HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_TOTAL, PEAK_RESERVED
-from .postmortem_state import (
+from ...bounded import ReadBudget, Refused
+from ...failure import records
+from ...keys import HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_TOTAL, PEAK_RESERVED
+from ..rank_files import MAX_FILE_BYTES, RankFile, find_record_files, read_rank_file
+from ..tables import finite_number, gb_text
+from .state import (
     DEFAULT_CLOCK_SKEW_S,
     LOW_AVAILABLE_FRACTION,
     NEAR_LIMIT_FRACTION,
@@ -54,8 +56,6 @@ from .postmortem_state import (
     PostmortemError,
     RankState,
 )
-from .rank_files import MAX_FILE_BYTES, RankFile, find_record_files, read_rank_file
-from .tables import finite_number, gb_text
 
 _RANK_IN_NAME = re.compile(r"rank-(\d+)")
 

@@ -3,7 +3,7 @@
 Reads the run through events.py (``load_run``); ``format_report`` returns the text the
 command prints: the run's steps, peak window, resumes and other runs, capacities, and one
 row per memory metric with the logged max, the stage holding it, each stage's own values
-and the headroom. report_plot.py draws the PNG. No torch.
+and the headroom. report/plot.py draws the PNG. No torch.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..attribution import PREFIX
-from ..keys import DEVICE_TOTAL, HEADROOM, HEADROOM_STAGE, HOST_HEADROOM, HOST_TOTAL, PEAK_HOST_RSS, PEAK_RESERVED
-from .events import EXPECTED, EventFile, MemoryRun, ReportError, Series, is_host, load_run, split_runs
-from .tables import Column, metric_cell, printable, render_table, size_text
+from ...attribution import PREFIX
+from ...keys import DEVICE_TOTAL, HEADROOM, HEADROOM_STAGE, HOST_HEADROOM, HOST_TOTAL, PEAK_HOST_RSS, PEAK_RESERVED
+from ..events import EXPECTED, EventFile, MemoryRun, ReportError, Series, is_host, load_run, split_runs
+from ..tables import Column, metric_cell, printable, render_table, size_text
 
 __all__ = [
     "EventFile",
@@ -93,7 +93,7 @@ def records_run(run: MemoryRun, folder: Path | None = None, budget: Any = None) 
     so both commands say the same. ``folder``: the records' folder, given (``report --records``)
     where it is not the run's: unreadable, it raises ReportError saying why. ``budget``: the
     command's read budget (bounded.ReadBudget)."""
-    from .advise import AdviseError, load
+    from ..advise import AdviseError, load
 
     try:
         return load(run.run_dir if folder is None else folder, budget=budget)
@@ -138,7 +138,7 @@ def capacity_lines(run: MemoryRun, records: Any = None) -> list[str]:
     device, host = run.get(DEVICE_TOTAL.key), run.get(HOST_TOTAL.key)
     per_rank_host = records is not None and bool(records.capacity_gb) and not records.gpu
     if records is not None and records.capacity_gb:
-        from .advise import capacity_line
+        from ..advise import capacity_line
 
         lines.append(capacity_line(records) + ", as `nemo-memlog advise` takes it")
         peaks = run.per_stage(PEAK_HOST_RSS.key) if per_rank_host else {}

@@ -2,7 +2,7 @@
 
 Reads a ``postmortem.Postmortem`` (no file); ``format_text`` returns the text
 ``nemo-memlog postmortem`` prints, ``sentence`` the first failure in one sentence (also in
-the JSON, postmortem_json.py). Tables and numbers are formatted by tables.py.
+the JSON, postmortem/as_json.py). Tables and numbers are formatted by tables.py.
 """
 
 from __future__ import annotations
@@ -11,17 +11,10 @@ import math
 import time
 from collections import Counter
 
-from ..keys import HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS
-from .postmortem_sentence import (
-    ambiguity_line,
-    fragmented,
-    rank_ranges,
-    sentence,
-    stopped_after_first,
-    victims_line,
-)
-from .postmortem_state import STATUSES, Postmortem, RankState
-from .tables import Column, cell, clock, date_time, gb_cell, printable, render_block
+from ...keys import HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS
+from ..tables import Column, cell, clock, date_time, gb_cell, printable, render_block
+from .sentence import ambiguity_line, fragmented, rank_ranges, sentence, stopped_after_first, victims_line
+from .state import STATUSES, Postmortem, RankState
 
 #: Up to this many ranks the table has every rank; above it, the failures, the first one's
 #: pipeline and host, and a summary per pipeline stage (``--all`` for every row).

@@ -14,13 +14,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import advice, parts
-from ..bounded import ReadBudget
-from ..keys import DEVICE_TOTAL, HOST_LIMIT, HOST_TOTAL, PEAK_RESERVED
-from ..measure import layer_record
-from ..parts import label_of
-from . import node_charge
-from .tables import printable, size_text
+from ... import advice, parts
+from ...bounded import ReadBudget
+from ...keys import DEVICE_TOTAL, HOST_LIMIT, HOST_TOTAL, PEAK_RESERVED
+from ...measure import layer_record
+from ...parts import label_of
+from .. import node_charge
+from ..tables import printable, size_text
 
 #: The files that make a folder a record folder.
 PATTERN = "rank-*.layers.json"

@@ -9,9 +9,9 @@ import shlex
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..redaction import command_secrets, scrubbed_text
+from ...offline.tables import size_text
+from ...redaction import command_secrets, scrubbed_text
 from .probe import LOG_NAME
-from .tables import size_text
 
 if TYPE_CHECKING:
     from .probe import Probe
