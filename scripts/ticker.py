@@ -96,7 +96,7 @@ class PipProgress:
 
     def line(self, text: str) -> None:
         text = text.rstrip()
-        if text.startswith("Collecting "):
+        if text.startswith(("Collecting ", "Processing ")):  # a package from the index, or a local wheel
             self.collected += 1
         if text.startswith("Installing collected packages:"):
             self.installing = [name.strip() for name in text.split(":", 1)[1].split(",") if name.strip()]
