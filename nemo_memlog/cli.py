@@ -18,12 +18,10 @@ import os
 import sys
 from pathlib import Path
 
+from .commands import CANNOT_TELL, CLOSED_PIPE, DONE, FOUND_FAILURE, INTERRUPTED, NOTHING_FITS, USAGE_ERROR
 from .launch import run
 
 RUN_HELP = "COMMAND with memory logging in every Python process it starts, no code change (docs/megatron_lm.md)"
-#: The exit status of a command whose reader went away (``nemo-memlog postmortem RUN | head``): the
-#: shell's for a process ended by SIGPIPE, 128 + 13, without its traceback.
-CLOSED_PIPE = 141
 PNG_NAME = "memory_report.png"
 POSTMORTEM_PNG_NAME = "memory_postmortem.png"
 ADVISE_PNG_NAME = "memory_advise.png"
@@ -282,7 +280,7 @@ def _command(args) -> int:
     except ReportError as error:
         hint = _record_hint(args.run_dir)
         print(f"nemo-memlog: error: {error}" + (f"\n{hint}" if hint else ""), file=sys.stderr)
-        return 2
+        return USAGE_ERROR
 
 
 def _advise(args) -> int:
@@ -306,7 +304,7 @@ def _advise(args) -> int:
         outcomes = advice.predict(run, changes)
     except (AdviseError, ValueError) as error:  # advice.Refused is a ValueError
         print(f"nemo-memlog advise: error: {error}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     best = advice.max_micro_batch_size(run, changes)
     fixes = advice.changes_that_fit(run, args.margin) if args.fit else None
     png = None
@@ -327,7 +325,7 @@ def _fit(args) -> int:
     what happened, never from a message's words. --json: one object whatever happens (with ``error``)."""
     import signal
 
-    from .launch.fit import CANNOT_TELL, NOTHING_FITS, FitError, Options, search
+    from .launch.fit import FitError, Options, search
     from .launch.fit.render import as_json, as_text, error_json
     from .redaction import launch_secrets, scrubbed_text
 
@@ -355,15 +353,15 @@ def _fit(args) -> int:
         return error.code
     except KeyboardInterrupt as interrupt:
         print("nemo-memlog fit: interrupted; every probe's processes ended", file=sys.stderr)
-        return 143 if interrupt.args == ("SIGTERM",) else 130
+        return INTERRUPTED["SIGTERM" if interrupt.args == ("SIGTERM",) else "SIGINT"]
     if args.json:
         print(as_json(result, options))
     elif result.error is None:
         print(as_text(result, options))
     if result.error is not None:
         print(f"nemo-memlog fit: {'' if result.interrupted else 'error: '}{result.error}", file=sys.stderr)
-        return {"SIGINT": 130, "SIGTERM": 143}.get(result.interrupted or "", CANNOT_TELL)
-    return 0 if result.micro_batch_size is not None else NOTHING_FITS
+        return INTERRUPTED.get(result.interrupted or "", CANNOT_TELL)
+    return DONE if result.micro_batch_size is not None else NOTHING_FITS
 
 
 def _interrupted(signum, frame) -> None:
@@ -395,7 +393,7 @@ def _postmortem(args) -> int:
         postmortem = analyse(args.run_dir, run_id=args.run_id, clock_skew_s=args.clock_skew_s, budget=_read_budget())
     except PostmortemError as error:
         print(f"nemo-memlog: error: {error}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     png = None
     if not args.no_png and (args.png or not args.json):
         png = _png(postmortem_plot.write_png, (postmortem, args.png or args.run_dir / POSTMORTEM_PNG_NAME))
@@ -405,7 +403,7 @@ def _postmortem(args) -> int:
         print(format_text(postmortem, all_rows=args.all))
         if png:
             print(f"\nplot of the last records per stage and when each rank stopped: {png}")
-    return 1 if postmortem.first_failure is not None else 0
+    return FOUND_FAILURE if postmortem.first_failure is not None else DONE
 
 
 def _read_budget():

@@ -1,5 +1,6 @@
 """The commands the package prints (in-run notes, report footers, the demo's closing lines),
-in the form that runs when pasted into a shell. No torch: the offline reader uses it too.
+in the form that runs when pasted into a shell, and the exit statuses of the ``nemo-memlog``
+commands, named once. No torch: the offline reader uses it too.
 
 A virtual environment's console scripts are usually not on PATH: ``nemo-memlog`` printed bare
 gives "command not found" unless the environment is active. So a console script of this
@@ -13,6 +14,21 @@ import os
 import shutil
 import sys
 from pathlib import Path
+
+# The exit statuses of the ``nemo-memlog`` commands: one name per meaning (docs/fit.md, docs/postmortem.md).
+#: The command did what was asked: a report, an answer, no failure found.
+DONE = 0
+#: ``postmortem``: a rank failed (the first failure is named); ``fit``: it cannot tell (a probe could not
+#: measure, the command's batch is not as fit needs).
+FOUND_FAILURE = CANNOT_TELL = 1
+#: The input cannot be used: an unknown option, no COMMAND, unreadable records; the message says what to change.
+USAGE_ERROR = 2
+#: ``fit``: even the smallest size does not fit (what would instead is listed).
+NOTHING_FITS = 2
+#: Ended by a signal: the shell's 128 + the signal's number, without a traceback.
+INTERRUPTED = {"SIGINT": 130, "SIGTERM": 143}
+#: The reader went away (``nemo-memlog postmortem RUN | head``): the shell's status for SIGPIPE, 128 + 13.
+CLOSED_PIPE = 141
 
 
 def console_command(name: str) -> str:

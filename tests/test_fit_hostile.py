@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from nemo_memlog import commands
 from nemo_memlog.launch import fit as fit_module
 from nemo_memlog.launch.fit import words as fit_words
 from nemo_memlog.launch.fit.probe import Probe
@@ -189,7 +190,7 @@ def test_secrets_are_found_in_a_command_and_the_environment():
 def test_a_command_without_the_placeholder_is_answered_in_its_frameworks_words(command, hint):
     with pytest.raises(fit_module.FitError, match="has no {micro_batch_size}") as refused:
         fit_module.check_command(command)
-    assert hint in str(refused.value) and refused.value.code == fit_module.USAGE
+    assert hint in str(refused.value) and refused.value.code == commands.USAGE_ERROR
     if "--micro-batch-size" in " ".join(command):
         assert "train.micro_batch_size" not in str(refused.value)  # no Bridge words to a Megatron-LM user
 

@@ -158,7 +158,7 @@ def test_a_command_that_cannot_start_is_one_line_126_or_127(tmp_path):
     plain = tmp_path / "plain.txt"
     plain.write_text("")
     too_long = (  # one argument past the kernel's 128 KiB per string: the launcher's exec gets E2BIG
-        "import sys; from nemo_memlog.offline import run; sys.exit(run.main(['--', 'true', 'x' * 200_000]))"
+        "import sys; from nemo_memlog.launch import run; sys.exit(run.main(['--', 'true', 'x' * 200_000]))"
     )
     for command, status, says in [
         ([str(script)], 126, "run it with its interpreter (nemo-memlog run -- bash"),

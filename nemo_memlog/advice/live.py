@@ -83,29 +83,29 @@ def run_from_gathered(
     return Profile.of(stages, layout, facts, gpu=gpu, capacity_gb=capacity)
 
 
-def step_metrics(run: Profile | None) -> dict:
+def step_metrics(profile: Profile | None) -> dict:
     """The advice a logging step logs: ``MAX_MICRO_BATCH`` where the run states its micro-batch size."""
-    if run is None or not run.micro_batch_size:
+    if profile is None or not profile.micro_batch_size:
         return {}
-    best, _ = max_micro_batch_size(run)
+    best, _ = max_micro_batch_size(profile)
     return {} if best is None else {MAX_MICRO_BATCH: best}
 
 
-def headroom_warnings(unified: dict, fraction: float, run: Profile | None) -> list[tuple[str, str]]:
+def headroom_warnings(unified: dict, fraction: float, profile: Profile | None) -> list[tuple[str, str]]:
     """(kind, sentence) for each headroom below ``fraction`` of capacity (``attribution.low_headroom``),
     with the smallest change that would restore it where ``run`` measured that kind of memory."""
     found = []
     for kind, _stage, sentence in low_headroom(unified, fraction):
-        if run is not None and (kind == "device") == run.gpu:
-            sentence += fix_sentence(run, fraction)
+        if profile is not None and (kind == "device") == profile.gpu:
+            sentence += fix_sentence(profile, fraction)
         found.append((kind, sentence))
     return found
 
 
-def fix_sentence(run: Profile, fraction: float) -> str:
+def fix_sentence(profile: Profile, fraction: float) -> str:
     """The low-headroom warning's advice: the smallest listed change that leaves every stage
     ``fraction`` of its capacity free, with the predicted figure; or that none of them does."""
-    found = smallest_fix(run, fraction)
+    found = smallest_fix(profile, fraction)
     if found is None:
         return (
             f" No change nemo-memlog advise predicts alone (expandable segments, the distributed optimizer, "
@@ -120,12 +120,12 @@ def fix_sentence(run: Profile, fraction: float) -> str:
     )
 
 
-def would_have_fit(run: Profile) -> list[tuple[str, float]]:
+def would_have_fit(profile: Profile) -> list[tuple[str, float]]:
     """(change, predicted peak GB) for each listed change after which every stage fits its capacity."""
     fits = []
     for text in ("expandable_segments=true", "distributed_optimizer=true", "micro_batch_size=x0.5", "recompute=full"):
         try:
-            outcomes = predict(run, parse([text]))
+            outcomes = predict(profile, parse([text]))
         except Refused:
             continue
         if all(outcome.fits for outcome in outcomes):

@@ -119,11 +119,11 @@ MAX_GROWTH = 1.5
 SAME_PARAMS_SHARE = 0.02
 
 
-def global_batch(run: Profile) -> int | None:
+def global_batch(profile: Profile) -> int | None:
     """Samples per iteration: micro-batch size x microbatches x data-parallel size, where known."""
-    if not run.micro_batch_size or not run.microbatches:
+    if not profile.micro_batch_size or not profile.microbatches:
         return None
-    return run.micro_batch_size * run.microbatches * run.dp_size
+    return profile.micro_batch_size * profile.microbatches * profile.dp_size
 
 
 def job_difference(first: Profile, second: Profile) -> str | None:

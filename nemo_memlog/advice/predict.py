@@ -11,13 +11,13 @@ from .model import CHANGES, MODEL_STATE, Change, Outcome, Profile, Refused, Stag
 # ---- predicting ------------------------------------------------------------------------------
 
 
-def predict(run: Profile, changes: list[Change]) -> list[Outcome]:
+def predict(profile: Profile, changes: list[Change]) -> list[Outcome]:
     """Every stage under ``changes`` applied together (in the order CHANGES lists them). Raises Refused."""
-    state = _State.of(run)
+    state = _State.of(profile)
     order = list(CHANGES)
     for change in sorted(changes, key=lambda change: order.index(change.name)):
-        _APPLY[change.name](run, state, change)
-    return state.outcomes(run)
+        _APPLY[change.name](profile, state, change)
+    return state.outcomes(profile)
 
 
 @dataclass
@@ -40,9 +40,9 @@ class _State:
     assumptions: list[str]
 
     @classmethod
-    def of(cls, run: Profile) -> _State:
+    def of(cls, profile: Profile) -> _State:
         plans = []
-        for stage in run.stages:
+        for stage in profile.stages:
             held = stage.in_flight or 1
             plans.append(
                 _Plan(
@@ -52,21 +52,21 @@ class _State:
                     [dict(r) for r in stage.layers],
                 )
             )
-        return cls(plans, run.microbatches, run.micro_batch_size, [])
+        return cls(plans, profile.microbatches, profile.micro_batch_size, [])
 
-    def outcomes(self, run: Profile) -> list[Outcome]:
-        out = self._per_stage(run)
+    def outcomes(self, profile: Profile) -> list[Outcome]:
+        out = self._per_stage(profile)
         change = {outcome.stage: outcome.peak_gb - outcome.peak_now_gb for outcome in out}
-        for node in run.nodes:  # the node's charge plus each of its ranks' change: shared pages once
+        for node in profile.nodes:  # the node's charge plus each of its ranks' change: shared pages once
             room = node.limit_gb - node.charge_gb - sum(change.get(stage, 0.0) for stage in node.stages)
             for outcome in out:
                 if outcome.stage in node.stages and (outcome.node_room_gb is None or room < outcome.node_room_gb):
                     outcome.node_room_gb, outcome.node_limit_gb = room, node.limit_gb
         return out
 
-    def _per_stage(self, run: Profile) -> list[Outcome]:
+    def _per_stage(self, profile: Profile) -> list[Outcome]:
         out = []
-        for stage, plan in zip(run.stages, self.plans):
+        for stage, plan in zip(profile.stages, self.plans):
             predicted = dict(plan.parts)
             predicted["activations_gb"] = plan.per_held * (plan.in_flight or 1)
             bounds = None
@@ -79,7 +79,7 @@ class _State:
                     with_model_state(predicted),
                     stage.in_flight,
                     plan.in_flight,
-                    run.capacity_gb,
+                    profile.capacity_gb,
                     self.assumptions,
                     peak_range_gb=bounds,
                 )
@@ -115,12 +115,12 @@ SCHEDULES = {
 }
 
 
-def schedule_name(run: Profile) -> str:
+def schedule_name(profile: Profile) -> str:
     """The run's pipeline schedule: its stated fact, else "interleaved" for several chunks per stage,
     else "1f1b". Raises Refused for a stated schedule whose rule is not known (never guessed)."""
-    stated = run.schedule
+    stated = profile.schedule
     if stated is None:
-        return "interleaved" if any(stage.chunks > 1 for stage in run.stages) else "1f1b"
+        return "interleaved" if any(stage.chunks > 1 for stage in profile.stages) else "1f1b"
     name = str(stated).lower().replace("-", "").replace("_", "")
     if name not in SCHEDULES:
         raise Refused(
@@ -144,32 +144,36 @@ def in_flight(schedule: str, pp_size: int, stage: int, chunks: int, microbatches
     return total if warmup >= total else warmup + 1
 
 
-def _in_flight_for(run: Profile, state: _State, microbatches: int) -> None:
-    if run.microbatches is None:  # today's count unknown: the measured count as each stage's limit
-        for stage, plan in zip(run.stages, state.plans):
+def _in_flight_for(profile: Profile, state: _State, microbatches: int) -> None:
+    if profile.microbatches is None:  # today's count unknown: the measured count as each stage's limit
+        for stage, plan in zip(profile.stages, state.plans):
             if stage.in_flight is not None:
-                cap = max(stage.in_flight, (run.pp_size - stage.stage) * stage.chunks)
+                cap = max(stage.in_flight, (profile.pp_size - stage.stage) * stage.chunks)
                 plan.in_flight = min(cap, microbatches * stage.chunks)
         state.microbatches = microbatches
         return
-    schedule = schedule_name(run)
-    for stage, plan in zip(run.stages, state.plans):
+    schedule = schedule_name(profile)
+    for stage, plan in zip(profile.stages, state.plans):
         if stage.in_flight is None:
             continue
-        rule = in_flight(schedule, run.pp_size, stage.stage, stage.chunks, run.microbatches, run.microbatch_group)
+        rule = in_flight(
+            schedule, profile.pp_size, stage.stage, stage.chunks, profile.microbatches, profile.microbatch_group
+        )
         if rule != stage.in_flight:
             raise Refused(
                 f"stage {stage.stage} held {stage.in_flight} microbatches at once where the {schedule} schedule holds "
-                f"{rule} with {run.microbatches} microbatches: the run's schedule is not {schedule} as recorded; "
+                f"{rule} with {profile.microbatches} microbatches: the run's schedule is not {schedule} as recorded; "
                 f"state it (training_log(..., facts={{'schedule': ...}}), one of {', '.join(SCHEDULES)}), or check "
                 f"the recorded microbatches"
             )
-        plan.in_flight = in_flight(schedule, run.pp_size, stage.stage, stage.chunks, microbatches, run.microbatch_group)
+        plan.in_flight = in_flight(
+            schedule, profile.pp_size, stage.stage, stage.chunks, microbatches, profile.microbatch_group
+        )
     state.microbatches = microbatches
     state.assumptions.append(f"in flight: the {schedule} schedule's rule, {SCHEDULES[schedule]}; it matched the run")
 
 
-def _micro_batch_size(run: Profile, state: _State, change: Change) -> None:
+def _micro_batch_size(profile: Profile, state: _State, change: Change) -> None:
     kind, amount = change.value
     if kind == "n":
         if state.micro_batch_size is None:
@@ -181,7 +185,7 @@ def _micro_batch_size(run: Profile, state: _State, change: Change) -> None:
         factor = amount / state.micro_batch_size
     else:
         factor = amount
-    growth = run.temporaries_growth or (1.0,) * len(state.plans)
+    growth = profile.temporaries_growth or (1.0,) * len(state.plans)
     host_rule = False
     for plan, power in zip(state.plans, growth):
         layer_working_set = max((row["activations_per_microbatch_gb"] for row in plan.layers), default=0.0)
@@ -190,7 +194,7 @@ def _micro_batch_size(run: Profile, state: _State, change: Change) -> None:
             row["activations_per_microbatch_gb"] *= factor
             row["input_per_microbatch_gb"] *= factor
         today = plan.parts.get("temporaries_gb")
-        if today and not run.temporaries_growth and not run.gpu and layer_working_set > 0:
+        if today and not profile.temporaries_growth and not profile.gpu and layer_working_set > 0:
             plan.parts["temporaries_gb"] = _host_temporaries(today, layer_working_set, factor)
             far = today * factor if factor > 1 else today  # the other rule: in proportion, or held
             point = plan.parts["temporaries_gb"]
@@ -198,10 +202,10 @@ def _micro_batch_size(run: Profile, state: _State, change: Change) -> None:
             host_rule = True
         elif today:
             plan.parts["temporaries_gb"] = today * factor**power
-            if not run.temporaries_growth:  # one run: x1 (they do not scale) to x factor (they do), both hold
+            if not profile.temporaries_growth:  # one run: x1 (they do not scale) to x factor (they do), both hold
                 plan.temporaries_range = (min(today, today * factor), max(today, today * factor))
                 plan.keeps_top = True
-    if run.temporaries_growth:
+    if profile.temporaries_growth:
         powers = ", ".join(f"{power:.2f}" for power in growth)
         grows = f"the temporaries x{factor:g}**p, p per stage from two runs at two sizes: {powers}"
     elif host_rule:
@@ -236,7 +240,7 @@ def _micro_batch_size(run: Profile, state: _State, change: Change) -> None:
             f"{change.text}: with the global batch fixed, {state.microbatches} microbatches become {samples:g}, "
             f"not a whole number; pick a micro-batch size that divides the samples per iteration, or add microbatches=N"
         )
-    _in_flight_for(run, state, round(samples))
+    _in_flight_for(profile, state, round(samples))
 
 
 #: A predicted peak's range is at most this wide (``peak_high_gb / peak_low_gb``): wider says nothing.
@@ -262,25 +266,25 @@ def _host_temporaries(today: float, layer_gb: float, factor: float) -> float:
     return min(today + LAYER_WORKING_SET * layer_gb * (factor - 1), today * factor)
 
 
-def _microbatches(run: Profile, state: _State, change: Change) -> None:
-    if run.microbatches is None and any(stage.in_flight for stage in run.stages):
+def _microbatches(profile: Profile, state: _State, change: Change) -> None:
+    if profile.microbatches is None and any(stage.in_flight for stage in profile.stages):
         state.assumptions.append(
             "today's microbatches per iteration unknown: 1F1B's PP - s taken as each stage's limit"
         )
-    _in_flight_for(run, state, change.value)
+    _in_flight_for(profile, state, change.value)
 
 
-def _layers_per_stage(run: Profile, state: _State, change: Change) -> None:
+def _layers_per_stage(profile: Profile, state: _State, change: Change) -> None:
     counts = change.value
-    if len(counts) != run.pp_size:
-        raise Refused(f"{change.text}: {len(counts)} counts for {run.pp_size} pipeline stages; give one per stage")
-    if not all(_has_layers(stage) for stage in run.stages):
+    if len(counts) != profile.pp_size:
+        raise Refused(f"{change.text}: {len(counts)} counts for {profile.pp_size} pipeline stages; give one per stage")
+    if not all(_has_layers(stage) for stage in profile.stages):
         raise Refused(
             f"{change.text}: the run's record has no per-layer figures for every stage (a run that passed its "
             f"model to training_log or a callback writes them beside the flight record; memory_record_dir must not "
             f"be off)"
         )
-    if any(stage.chunks > 1 for stage in run.stages):
+    if any(stage.chunks > 1 for stage in profile.stages):
         raise Refused(
             f"{change.text}: layer moves are predicted for one model chunk per stage, not interleaved schedules"
         )
@@ -312,31 +316,31 @@ def _has_layers(stage: Stage) -> bool:
     return any(row.get("kind") == "layer" for row in stage.layers)
 
 
-def _distributed_optimizer(run: Profile, state: _State, change: Change) -> None:
-    if run.optimizer_sharded:
+def _distributed_optimizer(profile: Profile, state: _State, change: Change) -> None:
+    if profile.optimizer_sharded:
         raise Refused(f"{change.text}: the optimizer state is already sharded over data parallelism in this run")
-    if run.dp_size <= 1:
+    if profile.dp_size <= 1:
         raise Refused(
             f"{change.text}: the data-parallel size is 1, so there is nothing to shard the optimizer state over; "
             f"it takes DP >= 2 (more ranks, or fewer pipeline/tensor-parallel ranks)"
         )
     for plan in state.plans:
-        plan.parts["optimizer_state_gb"] /= run.dp_size
+        plan.parts["optimizer_state_gb"] /= profile.dp_size
     state.assumptions.append(
-        f"optimizer state and fp32 master copies divided by DP = {run.dp_size} (Megatron's distributed optimizer, "
+        f"optimizer state and fp32 master copies divided by DP = {profile.dp_size} (Megatron's distributed optimizer, "
         f"ZeRO-1); gradients and parameters stay whole"
     )
 
 
-def _recompute(run: Profile, state: _State, change: Change) -> None:
-    if run.recompute == change.value:
-        raise Refused(f"{change.text}: the run already recomputes ({run.recompute})")
-    if not all(_has_layers(stage) for stage in run.stages):
+def _recompute(profile: Profile, state: _State, change: Change) -> None:
+    if profile.recompute == change.value:
+        raise Refused(f"{change.text}: the run already recomputes ({profile.recompute})")
+    if not all(_has_layers(stage) for stage in profile.stages):
         raise Refused(
             f"{change.text}: the run's record has no per-layer figures (the layers' activations and inputs); "
             f"pass the model to training_log or a callback, with memory_record_dir on"
         )
-    if change.value == "selective" and run.selective_ratio is None:
+    if change.value == "selective" and profile.selective_ratio is None:
         raise Refused(
             f"{change.text}: cannot be predicted: selective recompute's share comes from Megatron-Bridge 0.6+'s own "
             f"activation formula, which this run's record does not carry (run it with the Megatron-Bridge callback "
@@ -349,20 +353,20 @@ def _recompute(run: Profile, state: _State, change: Change) -> None:
         if change.value == "full":
             after = sum(row["input_per_microbatch_gb"] for row in layers)
         else:
-            after = kept * run.selective_ratio
+            after = kept * profile.selective_ratio
         new = old - kept + after
         plan.per_held = plan.per_held * new / old if old else plan.per_held
     if change.value == "full":
         state.assumptions.append("full recompute keeps only each transformer layer's input per microbatch")
     else:
         state.assumptions.append(
-            f"selective recompute keeps {run.selective_ratio:.0%} of the layers' activations (Megatron-Bridge's "
+            f"selective recompute keeps {profile.selective_ratio:.0%} of the layers' activations (Megatron-Bridge's "
             f"formula, calibrated on the measurement)"
         )
 
 
-def _expandable_segments(run: Profile, state: _State, change: Change) -> None:
-    if not run.gpu:
+def _expandable_segments(profile: Profile, state: _State, change: Change) -> None:
+    if not profile.gpu:
         raise Refused(f"{change.text}: a CUDA allocator setting; this run measured no allocator (CPU)")
     for plan in state.plans:
         plan.parts["allocator_slack_gb"] = 0.0
@@ -397,28 +401,30 @@ _TRIAL_DIVISOR = 1 << 20
 MAX_DIVISORS = 1 << 20
 
 
-def max_micro_batch_size(run: Profile, changes: Sequence[Change] = (), margin: float = 0.0) -> tuple[int | None, str]:
+def max_micro_batch_size(
+    profile: Profile, changes: Sequence[Change] = (), margin: float = 0.0
+) -> tuple[int | None, str]:
     """(the largest micro-batch size whose prediction, with ``changes`` other than the micro-batch
     size applied too, leaves ``margin`` of the capacity free on every stage; how it was searched),
     or (None, why not). With microbatches known, only sizes that keep the global batch whole.
     Bounded: about 40 predictions whatever the run's stated sizes (see _PREDICT_EACH)."""
-    if run.capacity_gb is None:
+    if profile.capacity_gb is None:
         return None, "no capacity known"
-    if run.micro_batch_size is None:
+    if profile.micro_batch_size is None:
         return None, "the micro-batch size is not in the run's record"
-    if any(stage.in_flight is None for stage in run.stages):
+    if any(stage.in_flight is None for stage in profile.stages):
         return None, "activations were not measured"
-    if not _whole(run.micro_batch_size) or (run.microbatches is not None and not _whole(run.microbatches)):
+    if not _whole(profile.micro_batch_size) or (profile.microbatches is not None and not _whole(profile.microbatches)):
         return None, "the micro-batch size or microbatches in the run's record is not a whole number above 0"
-    samples = run.micro_batch_size * run.microbatches if run.microbatches else None
+    samples = profile.micro_batch_size * profile.microbatches if profile.microbatches else None
     how = "sizes dividing the samples per iteration" if samples else "microbatches in flight as measured"
-    if samples and run.microbatches:
-        candidates = divisors(run.micro_batch_size, run.microbatches)
+    if samples and profile.microbatches:
+        candidates = divisors(profile.micro_batch_size, profile.microbatches)
         if candidates is None:
             return None, f"more than {MAX_DIVISORS} sizes divide the samples per iteration ({samples}): not searched"
         count = len(candidates)
     else:
-        count = 64 * run.micro_batch_size
+        count = 64 * profile.micro_batch_size
         candidates = None
 
     def size_at(index: int) -> int:
@@ -428,7 +434,7 @@ def max_micro_batch_size(run: Profile, changes: Sequence[Change] = (), margin: f
 
     def fits(size: int) -> bool:
         try:
-            outcomes = predict(run, [*others, Change("micro_batch_size", ("n", size), f"micro_batch_size={size}")])
+            outcomes = predict(profile, [*others, Change("micro_batch_size", ("n", size), f"micro_batch_size={size}")])
         except Refused:
             return False
         return all(outcome.fits_with(margin) for outcome in outcomes)
@@ -481,17 +487,17 @@ def divisors(*numbers: int) -> list[int] | None:
     return sorted(divisors)
 
 
-def smallest_fix(run: Profile, fraction: float) -> tuple[Change, list[Outcome]] | None:
+def smallest_fix(profile: Profile, fraction: float) -> tuple[Change, list[Outcome]] | None:
     """The first change of a short list, least disruptive first, after which every stage keeps at
     least ``fraction`` of its capacity free; None if none does (or nothing can be predicted)."""
-    if run.capacity_gb is None:
+    if profile.capacity_gb is None:
         return None
     tries = ["expandable_segments=true", "distributed_optimizer=true", "micro_batch_size=x0.5", "recompute=full"]
     tries += ["micro_batch_size=x0.25"]
     for text in tries:
         change = parse([text])
         try:
-            outcomes = predict(run, change)
+            outcomes = predict(profile, change)
         except Refused:
             continue
         if all(outcome.fits_with(fraction) for outcome in outcomes):

@@ -31,40 +31,40 @@ class Fix:
         return " + ".join(change.text for change in self.changes)
 
 
-def changes_that_fit(run: Profile, margin: float) -> list[Fix]:
+def changes_that_fit(profile: Profile, margin: float) -> list[Fix]:
     """Each change of COSTS's order that alone leaves ``margin`` of the capacity free on every
     stage (the largest micro-batch size that does, for the first); where none alone does, the
     distributed optimizer, recompute and a layer split together, with the largest micro-batch size
     under them. [] without a capacity or where nothing can be predicted to fit."""
-    if run.capacity_gb is None:
+    if profile.capacity_gb is None:
         return []
-    limit = run.capacity_gb * (1.0 - margin)
+    limit = profile.capacity_gb * (1.0 - margin)
     fixes = []
-    size, _ = max_micro_batch_size(run, margin=margin)
+    size, _ = max_micro_batch_size(profile, margin=margin)
     if size is not None:
-        fixes.append(_fix(run, parse([f"micro_batch_size={size}"]), margin))
-    fixes.append(_fix(run, parse(["distributed_optimizer=true"]), margin))
-    fixes.append(_fix(run, parse(["recompute=full"]), margin))
-    split = balanced_split(run, limit)
+        fixes.append(_fix(profile, parse([f"micro_batch_size={size}"]), margin))
+    fixes.append(_fix(profile, parse(["distributed_optimizer=true"]), margin))
+    fixes.append(_fix(profile, parse(["recompute=full"]), margin))
+    split = balanced_split(profile, limit)
     if split is not None:
-        fixes.append(_fix(run, parse([f"layers_per_stage={','.join(map(str, split))}"]), margin))
+        fixes.append(_fix(profile, parse([f"layers_per_stage={','.join(map(str, split))}"]), margin))
     found = [fix for fix in fixes if fix is not None]
     if found:
         return found
-    together = [text for text in ("distributed_optimizer=true", "recompute=full") if _peaks(run, text) is not None]
+    together = [text for text in ("distributed_optimizer=true", "recompute=full") if _peaks(profile, text) is not None]
     if split is not None:
         together.append(f"layers_per_stage={','.join(map(str, split))}")
-    size, _ = max_micro_batch_size(run, parse(together), margin=margin)
+    size, _ = max_micro_batch_size(profile, parse(together), margin=margin)
     if size is None:
         return []
-    fix = _fix(run, parse([*together, f"micro_batch_size={size}"]), margin)
+    fix = _fix(profile, parse([*together, f"micro_batch_size={size}"]), margin)
     return [fix] if fix is not None else []
 
 
-def _fix(run: Profile, changes: Sequence[Change], margin: float) -> Fix | None:
+def _fix(profile: Profile, changes: Sequence[Change], margin: float) -> Fix | None:
     """A Fix of ``changes`` where the prediction leaves ``margin`` of every stage's capacity free, else None."""
     try:
-        outcomes = predict(run, list(changes))
+        outcomes = predict(profile, list(changes))
     except Refused:
         return None
     if all(outcome.fits_with(margin) for outcome in outcomes):
@@ -72,16 +72,16 @@ def _fix(run: Profile, changes: Sequence[Change], margin: float) -> Fix | None:
     return None
 
 
-def balanced_split(run: Profile, limit: float) -> tuple[int, ...] | None:
+def balanced_split(profile: Profile, limit: float) -> tuple[int, ...] | None:
     """Transformer layers per stage that lower the highest predicted peak the most, moving one layer
     at a time off the stage that holds it (at most layers x stages moves); None where the run's
     record cannot predict a layer move or no move lowers the peak."""
-    counts = [sum(1 for row in stage.layers if row.get("kind") == "layer") for stage in run.stages]
+    counts = [sum(1 for row in stage.layers if row.get("kind") == "layer") for stage in profile.stages]
     if len(counts) < 2 or not sum(counts):
         return None
 
     def split_peaks(split: list[int]) -> list[float] | None:
-        return _peaks(run, f"layers_per_stage={','.join(map(str, split))}")
+        return _peaks(profile, f"layers_per_stage={','.join(map(str, split))}")
 
     best, peaks = list(counts), split_peaks(counts)
     if peaks is None:
@@ -105,9 +105,9 @@ def balanced_split(run: Profile, limit: float) -> tuple[int, ...] | None:
     return tuple(best) if best != counts else None
 
 
-def _peaks(run: Profile, text: str) -> list[float] | None:
+def _peaks(profile: Profile, text: str) -> list[float] | None:
     """Each stage's predicted peak under the change ``text``, or None where it cannot be predicted."""
     try:
-        return [outcome.peak_gb for outcome in predict(run, parse([text]))]
+        return [outcome.peak_gb for outcome in predict(profile, parse([text]))]
     except (Refused, ValueError):
         return None

@@ -18,7 +18,7 @@ MemoryMonitor, and nothing in the core imports this module.
   setting, a failed reduction) is one notice, and Megatron-LM trains on without it (door.py).
 - The way in: Megatron-LM 0.19 has no callback API, so ``install()`` rebinds five functions of
   ``megatron.training.training`` that ``pretrain()`` and ``train()`` look up at call time
-  (``WRAPPED``), each a call through to the original around one event of ``MemoryLogCallback``.
+  (``WRAPPED``), each a call through to the original around one event of ``LoopMemoryLog``.
   A loop that lacks one fails at ``install()`` (``MegatronLMError``, naming it and the version).
 - Steps: ``training_log(..., iteration)`` runs on every rank at every iteration, after
   ``train_step``, and writes ``lm loss`` at ``iteration`` when it is a multiple of
@@ -88,7 +88,7 @@ class MegatronLMError(RuntimeError):
     """This megatron-core's Megatron-LM loop lacks what install() wraps: the message names it and the version."""
 
 
-class MemoryLogCallback(Adapter):
+class LoopMemoryLog(Adapter):
     """Pipeline-wide memory in Megatron-LM's own dashboards, one object per process: its methods are
     the loop's events, fired by the functions ``install()`` rebinds (on every rank). Whatever goes
     wrong in one of them (an interval of 0, a setting that cannot work) is one notice on the
@@ -251,6 +251,11 @@ FLAG_OFF = (
 )
 
 
+#: The earlier name of ``LoopMemoryLog``, kept working: Bridge's and Lightning's ``MemoryLogCallback`` are
+#: callbacks of their frameworks' APIs; Megatron-LM's loop has none, and this is what install() drives.
+MemoryLogCallback = LoopMemoryLog
+
+
 def megatron_lm_series(logged: dict) -> dict:
     """Megatron-LM's four ``mem-*`` scalars from a logged step: each the pipeline's max (bytes as
     ints), and absent where no rank had the statistic (a CPU-only job)."""
@@ -299,7 +304,7 @@ def _run_config(args: Any) -> dict:
 # ---- the way in: rebinding -------------------------------------------------------------------
 
 
-def install(**settings: Any) -> MemoryLogCallback:
+def install(**settings: Any) -> LoopMemoryLog:
     """Log pipeline-wide memory from Megatron-LM's own loop: call on every rank before ``pretrain``.
 
     Installing again returns the callback installed first (its settings stand; different ones
@@ -313,26 +318,26 @@ def install(**settings: Any) -> MemoryLogCallback:
         **settings: nemo_memlog's own settings (``memory_record_dir``, ``memory_reduce_timeout_s``...).
 
     Returns:
-        The MemoryLogCallback the rebound functions drive.
+        The LoopMemoryLog the rebound functions drive.
 
     Raises:
         MegatronLMError: no ``megatron.training.training``, or it lacks a function install() wraps.
         ValueError: an unknown setting, or one that cannot work.
     """
     if switched_off():  # NEMO_MEMLOG_DISABLED: Megatron-LM's loop as without us, its mem-* included
-        return MemoryLogCallback(**settings)  # stopped: its events do nothing, and none is fired
+        return LoopMemoryLog(**settings)  # stopped: its events do nothing, and none is fired
     loop = sys.modules.get(LOOP)
-    callback: MemoryLogCallback | None = getattr(loop, MARK, None)  # what install() put into this loop
+    callback: LoopMemoryLog | None = getattr(loop, MARK, None)  # what install() put into this loop
     if callback is not None:
         if settings and settings != callback.settings:
             notice("nemo_memlog: megatron_lm.install() again with other settings: the first install's stand")
-        wrapped_by: MemoryLogCallback | None = getattr(loop.train, MARK, None) if loop is not None else None
+        wrapped_by: LoopMemoryLog | None = getattr(loop.train, MARK, None) if loop is not None else None
         if wrapped_by is callback:
             return callback
         notice(RELOADED)
     training = _loop()
     if callback is None:
-        callback = MemoryLogCallback(**settings)
+        callback = LoopMemoryLog(**settings)
     if _train_running(training):
         notice(TOO_LATE)
     for name, wrap in _WRAPPERS.items():
@@ -411,7 +416,7 @@ def _argument(signature: inspect.Signature, name: str) -> Callable[[tuple, dict]
     return read
 
 
-def _train(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+def _train(original: Callable, signature: inspect.Signature, callback: LoopMemoryLog) -> Callable:
     model_of, optimizer_of = _argument(signature, "model"), _argument(signature, "optimizer")
 
     def train(*args: Any, **kwargs: Any) -> Any:
@@ -427,7 +432,7 @@ def _train(original: Callable, signature: inspect.Signature, callback: MemoryLog
     return train
 
 
-def _train_step(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+def _train_step(original: Callable, signature: inspect.Signature, callback: LoopMemoryLog) -> Callable:
     iteration_of = _argument(signature, "iteration")
 
     def train_step(*args: Any, **kwargs: Any) -> Any:
@@ -440,7 +445,7 @@ def _train_step(original: Callable, signature: inspect.Signature, callback: Memo
     return train_step
 
 
-def _training_log(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+def _training_log(original: Callable, signature: inspect.Signature, callback: LoopMemoryLog) -> Callable:
     from megatron.training.global_vars import get_args
 
     iteration_of = _argument(signature, "iteration")
@@ -466,7 +471,7 @@ def _training_log(original: Callable, signature: inspect.Signature, callback: Me
 
 
 def _phase(start: str, end: str) -> Callable:
-    def wrap(original: Callable, signature: inspect.Signature, callback: MemoryLogCallback) -> Callable:
+    def wrap(original: Callable, signature: inspect.Signature, callback: LoopMemoryLog) -> Callable:
         iteration_of = _argument(signature, "iteration")
 
         def phased(*args: Any, **kwargs: Any) -> Any:

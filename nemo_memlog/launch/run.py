@@ -19,6 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..commands import USAGE_ERROR
 from ..config import FIELDS, TextError, did_you_mean, fields_from_text
 from ..config.switches import (
     CPU_STAND_INS_ENV,
@@ -32,7 +33,7 @@ from ..config.switches import (
 )
 from ..redaction import launch_secrets, scrubbed_text
 
-USAGE = "usage: nemo-memlog run [--set key=value ...] [--cpu] [-h] -- COMMAND [ARGS ...]"
+USAGE_LINE = "usage: nemo-memlog run [--set key=value ...] [--cpu] [-h] -- COMMAND [ARGS ...]"
 #: The bootstrap folder (a path, not an import: the launcher imports no integration).
 BOOTSTRAP = Path(__file__).resolve().parents[1] / "integrations" / "autorun"
 #: The words a switch may be (config/switches.py, which the bootstrap's copy is held to).
@@ -52,7 +53,7 @@ TAKEN_BY = {
 }
 WAYS_IN = tuple(TAKEN_BY)
 TAKEN = {name for names in TAKEN_BY.values() for name in names}
-HELP = f"""{USAGE}
+HELP = f"""{USAGE_LINE}
 
 Run COMMAND (torchrun, python, srun, a script) with memory logging added to every Python process it
 starts, without changing its code: Megatron-LM's loop (with --log-memory-to-tensorboard), the
@@ -95,7 +96,7 @@ def parse(argv: list[str]) -> tuple[dict[str, str], bool, list[str]]:
             option = "--set=" + rest.pop(0)
         if not option.startswith("--set="):
             if option.startswith("-"):
-                raise UsageError(f"nemo-memlog run: unknown option {option!r}\n{USAGE}")
+                raise UsageError(f"nemo-memlog run: unknown option {option!r}\n{USAGE_LINE}")
             rest.insert(0, option)  # COMMAND without the "--"
             break
         key, sep, value = option.removeprefix("--set=").partition("=")
@@ -104,13 +105,13 @@ def parse(argv: list[str]) -> tuple[dict[str, str], bool, list[str]]:
             hint = did_you_mean(key, FIELDS) if key else ""
             raise UsageError(
                 f"nemo-memlog run: --set {key or option!r}{'=...' if sep else ''}: expected key=value with a "
-                f"LoggerConfig field as key{hint} (e.g. --set memory_record_dir=/scratch/records)\n{USAGE}"
+                f"LoggerConfig field as key{hint} (e.g. --set memory_record_dir=/scratch/records)\n{USAGE_LINE}"
             )
         settings[key] = value
     if rest and rest[0] == "--":
         rest.pop(0)
     if not rest:
-        raise UsageError(f"nemo-memlog run: no COMMAND given\n{USAGE}")
+        raise UsageError(f"nemo-memlog run: no COMMAND given\n{USAGE_LINE}")
     return settings, cpu, rest
 
 
@@ -211,7 +212,7 @@ def main(argv: list[str], as_command: bool = False) -> int:
         settings = checked(settings, environ)
     except UsageError as error:
         say(scrubbed_text(str(error), secrets))
-        return 2
+        return USAGE_ERROR
     env = environment(settings, environ, cpu)
     name = scrubbed_text(command[0], secrets)[:80]
     if os.sep not in command[0] and shutil.which(command[0], path=env.get("PATH")) is None:

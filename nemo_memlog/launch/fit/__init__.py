@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ... import advice
+from ...commands import CANNOT_TELL, USAGE_ERROR
 from ...measure import layer_record
 from ...offline.advise import AdviseError, load
 from ...redaction import launch_secrets, scrubbed_text
@@ -39,12 +40,6 @@ from . import words
 from .probe import MAX_STEPS, PROBE_DIR_ENV, Probe, run_probe
 from .words import PLACEHOLDER, SLOT
 
-#: Exit status when even the smallest size does not fit.
-NOTHING_FITS = 2
-#: Exit status of a usage error (no placeholder, a --work-dir that cannot be written).
-USAGE = 2
-#: Exit status when fit cannot tell: a probe could not measure, the command's batch is not as fit needs.
-CANNOT_TELL = 1
 #: Candidate sizes predicted one by one up to this many; above it, bisected (as advise's search).
 PREDICT_EACH = 64
 #: Candidates listed in the JSON at most (their count is given whole).
@@ -123,29 +118,29 @@ def stated_size(command: list[str]) -> int | None:
     """The size the command would use, where a placeholder states it (``{micro_batch_size:8}``)."""
     sizes = {int(match.group(1)) for part in command for match in SLOT.finditer(part) if match.group(1)}
     if len(sizes) > 1:
-        raise FitError(f"COMMAND states several sizes in its placeholders ({sorted(sizes)}): state one", USAGE)
+        raise FitError(f"COMMAND states several sizes in its placeholders ({sorted(sizes)}): state one", USAGE_ERROR)
     return sizes.pop() if sizes and min(sizes) > 0 else None
 
 
 def check_command(command: list[str]) -> None:
     if not command:
-        raise FitError(f"no COMMAND: nemo-memlog fit [options] -- COMMAND ... {PLACEHOLDER} ...", USAGE)
+        raise FitError(f"no COMMAND: nemo-memlog fit [options] -- COMMAND ... {PLACEHOLDER} ...", USAGE_ERROR)
     if not any(SLOT.search(part) for part in command):
-        raise FitError(f"COMMAND has no {PLACEHOLDER}: {words.placeholder_hint(command)}", USAGE)
+        raise FitError(f"COMMAND has no {PLACEHOLDER}: {words.placeholder_hint(command)}", USAGE_ERROR)
 
 
 def check_work_dir(work_dir: Path) -> None:
-    """FitError (USAGE, one line) where ``work_dir`` cannot hold the probes' folders: a file, a folder
+    """FitError (USAGE_ERROR, one line) where ``work_dir`` cannot hold the probes' folders: a file, a folder
     that cannot be written, /proc. Made where missing; tried by making (and removing) a folder in it."""
     try:
         work_dir.mkdir(parents=True, exist_ok=True)
         os.rmdir(tempfile.mkdtemp(prefix=".nemo-memlog-fit-", dir=work_dir))
     except OSError as error:
-        raise FitError(f"--work-dir {work_dir}: cannot be used ({error.strerror or error})", USAGE) from None
+        raise FitError(f"--work-dir {work_dir}: cannot be used ({error.strerror or error})", USAGE_ERROR) from None
 
 
 def search(options: Options) -> Result:
-    """Probe, predict, confirm (module docstring). Raises FitError (USAGE) for a command or --work-dir
+    """Probe, predict, confirm (module docstring). Raises FitError (USAGE_ERROR) for a command or --work-dir
     that cannot be used; where fit cannot tell, the Result's ``error`` says why (the scratch folder
     of the probes is then kept, and named)."""
     check_command(options.command)
@@ -308,16 +303,16 @@ class _Search:
                 return True
         return False
 
-    def _check_global_batch(self, run: advice.Profile) -> None:
+    def _check_global_batch(self, profile: advice.Profile) -> None:
         """FitError where this probe's samples per iteration differ from the first probe's: the
         candidates (and every prediction) hold the global batch fixed."""
         first = self.launches[0].run if self.launches else None
-        samples, expected = _samples(run), _samples(first) if first is not None else None
+        samples, expected = _samples(profile), _samples(first) if first is not None else None
         if first is None or samples is None or expected is None:
             return
         if samples != expected:
             raise FitError(
-                f"the probe at micro-batch size {run.micro_batch_size} ran {run.microbatches} microbatches per "
+                f"the probe at micro-batch size {profile.micro_batch_size} ran {profile.microbatches} microbatches per "
                 f"iteration ({samples} samples per replica), the first probe {first.microbatches} of "
                 f"{first.micro_batch_size} ({expected}): the command keeps its "
                 "microbatches per iteration, not its global batch. fit searches the sizes that keep the global "
@@ -383,41 +378,43 @@ class _Search:
             return None
 
 
-def measured_fits(run: advice.Profile, margin: float) -> bool:
+def measured_fits(profile: advice.Profile, margin: float) -> bool:
     """Whether ``run`` as measured left ``margin`` free on every stage: each stage's peak against the
     capacity per rank, or under a shared memory cgroup its node's peak charge against the limit."""
-    return all(outcome.fits_with(margin) for outcome in advice.predict(run, []))
+    return all(outcome.fits_with(margin) for outcome in advice.predict(profile, []))
 
 
-def peaks(run: advice.Profile) -> list[float]:
+def peaks(profile: advice.Profile) -> list[float]:
     """Each stage's measured peak in ``run`` (its parts' sum: advise's peak today)."""
-    return [advice.peak(stage.parts) for stage in run.stages]
+    return [advice.peak(stage.parts) for stage in profile.stages]
 
 
-def _samples(run: advice.Profile) -> int | None:
+def _samples(profile: advice.Profile) -> int | None:
     """The samples per iteration per data-parallel replica the run's facts give, or None."""
-    return run.microbatches * run.micro_batch_size if run.microbatches and run.micro_batch_size else None
+    return (
+        profile.microbatches * profile.micro_batch_size if profile.microbatches and profile.micro_batch_size else None
+    )
 
 
-def _candidates(run: advice.Profile) -> Sequence[int]:
+def _candidates(profile: advice.Profile) -> Sequence[int]:
     """The sizes the job allows: with the global batch fixed (the probe's micro-batch size times its
     microbatches, per data-parallel replica), those giving whole microbatches, and under the
     interleaved schedule at least one group of them (Megatron refuses fewer); else 1 to 64x (a
     range: never listed)."""
-    if run.microbatches and run.micro_batch_size:
-        found = advice.divisors(run.microbatches, run.micro_batch_size)
+    if profile.microbatches and profile.micro_batch_size:
+        found = advice.divisors(profile.microbatches, profile.micro_batch_size)
         if found is None:
             raise FitError(f"more than {advice.MAX_DIVISORS} sizes divide the samples per iteration: not searched")
         try:
-            interleaved = advice.schedule_name(run) == "interleaved"
+            interleaved = advice.schedule_name(profile) == "interleaved"
         except advice.Refused:
             interleaved = False
         if interleaved:  # Megatron's interleaved schedule takes at least one group of microbatches (PP by default)
-            group = run.microbatch_group or run.pp_size
-            samples = run.microbatches * run.micro_batch_size
+            group = profile.microbatch_group or profile.pp_size
+            samples = profile.microbatches * profile.micro_batch_size
             found = [size for size in found if samples // size >= group]
         return found
-    return range(1, 64 * (run.micro_batch_size or 1) + 1)
+    return range(1, 64 * (profile.micro_batch_size or 1) + 1)
 
 
 def _growth(measured: list[Launch], size: int) -> tuple[float, ...] | None:

@@ -254,20 +254,20 @@ def _capacity(records: list[dict], gpu: bool) -> tuple[float | None, str]:
     return None, "unknown"
 
 
-def capacity_line(run: advice.Profile) -> str:
+def capacity_line(profile: advice.Profile) -> str:
     """The capacity per rank and where it came from, as ``report`` and ``advise`` both say it:
     "capacity per rank: 6.32 GB (host memory 25.28 GB, shared by 4 ranks on this node)"."""
-    if not run.capacity_gb:
+    if not profile.capacity_gb:
         return "capacity per rank: unknown (no device or host total in the records; --capacity-gb GB)"
-    return f"capacity per rank: {size_text(run.capacity_gb)} ({run.capacity_source})"
+    return f"capacity per rank: {size_text(profile.capacity_gb)} ({profile.capacity_source})"
 
 
-def replica_line(run: advice.Profile) -> str:
+def replica_line(profile: advice.Profile) -> str:
     """Whose record each stage's figures are: per stage, the data-parallel rank with the highest peak."""
-    ranks = ", ".join(f"stage {stage.stage} rank {stage.rank}" for stage in run.stages)
-    if run.dp_size <= 1:
+    ranks = ", ".join(f"stage {stage.stage} rank {stage.rank}" for stage in profile.stages)
+    if profile.dp_size <= 1:
         return f"per-stage figures: {ranks} (DP 1: the only data-parallel replica)"
-    return f"per-stage figures: {ranks} (of DP {run.dp_size} replicas, each stage's rank with the highest peak)"
+    return f"per-stage figures: {ranks} (of DP {profile.dp_size} replicas, each stage's rank with the highest peak)"
 
 
 def peak_line(outcomes: list[advice.Outcome]) -> str:
@@ -331,17 +331,19 @@ def _finite(value, where: str, reasons: dict[str, str]):
     return value
 
 
-def _as_dict(run: advice.Profile, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple) -> dict:
+def _as_dict(
+    profile: advice.Profile, changes: list[advice.Change], outcomes: list[advice.Outcome], best: tuple
+) -> dict:
     return dict(
         {
             "changes": [change.text for change in changes],
             "assumptions": outcomes[0].assumptions if outcomes else [],
-            "capacity_gb": run.capacity_gb,
-            "capacity_source": run.capacity_source,
-            "pp_size": run.pp_size,
-            "dp_size": run.dp_size,
-            "microbatches": run.microbatches,
-            "micro_batch_size": run.micro_batch_size,
+            "capacity_gb": profile.capacity_gb,
+            "capacity_source": profile.capacity_source,
+            "pp_size": profile.pp_size,
+            "dp_size": profile.dp_size,
+            "microbatches": profile.microbatches,
+            "micro_batch_size": profile.micro_batch_size,
             "stages": [
                 {
                     "stage": outcome.stage,
@@ -359,7 +361,7 @@ def _as_dict(run: advice.Profile, changes: list[advice.Change], outcomes: list[a
                 }
                 for outcome in outcomes
             ],
-            "fits": all(outcome.fits for outcome in outcomes) if run.capacity_gb is not None else None,
+            "fits": all(outcome.fits for outcome in outcomes) if profile.capacity_gb is not None else None,
             "max_micro_batch_size": best[0],
             "max_micro_batch_size_how": best[1],
         }

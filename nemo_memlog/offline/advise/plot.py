@@ -19,12 +19,12 @@ if TYPE_CHECKING:
 COLOURS = PART_COLOURS  # bottom to top, as the composition PNG colours them
 
 
-def write_png(run: Profile, changes: list[Change], outcomes: list[Outcome], path: str | Path) -> Path:
+def write_png(profile: Profile, changes: list[Change], outcomes: list[Outcome], path: str | Path) -> Path:
     """Two bars per stage (today, predicted) into the PNG at ``path``, the stage holding the peak
     today and predicted named over its bar and in the title; returns the path."""
     from . import capacity_line, peak_line, replica_line
 
-    tallest = max([o.peak_now_gb for o in outcomes] + [o.peak_gb for o in outcomes] + [run.capacity_gb or 0.0])
+    tallest = max([o.peak_now_gb for o in outcomes] + [o.peak_gb for o in outcomes] + [profile.capacity_gb or 0.0])
     unit, scale = size_scale(tallest)
     peak_now = max(outcomes, key=lambda o: o.peak_now_gb).stage if outcomes else None
     peak_then = max(outcomes, key=lambda o: o.peak_gb).stage if outcomes else None
@@ -34,7 +34,7 @@ def write_png(run: Profile, changes: list[Change], outcomes: list[Outcome], path
     for offset, which in ((-0.2, "now"), (0.2, "predicted")):
         bottoms = [0.0] * len(outcomes)
         for name in PARTS:
-            label, colour = label_of(name, run.gpu), COLOURS[name]
+            label, colour = label_of(name, profile.gpu), COLOURS[name]
             heights = [scale * (getattr(o, which).get(name) or 0.0) for o in outcomes]
             if not any(heights):
                 continue
@@ -66,19 +66,19 @@ def write_png(run: Profile, changes: list[Change], outcomes: list[Outcome], path
                 fontsize="small",
                 color="tab:red" if holds else "black",
             )
-    if run.capacity_gb:
+    if profile.capacity_gb:
         axes.axhline(
-            scale * run.capacity_gb,
+            scale * profile.capacity_gb,
             color="red",
             linestyle=":",
-            label=capacity_line(run).replace(" (", "\n(", 1),
+            label=capacity_line(profile).replace(" (", "\n(", 1),
         )
     axes.set_xlabel("pipeline stage (left bar: today, faded; right bar: predicted)")
     integer_ticks(axes.xaxis)
     axes.set_ylabel(unit)
     what = " + ".join(change.text for change in changes) or "today"
     title = f"what-if {what}: each stage today and predicted"
-    figure.suptitle(f"{title}\n{peak_line(outcomes)}\n{replica_line(run)}", fontsize="medium")
+    figure.suptitle(f"{title}\n{peak_line(outcomes)}\n{replica_line(profile)}", fontsize="medium")
     axes.grid(alpha=0.3, axis="y")
     axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
-    return save(figure, path, f"{title}; {peak_line(outcomes)}; {replica_line(run)}")
+    return save(figure, path, f"{title}; {peak_line(outcomes)}; {replica_line(profile)}")
