@@ -7,10 +7,17 @@ and tests/trainer.py write them. The backends' libraries are imported where they
 """
 
 import json
+import os
 import re
 import struct
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
+
+from nemo_memlog.failure import records
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TAG = "memory/peak_host_rss_gb"
 
@@ -129,3 +136,38 @@ def read_archive(archive):
         experiment = json.loads(z.read("experiment.json"))
         messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines()]
     return experiment, messages
+
+
+# --- what the package writes apart from the backends: the post-mortem, flight records, PNGs ---
+
+
+def postmortem(run_dir: Path) -> tuple[int, dict]:
+    done = subprocess.run(
+        [sys.executable, "-m", "nemo_memlog.cli", "postmortem", "--json", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode in (0, 1), done.stderr
+    return done.returncode, json.loads(done.stdout)
+
+
+def read_back(path):
+    """(header, liveness, records in seq order) of one rank's file, decoded with records.py."""
+    data = Path(path).read_bytes()
+    header = records.check_header(records.decode(data[: records.HEADER_BYTES]))
+    liveness = records.decode(data[records.HEADER_BYTES : records.RECORDS_AT])
+    size = header["slot_bytes"]
+    found = [
+        records.decode(data[records.RECORDS_AT + i * size : records.RECORDS_AT + (i + 1) * size])
+        for i in range(header["slots"])
+    ]
+    return header, liveness, sorted((r for r in found if r is not None), key=lambda r: r["seq"])
+
+
+def png_size(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24]), len(data)

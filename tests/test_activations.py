@@ -13,19 +13,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from nemo_memlog.measure.activations import ActivationMeter, find_layers
+from tests.models import BATCH, WIDTH, blocks
 
 GB = 1e9
-WIDTH, BATCH = 32, 16
-
-
-def blocks(count: int, seed: int = 0) -> nn.Sequential:
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        *[
-            nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
-            for _ in range(count)
-        ]
-    )
 
 
 class Checkpointed(nn.Module):

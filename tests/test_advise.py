@@ -14,7 +14,7 @@ from nemo_memlog import advice
 from nemo_memlog.cli import main
 from nemo_memlog.offline.advise import load
 from nemo_memlog.testing.notices import said
-from tests.test_activations import WIDTH, blocks
+from tests.models import WIDTH, blocks
 
 #: The base run: 8 samples a microbatch, 4 microbatches, 2 blocks a stage, Adam.
 BASE = {"mbs": 8, "microbatches": 4, "layers": (2, 2), "zero": False}
@@ -190,8 +190,8 @@ def test_the_oom_post_mortem_names_the_changes_that_would_have_fit(runs, tmp_pat
     per-layer record (DP 2, micro-batch 8, 4 microbatches): the post-mortem names what would have fit."""
     import shutil
 
-    from nemo_memlog.testing.flight_sim import layout, write_run
-    from tests.test_postmortem import T0, closed_after, run_json
+    from nemo_memlog.testing.flight_sim import T0, closed_after, layout, write_run
+    from tests.readback import postmortem
 
     ranks = closed_after(layout(pp=2, tp=1, dp=2), 30.0)
     ranks[0].stopped, ranks[0].end = T0, "exception"
@@ -208,7 +208,7 @@ def test_the_oom_post_mortem_names_the_changes_that_would_have_fit(runs, tmp_pat
     ranks[0].composition["microbatches_in_flight"] = 2  # 1F1B, PP 2: stage 0 holds min(2, microbatches)
     write_run(tmp_path, ranks)
     shutil.copy(runs["base"] / "rank-00000.layers.json", tmp_path / "rank-00000.layers.json")
-    code, result = run_json(tmp_path)
+    code, result = postmortem(tmp_path)
     assert code == 1 and result["first_failure"]["rank"] == 0
     # today: 36 + 40 + 1 + 2.0 asked + 1.5 slack + 1.1 outside = 81.6 GB > 80
     # distributed optimizer over DP 2: 24 -> 12, peak 69.6; half the micro-batch: 2 in flight still

@@ -285,7 +285,7 @@ def test_flight_records_beside_the_recipes_logs_ended_at_on_train_end(with_callb
     """The callback's default record folder is ``memory_records`` beside the recipe's
     tensorboard_dir; every rank recorded the logging steps, under one run id, and on_train_end
     ended each record cleanly: the post-mortem finds no failure."""
-    from tests.test_postmortem_e2e import postmortem
+    from tests.readback import postmortem
 
     run = with_callback
     folder = os.path.join(run.spec.root, "memory_records")

@@ -13,16 +13,15 @@ The failure demo (``fail.kill_stage=0``) and its post-mortem are test_teardown.p
 """
 
 import math
-import os
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.commands import run_as_printed, run_demo
 from tests.readback import main_run_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,19 +29,6 @@ ITERS, INTERVAL, STAGES, VOCAB = 5, 2, 4, 128
 LOGGED_STEPS = [2, 4]  # iteration % INTERVAL == 0, iterations counted from 1
 PEAK = "peak_host_rss_gb"
 SECRET = "SECRET-DEMO-KEY"
-
-
-def run_demo(*overrides, timeout=240):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "demo.py"), *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -331,13 +317,6 @@ def test_the_dashboard_commands_are_printed_with_working_paths_and_the_account_n
     assert Path(local[1].split("sqlite:///")[1]).is_file()
     assert Path(uploads[0].split()[-1]).is_dir() and Path(uploads[1].split()[-1]).is_file()
     assert all(str(run) in command for command in local + uploads[:2])
-
-
-def run_as_printed(command: str) -> subprocess.CompletedProcess:
-    """``command`` through a shell, from the repository root (where the demo was started), with a
-    PATH that does not hold the environment's bin: as a user pastes it without activating the venv."""
-    env = {**os.environ, "PATH": "/usr/local/bin:/usr/bin:/bin"}
-    return subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.processes

@@ -8,6 +8,7 @@ from nemo_memlog import LoggerConfig, training_log
 from nemo_memlog.testing.cluster import Cluster, RankFailure
 from nemo_memlog.testing.collectives import GATHER, count_collectives
 from nemo_memlog.testing.notices import said
+from tests.rank_calls import skip_or_log
 
 BIG_MB = 300
 _ballast = []
@@ -158,17 +159,6 @@ def test_gate_rejects_bad_interval():
 def test_disabled_logging_returns_none_without_work():
     cfg = LoggerConfig(log_memory_to_tensorboard=False, tensorboard_dir="/nonexistent/never/created")
     assert training_log(10, cfg, metrics={"loss": 1.0}) is None
-
-
-def skip_or_log(skipping_rank, timeout_s, **config):
-    import torch.distributed as dist
-
-    cfg = LoggerConfig(log_memory_to_tensorboard=True, memory_reduce_timeout_s=timeout_s, **config)
-    if dist.get_rank() == skipping_rank:
-        return "skipped"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return training_log(7, cfg)
 
 
 @pytest.mark.processes

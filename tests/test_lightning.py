@@ -128,7 +128,7 @@ def test_the_max_is_the_ballast_ranks_own_peak_and_its_rank_is_logged_beside_it(
 def test_a_clean_end_leaves_every_ranks_flight_record_closed(job):
     """on_train_end ends the flight record itself (the garbage collector ran before the job's
     exit): the post-mortem of a clean fit finds every rank closed, and no failure."""
-    from tests.test_postmortem_e2e import postmortem
+    from tests.readback import postmortem
 
     fit = job["main"]
     if fit.world != 2:

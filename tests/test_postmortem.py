@@ -11,17 +11,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from nemo_memlog.cli import main
 from nemo_memlog.failure import records
-from nemo_memlog.testing.flight_sim import layout, write_rank, write_run
+from nemo_memlog.testing.flight_sim import T0, closed_after, layout, write_rank, write_run
 
 ROOT = Path(__file__).resolve().parents[1]
-T0 = time.time() - 3600.0  # an hour ago: no "may still be running" note
 FRAGMENTED_OOM = {
     "device": 0,
     "bytes_requested": int(2.1e9),
@@ -44,13 +42,6 @@ def run_cli(*argv) -> tuple[int, str, str]:
 def run_json(*argv) -> tuple[int, dict]:
     code, out, _ = run_cli(*argv, "--json")
     return code, json.loads(out)
-
-
-def closed_after(ranks, stopped, reason="sigterm"):
-    """The survivors: stopped by torchrun's SIGTERM ``stopped`` seconds after T0."""
-    for rank in ranks:
-        rank.stopped, rank.end = T0 + stopped, reason
-    return ranks
 
 
 def by_rank(result: dict) -> dict[int, dict]:

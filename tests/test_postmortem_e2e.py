@@ -16,15 +16,15 @@ This file is also the rank script: ``torchrun tests/test_postmortem_e2e.py SCENA
 One torchrun launch per scenario.
 """
 
-import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.readback import postmortem
 
 pytestmark = pytest.mark.processes
 
@@ -98,18 +98,6 @@ def launch(root: Path, scenario: str):
     return done.returncode, done.stdout + done.stderr
 
 
-def postmortem(run_dir: Path) -> tuple[int, dict]:
-    done = subprocess.run(
-        [sys.executable, "-m", "nemo_memlog.cli", "postmortem", "--json", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert done.returncode in (0, 1), done.stderr
-    return done.returncode, json.loads(done.stdout)
-
-
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     root = tmp_path_factory.mktemp("sigkill")
@@ -142,7 +130,7 @@ def test_sigkill_names_the_killed_rank_first(killed):
 def test_sigkill_survivors_kept_beating_while_blocked(killed):
     """The liveness thread beats while the training thread waits in gloo: the survivors, blocked
     in the collective while the victim stalled, were seen alive long after their last step record."""
-    from tests.test_recorder import read_back
+    from tests.readback import read_back
 
     root, _, _ = killed
     waited = []

@@ -23,21 +23,9 @@ from nemo_memlog.failure.identity import run_id
 from nemo_memlog.failure.recorder import open_recorder
 from nemo_memlog.memory import capacity_report, report_memory
 from nemo_memlog.testing.notices import said
+from tests.readback import read_back
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def read_back(path):
-    """(header, liveness, records in seq order) of one rank's file, decoded with records.py."""
-    data = Path(path).read_bytes()
-    header = records.check_header(records.decode(data[: records.HEADER_BYTES]))
-    liveness = records.decode(data[records.HEADER_BYTES : records.RECORDS_AT])
-    size = header["slot_bytes"]
-    found = [
-        records.decode(data[records.RECORDS_AT + i * size : records.RECORDS_AT + (i + 1) * size])
-        for i in range(header["slots"])
-    ]
-    return header, liveness, sorted((r for r in found if r is not None), key=lambda r: r["seq"])
 
 
 def full_report():

@@ -13,7 +13,7 @@ import pytest
 from nemo_memlog import LoggerConfig, training_log
 from nemo_memlog.testing.cluster import Cluster, RankFailure
 from nemo_memlog.testing.collectives import GATHER, count_collectives
-from tests.test_hook import skip_or_log
+from tests.rank_calls import skip_or_log
 
 
 def log_twice(**config):

@@ -3,7 +3,6 @@
 import contextlib
 import io
 import re
-import struct
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from nemo_memlog.cli import main
+from tests.readback import png_size
 
 STEPS = list(range(0, 80, 10))  # 8 logged steps, written by two writer sessions (a resume)
 DEVICE_TOTAL, HOST_TOTAL = 80.0, 512.0
@@ -115,13 +115,6 @@ def test_table_names_the_stage_holding_the_max(report):
     assert row(stdout, "alloc_retries") == ["alloc_retries", "3", "3", "1", *["-"] * 8, "47.50 GB", "1"]
     assert "loss" not in stdout and "lr" not in stdout.split()
     assert max(len(line) for line in stdout.splitlines() if not line.startswith(("run:", "plot"))) <= 120
-
-
-def png_size(path):
-    data = Path(path).read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    assert data[12:16] == b"IHDR"
-    return struct.unpack(">II", data[16:24]), len(data)
 
 
 def test_png_is_written_and_named(report, run_dir):

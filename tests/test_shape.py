@@ -645,3 +645,90 @@ def test_the_readme_stays_a_front_door():
     """README within 220 lines: detail belongs on the pages it links (docs/)."""
     lines = (PACKAGE_DIR.parent / "README.md").read_text().count("\n")
     assert lines <= 220, f"README.md is {lines} lines; move detail into docs/"
+
+
+# ------------------------------------------------------------------------------------------
+# (e) the claims of docs/architecture.md and of the package docstrings that can be read
+
+ARCHITECTURE_PAGE = PACKAGE_DIR.parent / "docs" / "architecture.md"
+#: The number words the page counts its registries in.
+NUMBER_WORDS = ("none", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def _named_in_docstring(stem: str, docstring: str) -> bool:
+    """``stem`` named as a module: ``stem``, ``stem.py`` or ``stem/`` in double backquotes, stem.py or
+    stem/ in the text, or a list or table line that starts with it."""
+    name = re.escape(stem)
+    return bool(
+        re.search(rf"``{name}(\.py|/)?``|\b{name}\.py\b|\b{name}/|^[ \t]*(- )?{name}/?[:\s]", docstring, re.M)
+    )
+
+
+def test_every_package_docstring_names_the_modules_in_its_folder():
+    """Each package's __init__ docstring lists the modules and packages directly in its folder, so the
+    folder's first page says what each holds (a new module lands with its line)."""
+    unnamed = []
+    for module in modules().values():
+        if not module.is_package:
+            continue
+        folder = (PACKAGE_DIR / module.relative).parent
+        docstring = ast.get_docstring(module.tree) or ""
+        members = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+        members += [p.name for p in folder.iterdir() if (p / "__init__.py").is_file()]
+        unnamed += [f"  {module.relative}: {m}" for m in sorted(members) if not _named_in_docstring(m, docstring)]
+    assert not unnamed, "name these in their package's docstring, each with what it holds:\n" + "\n".join(unnamed)
+
+
+def _registries_counted() -> set[str]:
+    """What the per-process state test counts: ``relative name`` of each module-level state."""
+    return {
+        f"{module.relative} {name}"
+        for module in modules().values()
+        if module.relative != "process_wide.py" and not module.relative.startswith("testing/")
+        for name, _ in _module_state(module)
+    }
+
+
+def test_the_architecture_page_lists_the_registries_that_are_counted():
+    """The page's registries (its number word, and its list of "- `module.py` `name`: ..." lines under
+    process_wide.py) are exactly the module-level state the per-process state test counts."""
+    page = ARCHITECTURE_PAGE.read_text()
+    (entry,) = re.findall(r"^- `process_wide\.py`:.*?(?=^- `)", page, re.M | re.S)
+    listed = {f"{path} {name}" for path, name in re.findall(r"^  - `([\w/]+\.py)` `(\w+)`:", entry, re.M)}
+    (word,) = re.findall(r"(\w+) other registries", entry)
+    counted = _registries_counted()
+    assert listed == counted, f"on the page, not counted: {listed - counted}; counted, not on the page: {counted - listed}"
+    assert NUMBER_WORDS.index(word.lower()) == len(counted), (word, sorted(counted))
+
+
+def _gate_rows() -> list[list[str]]:
+    """The rows of the page's table of ways in (its header starts ``| way in | module |``)."""
+    page = ARCHITECTURE_PAGE.read_text()
+    table = page.split("| way in | module |", 1)[1].split("\n\n", 1)[0]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:] if line]
+
+
+def test_the_architecture_page_says_who_calls_the_gate():
+    """The page's table of ways in names every module that calls a monitor's ``log`` (the step whose
+    gate is ``logs_at``), and says "asks `logs_at` itself" of exactly those that ask the gate
+    themselves (beside monitor.py, where it is)."""
+    rows = _gate_rows()
+    listed = {row[1].strip("`") for row in rows}
+    asking = {row[1].strip("`") for row in rows if "asks `logs_at` itself" in row[3]}
+    calls_log, asks = set(), set()
+    for module in modules().values():
+        if module.relative.startswith("testing/") or module.relative == "monitor.py":
+            continue
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Attribute) and node.attr == "logs_at":
+                asks.add(module.relative)
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "log"
+                and ast.unparse(node.func.value).endswith("monitor")
+            ):
+                calls_log.add(module.relative)
+    assert {"hook.py", "integrations/lightning.py"} <= calls_log, calls_log
+    assert listed == calls_log, f"in the table, no log call: {listed - calls_log}; not in it: {calls_log - listed}"
+    assert asking == asks, f"the table says asks `logs_at` itself: {sorted(asking)}; the code: {sorted(asks)}"

@@ -92,7 +92,7 @@ def test_report_on_the_real_run_directory(preempted, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from nemo_memlog.cli import main
-    from tests.test_report import png_size
+    from tests.readback import png_size
 
     run, _, _ = preempted
     (events,) = main_run_events(run / "tensorboard")
@@ -114,7 +114,7 @@ def test_report_on_the_real_run_directory(preempted, capsys):
 def test_the_post_mortem_of_the_preempted_run_finds_every_rank_closed_by_sigterm(preempted):
     """Our SIGTERM handler marks every rank's flight record ended ("sigterm"), so the post-mortem
     of a preempted job reports no failure (exit status 0) and every rank's last iteration."""
-    from tests.test_postmortem_e2e import postmortem
+    from tests.readback import postmortem
 
     run, finished, _ = preempted
     status, found = postmortem(run)

@@ -192,7 +192,7 @@ def torn_down(request, tmp_path_factory):
         pytest.skip(f"cannot create a memory cgroup here: {why}")
     if request.param != "after_the_backends_opened":
         return trainer_torn_down(tmp_path_factory.mktemp("teardown"), request.param)
-    from tests.test_postmortem_e2e import postmortem
+    from tests.readback import postmortem
 
     demo = request.getfixturevalue("killed_demo")
     _, found = postmortem(demo["run"] / "memory_records")
@@ -214,7 +214,7 @@ def test_every_step_training_log_returned_is_in_every_backend(torn_down):
 def test_the_killed_demos_post_mortem_tells_one_story(killed_demo):
     """The command rank 0 printed at start for after a failure, pasted as a user would, names rank 0
     first and every other rank as its loss's (what ``python scripts/demo.py fail.kill_stage=0`` shows)."""
-    from tests.test_demo import run_as_printed
+    from tests.commands import run_as_printed
 
     printed = [m for line in killed_demo["stderr"] for m in re.findall(r"\(after a failure: (.+)\)$", line)]
     (command,) = set(printed)

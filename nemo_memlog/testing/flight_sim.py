@@ -11,6 +11,7 @@ through ``record``, ``record_oom`` and ``end`` as in training; a rank that "dies
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from nemo_memlog.failure.recorder import FlightRecorder
@@ -78,6 +79,17 @@ class Rank:
             "host_available_gb": self.host_available_gb,
             **(self.composition or {}),
         }
+
+
+#: The scenarios' time zero: an hour ago, so that no rank "may still be running".
+T0 = time.time() - 3600.0
+
+
+def closed_after(ranks: list[Rank], stopped: float, reason: str = "sigterm") -> list[Rank]:
+    """The survivors: stopped by torchrun's SIGTERM ``stopped`` seconds after T0."""
+    for rank in ranks:
+        rank.stopped, rank.end = T0 + stopped, reason
+    return ranks
 
 
 def layout(pp: int, tp: int, dp: int, gpus_per_node: int = GPUS_PER_NODE) -> list[Rank]:

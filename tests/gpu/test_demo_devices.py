@@ -4,8 +4,8 @@ stages on CPU with a one-line note (NCCL refuses two ranks on one GPU). Skipped 
 import pytest
 import torch
 
+from tests.commands import run_demo
 from tests.gpu import needs_cuda
-from tests.test_demo import run_demo
 
 pytestmark = [needs_cuda, pytest.mark.gpu, pytest.mark.processes]
 
