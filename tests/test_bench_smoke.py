@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ BUDGET_S = 120
 
 
 def test_bench_smoke_runs_and_reports_every_part():
-    started = time.monotonic()
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_overhead.py"), "--smoke"],
         cwd=ROOT,
@@ -29,9 +27,7 @@ def test_bench_smoke_runs_and_reports_every_part():
         text=True,
         timeout=BUDGET_S,
     )
-    elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
-    assert elapsed < BUDGET_S
     out = done.stdout
     assert "| 2 | all_gather |" in out and "| 2 | all_to_all |" in out  # a, reduce, b, c, d and ratios
     assert f"PP 2: collectives per logging call: {GATHER} (all_to_all: all_to_all_single)" in out
