@@ -4,6 +4,30 @@ The data path, one module each: ``report_memory`` (memory.py) -> ``gather_memory
 ``reduce_max_memory_across_pp_group`` (reduce/) -> ``training_log`` (hook.py) ->
 writers (writers/). Exports load on first use, so ``import nemo_memlog`` imports no
 logging backend, and the report command (cli.py) runs without torch.
+
+The modules, by layer, bottom to top (docs/architecture.md says more of each):
+
+- ``process_wide``: what belongs to the process (signal, exit, fork hooks; the OOM observer);
+- ``parts``: the memory parts, defined once; ``keys``: the report's keys, defined once;
+- ``units``: the units rule; ``bounded``: size-capped file reads;
+- ``redaction``: secrets found and scrubbed; ``commands``: commands as printed, the exit statuses;
+- ``warn``: the warn-once helper and the notices on the "nemo_memlog" logger;
+- ``config/``: one frozen ``Settings`` from any config;
+- ``memory``: one rank's numbers; ``host_limit``: the memory cgroup's limit;
+- ``megatron``: the job's shape (megatron-core's groups, this rank's place);
+- ``measure/``: the measurement add-ons; ``failure/``: the flight recorder and its file format;
+- ``payload``: the collective's wire format; ``attribution``: the gathered values as data;
+- ``metrics``: the caller's metrics cleaned and merged; ``reduce/``: every collective;
+- ``writers/``: the backends and the fan-out;
+- ``advice/``: what a change would do to each stage (pure arithmetic);
+- ``offline/``: the commands that read a run's files (report, postmortem, advise; no torch);
+- ``placement``: this rank's group and place in the job; ``monitor``: the run, its life and step;
+- ``hook``: ``training_log``, the per-iteration call;
+- ``launch/``: the commands that start the user's job (run, fit; no torch);
+- ``integrations/``: Megatron-LM, Megatron-Bridge, Lightning, and ``run``'s import hook;
+- ``megatron_lm``, ``bridge``, ``lightning``: the documented names of the integrations;
+- ``cli``: the ``nemo-memlog`` command line and its argument types;
+- ``testing/``: what tests and scripts share (nothing in the package imports it).
 """
 
 import importlib

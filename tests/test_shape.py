@@ -14,7 +14,10 @@ What a contract cannot say is checked here:
   torch.distributed in its pure protocol module (nemo_memlog/reduce/protocol.py);
 - no module uses another module's private name;
 - the memory parts are listed only in parts.py, per-process state stays in a handful of named
-  registries, no module is longer than a sitting, and public functions are annotated.
+  registries, no module is longer than a sitting, and public functions are annotated;
+- what docs/architecture.md says that can be read: the layers, every module named, the registries
+  (exactly those counted), which ways in call a monitor's ``log`` and which ask ``logs_at``
+  themselves; and each package's docstring names the modules in its folder.
 
 Every module of the package is read, nemo_memlog/testing/ included: the helpers that tests and
 scripts share are code too, and a private name there decays the same way. Only the
@@ -659,9 +662,7 @@ def _named_in_docstring(stem: str, docstring: str) -> bool:
     """``stem`` named as a module: ``stem``, ``stem.py`` or ``stem/`` in double backquotes, stem.py or
     stem/ in the text, or a list or table line that starts with it."""
     name = re.escape(stem)
-    return bool(
-        re.search(rf"``{name}(\.py|/)?``|\b{name}\.py\b|\b{name}/|^[ \t]*(- )?{name}/?[:\s]", docstring, re.M)
-    )
+    return bool(re.search(rf"``{name}(\.py|/)?``|\b{name}\.py\b|\b{name}/|^[ \t]*(- )?{name}/?[:\s]", docstring, re.M))
 
 
 def test_every_package_docstring_names_the_modules_in_its_folder():
@@ -697,7 +698,9 @@ def test_the_architecture_page_lists_the_registries_that_are_counted():
     listed = {f"{path} {name}" for path, name in re.findall(r"^  - `([\w/]+\.py)` `(\w+)`:", entry, re.M)}
     (word,) = re.findall(r"(\w+) other registries", entry)
     counted = _registries_counted()
-    assert listed == counted, f"on the page, not counted: {listed - counted}; counted, not on the page: {counted - listed}"
+    assert listed == counted, (
+        f"on the page, not counted: {listed - counted}; counted, not on the page: {counted - listed}"
+    )
     assert NUMBER_WORDS.index(word.lower()) == len(counted), (word, sorted(counted))
 
 
@@ -732,3 +735,26 @@ def test_the_architecture_page_says_who_calls_the_gate():
     assert {"hook.py", "integrations/lightning.py"} <= calls_log, calls_log
     assert listed == calls_log, f"in the table, no log call: {listed - calls_log}; not in it: {calls_log - listed}"
     assert asking == asks, f"the table says asks `logs_at` itself: {sorted(asking)}; the code: {sorted(asks)}"
+
+
+def test_a_test_module_imports_helpers_never_another_test_module():
+    """The page's list of the helper modules in tests/ is every module there that is not a test
+    (``test_*.py``) nor a package's ``__init__``, and no module under tests/ imports a test module."""
+    tests_dir = PACKAGE_DIR.parent / "tests"
+    page = " ".join(ARCHITECTURE_PAGE.read_text().split())
+    (sentence,) = re.findall(r"the helper modules beside it in `tests/` \(([^)]*)\)", page)
+    listed = set(re.findall(r"`([\w/]+\.py)`", sentence))
+    helpers = {
+        p.relative_to(tests_dir).as_posix()
+        for p in tests_dir.rglob("*.py")
+        if not p.name.startswith("test_") and p.name != "__init__.py"
+    }
+    assert listed == helpers, f"on the page, no such helper: {listed - helpers}; not on the page: {helpers - listed}"
+    imported = []
+    for path in tests_dir.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names += [f"{node.module or ''}.{a.name}" for a in node.names] + [node.module or ""]
+            imported += [f"{path.relative_to(tests_dir)}: {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    assert not imported, "import a helper module (or nemo_memlog.testing), not a test module:\n" + "\n".join(imported)

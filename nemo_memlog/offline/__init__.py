@@ -11,5 +11,6 @@ the commands that launch a job (run, fit) are in nemo_memlog/launch/. In the dat
     postmortem/     RankFiles -> Postmortem (__init__: status per rank, the first failure); state: the data;
                     sentence, render: the words; as_json: the JSON for a failure hook; plot: its PNG
     advise/         per-layer records -> each stage's parts today and under a change (__init__); plot: its PNG
-    tables, plotting  what the renderers share: table layout, number and time formats; figure and save
+    tables          what the renderers share: table layout, number and time formats
+    plotting        what the PNGs share: the figure and its save
 """

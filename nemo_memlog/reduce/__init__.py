@@ -31,7 +31,8 @@ The modules, by job (every torch.distributed call of the package is in this pack
 - ``channel``: Channel, the collectives (all_gather_single, all_to_all_single) and their
   bounded waits (the timeout and peer-left errors);
 - ``twins``: the gloo groups of the same ranks (world_twin, pp_twin);
-- ``restart``: close_writers' restart agreement (runs_ended, agree_on_restart).
+- ``restart``: close_writers' restart agreement (runs_ended, agree_on_restart);
+- ``stall``: the stall watch, a thread that says when a gather has waited too long.
 """
 
 from __future__ import annotations

@@ -2,6 +2,18 @@
 
 - ``cluster``: ``Cluster``, N real processes over gloo with megatron-core's groups;
   ``free_port``.
+- ``rank_preload``: what every ``Cluster`` rank imports, once, in the forkserver that forks them.
+- ``megatron_cpu``: megatron-core's own training stack (GPTModel, DDP, optimizer, schedule) on CPU.
+- ``megatron_stand_ins``: what stands in for megatron-core's GPU assumptions on a CPU-only machine.
+- ``megatron_job``: a real-Megatron training job as a command line (``nemo-memlog fit``'s tests).
+- ``megatron_lm_stand_ins``: what stands in for the GPU assumptions of Megatron-LM's training loop.
+- ``megatron_lm_job``: a GPT pretraining script of our own, trained by Megatron-LM's ``pretrain``.
+- ``bridge_env``: Megatron-Bridge on a CPU-only machine (what stands in for its GPU and Python).
+- ``bridge_harness``: Megatron-Bridge's training loop, driven on CPU gloo ranks, with its real pieces.
+- ``bridge_megatron``: Bridge's own ``train_step`` over a real megatron-core job.
+- ``bridge_probes``: Bridge's MLflow spelling, the loggers it opens, the callback's off-interval cost.
+- ``cgroups``: real memory cgroups with a limit (``memory_cgroup``).
+- ``probe_stub``: a stand-in job under ``nemo-memlog fit``: one rank's per-layer record, at once.
 - ``collectives``: ``count_collectives``, a pass-through spy on torch.distributed.
 - ``flight_sim``: flight records of a simulated cluster, written by the real recorder.
 - ``gpu_work``: GPU work queued on the stream, to see what waits for it.
@@ -13,6 +25,6 @@
   child's output read by a thread, for a wait); ``alive``.
 - ``notices``: ``said``, what nemo_memlog said (its notices and warnings) within a block.
 - ``mounts``: ``mounted`` and ``read_only``, folders mounted for a test (a full disk, a read-only one).
-- ``bench``: the parts of the benchmarks (scripts/bench_*.py are their command lines) and
-  their one timing helper.
+
+The benchmarks' parts and their one timing helper are not here: they are scripts/bench/ (not installed).
 """

@@ -19,6 +19,20 @@ The words, one idea each, throughout this package:
   TensorBoard writer, a Lightning ``Logger``): a backend **adopts** it, and never closes it.
 
 ``build_writers`` opens the writers a config asks for; ``adopt_writers`` adopts open loggers.
+
+The modules:
+
+- ``base``: the ``Backend`` and ``Writers`` interfaces, the module contract, the registry;
+- ``tensorboard``, ``wandb``, ``mlflow``, ``comet``, ``otel``: one backend each (``otel``:
+  OpenTelemetry metrics over OTLP, Prometheus or the console);
+- ``lightning``: a Lightning ``Logger``, adopted;
+- ``fanout``: ``ThreadFanOut`` and ``BufferedBackend`` (a thread and a retrying buffer per backend);
+- ``inline``: ``InlineFanOut``, open loggers written on the training thread;
+- ``parent``: ``ProcessFanOut``, the training process's side of the writer process;
+- ``child``: the writer process's side;
+- ``wire``: the versioned wire format between the two;
+- ``stages``: each stage's own run (TensorBoard's ``pp_stage_<i>``) and ``StageHistory``;
+- ``charts``: the per-stage charts drawn at close (W&B, MLflow, Comet), within the close budget.
 """
 
 from __future__ import annotations

@@ -15,6 +15,12 @@ of this fit measured to fit: each probe starts from an empty folder, and one tha
 ends the search with an error naming it, never "over the limit". Everything fit prints or writes has
 the command's secrets scrubbed (redaction.py). docs/fit.md says what a probe costs and how accurate
 the predictions were.
+
+This module holds the search; beside it:
+
+- ``probe``: one launch of the user's command at one size, watched until every rank's peak is steady;
+- ``words``: what fit says as it goes and where it stops (secrets scrubbed);
+- ``render``: what fit prints, as text or as one JSON object.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@ per-layer records (measure/layer_record.py), by advice/'s arithmetic. No torch.
 
 ``load(path, capacity_gb)`` finds the records (the run folder, its TensorBoard folder beside them, or
 the record folder itself) and builds an ``advice.Profile``: per stage, the data-parallel rank with the
-highest peak. ``as_json`` and ``as_text`` render the outcomes.
+highest peak. ``as_json`` and ``as_text`` render the outcomes. Beside it:
+
+- ``plot``: the PNG, per stage today's stacked bar beside the predicted one, against the capacity.
 """
 
 from __future__ import annotations

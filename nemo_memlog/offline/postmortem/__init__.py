@@ -3,7 +3,13 @@
 Reads the per-rank ring files that recorder.py writes (their format: records.py) anywhere
 below a folder, on the cluster or on a copy of it, through rank_files.py; prints nothing:
 ``analyse`` returns a ``Postmortem`` that postmortem/render.py and postmortem/as_json.py put
-in words and postmortem/plot.py draws. No torch, no process group, no training code.
+in words and postmortem/plot.py draws. No torch, no process group, no training code. Beside it:
+
+- ``state``: what it finds, as data (``RankState``, ``Postmortem``);
+- ``sentence``: the lead sentence, the OOM's composition and advice clauses, ambiguity and victims;
+- ``render``: the text (``format_text``);
+- ``as_json``: the JSON for a failure hook (``--json``);
+- ``plot``: the PNG (the last records per stage, when each rank stopped).
 
 Every rank that left a readable header gets exactly one status:
 

@@ -3,7 +3,10 @@
 Reads the run through events.py (``load_run``); ``format_report`` returns the text the
 command prints: the run's steps, peak window, resumes and other runs, capacities, and one
 row per memory metric with the logged max, the stage holding it, each stage's own values
-and the headroom. report/plot.py draws the PNG. No torch.
+and the headroom. No torch. Beside it:
+
+- ``plot``: the PNG of one metric's per-stage values over steps, the logged max, the capacity;
+- ``composition``: the PNG of what each stage's memory is made of, at the last logging step.
 """
 
 from __future__ import annotations
