@@ -79,7 +79,9 @@ class MemoryMonitor:
         self.interval = self.settings.tensorboard_log_interval
         self.record_dir = self.settings.record_dir  # absolute now, as the working directory is now; None: off
         # The run's secrets: scrubbed from its warnings, redacted from its facts.
-        self.secrets = [*secrets_of(self.settings), *filter(None, [os.environ.get("COMET_API_KEY")])]
+        from .writers.base import CONFIGURED, environment_secrets  # each backend names its own
+
+        self.secrets = [*secrets_of(self.settings), *environment_secrets(list(CONFIGURED), dict(os.environ))]
         self.warnings = WarnOnce(secrets=self.secrets)
         self.reduction = self._new_reduction()
         self.placement: Placement | None = None  # resolved at the first logging step (``place``)

@@ -73,6 +73,13 @@ def enabled(settings: Settings) -> bool:
     return bool(settings.comet_project)
 
 
+def environment_secrets(environ: dict[str, str]) -> list[str]:
+    """``COMET_API_KEY``, the key comet_ml reads where ``comet_api_key`` is not set: scrubbed from every
+    notice of the run, whether or not Comet is enabled."""
+    key = environ.get("COMET_API_KEY")
+    return [key] if key else []
+
+
 def open_backend(settings: Settings, params: dict, secrets: list[str]) -> CometBackend:
     """A Comet experiment named ``comet_experiment_name`` with ``comet_tags``, and
     ``params`` logged once (string values with ``secrets`` scrubbed)."""
