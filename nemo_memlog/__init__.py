@@ -1,7 +1,7 @@
 """nemo_memlog: pipeline-wide memory metrics for Megatron-Core / NeMo training.
 
-The data path, one module each: ``report_memory`` (memory.py) -> ``gather_memory`` /
-``reduce_max_memory_across_pp_group`` (reduce/) -> ``training_log`` (hook.py) ->
+The data path, one module each: ``report_memory`` (rank/memory.py) -> ``gather_memory`` /
+``reduce_max_memory_across_pp_group`` (reduce/) -> ``training_log`` (monitor/hook.py) ->
 writers (writers/). Exports load on first use, so ``import nemo_memlog`` imports no
 logging backend, and the report command (cli.py) runs without torch.
 
@@ -13,16 +13,16 @@ The modules, by layer, bottom to top (docs/architecture.md says more of each):
 - ``redaction``: secrets found and scrubbed; ``commands``: commands as printed, the exit statuses;
 - ``warn``: the warn-once helper and the notices on the "nemo_memlog" logger;
 - ``config/``: one frozen ``Settings`` from any config;
-- ``memory``: one rank's numbers; ``host_limit``: the memory cgroup's limit;
-- ``megatron``: the job's shape (megatron-core's groups, this rank's place);
+- ``rank/``: what one rank reads of itself (``memory``: its numbers; ``host_limit``: the memory cgroup's
+  limit; ``megatron``: the job's shape, megatron-core's groups, this rank's place);
 - ``measure/``: the measurement add-ons; ``failure/``: the flight recorder and its file format;
 - ``payload``: the collective's wire format; ``attribution``: the gathered values as data;
 - ``metrics``: the caller's metrics cleaned and merged; ``reduce/``: every collective;
 - ``writers/``: the backends and the fan-out;
 - ``advice/``: what a change would do to each stage (pure arithmetic);
 - ``offline/``: the commands that read a run's files (report, postmortem, advise; no torch);
-- ``placement``: this rank's group and place in the job; ``monitor``: the run, its life and step;
-- ``hook``: ``training_log``, the per-iteration call;
+- ``monitor/``: the run, its life and step (``placement``: this rank's group and place in the job;
+  ``hook``: ``training_log``, the per-iteration call);
 - ``launch/``: the commands that start the user's job (run, fit; no torch);
 - ``integrations/``: Megatron-LM, Megatron-Bridge, Lightning, and ``run``'s import hook;
 - ``megatron_lm``, ``bridge``, ``lightning``: the documented names of the integrations;
@@ -37,24 +37,24 @@ if TYPE_CHECKING:  # what a type checker and an IDE see: the real signatures (lo
     from .attribution import GatheredMemory
     from .config import LoggerConfig, from_overrides
     from .failure.recorder import FlightRecorder
-    from .hook import close_writers, training_log
     from .measure.composition import report_model_state
     from .measure.phase import memory_phase
-    from .memory import DEFAULT_MEMORY_KEYS, capacity_report, report_memory, reset_peaks
     from .monitor import MemoryMonitor
+    from .monitor.hook import close_writers, training_log
+    from .rank.memory import DEFAULT_MEMORY_KEYS, capacity_report, report_memory, reset_peaks
     from .reduce import MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
     from .writers import build_writers
 
 _EXPORTS = {
     "LoggerConfig": "config",
     "from_overrides": "config",
-    "training_log": "hook",
-    "close_writers": "hook",
-    "DEFAULT_MEMORY_KEYS": "memory",
-    "report_memory": "memory",
-    "capacity_report": "memory",
+    "training_log": "monitor.hook",
+    "close_writers": "monitor.hook",
+    "DEFAULT_MEMORY_KEYS": "rank.memory",
+    "report_memory": "rank.memory",
+    "capacity_report": "rank.memory",
     "MemoryMonitor": "monitor",
-    "reset_peaks": "memory",
+    "reset_peaks": "rank.memory",
     "memory_phase": "measure.phase",
     "report_model_state": "measure.composition",
     "GatheredMemory": "attribution",

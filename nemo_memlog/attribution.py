@@ -18,7 +18,7 @@ pipeline stage i) it derives:
                                       when no stage has one (each rank reports NaN), as before the limit
     memory/peak_host_rss_pct          max over stages of 100 * peak_host_rss / (the limit, else host_total)
 
-The ``peak_*`` inputs cover the window memory.py measured them over (memory_peak_window:
+The ``peak_*`` inputs cover the window rank/memory.py measured them over (memory_peak_window:
 the run, or the interval since the previous logging step); everything above follows.
 """
 

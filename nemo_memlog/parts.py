@@ -16,7 +16,7 @@ class Source(Enum):
 
     MODEL_STATE = "model_state"  # counted from the model and optimizer (measure/composition.py)
     STEP = "step"  # a logging step's breakdown: the activation meter and the allocator's peaks
-    REPORT = "report"  # memory.py's report: what the measured parts leave of the peak
+    REPORT = "report"  # rank/memory.py's report: what the measured parts leave of the peak
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ MODEL_STATE_PARTS = tuple(p.key for p in PARTS if p.source is Source.MODEL_STATE
 STEP_KEYS = tuple(p.key for p in PARTS if p.source is Source.STEP)
 #: The parts of a stage's peak the advice predicts, bottom to top, as its JSON and picture show them.
 ADVISED_KEYS = tuple(p.key for p in PARTS if p.advised)
-#: The parts logged per stage by default, besides memory.py's own figures.
+#: The parts logged per stage by default, besides rank/memory.py's own figures.
 PER_STAGE_KEYS = tuple(p.key for p in PARTS if p.per_stage and p.source is not Source.REPORT)
 #: The one name of each labelled part, in every output (tables, PNGs, docs).
 LABELS = {p.key: p.label for p in PARTS if p.label is not None}

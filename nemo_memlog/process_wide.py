@@ -222,7 +222,7 @@ def proc_field(path: str | None, key: bytes, scale: int = 1) -> int | None:
 
 def proc_fields(path: str | None, keys: tuple[bytes, ...], scale: int = 1) -> list[int | None]:
     """``proc_field`` for several keys of one file, read once through ``read_proc``: the one reader of
-    those files' fields (memory.py, failure/evidence.py). Never raises."""
+    those files' fields (rank/memory.py, failure/evidence.py). Never raises."""
     try:
         text = b"\n" + read_proc(path) if path is not None else b""
     except OSError:

@@ -12,7 +12,7 @@ change is what a user asks: the fixed part of a process hides its error in the p
 table as markdown. About 10 minutes on 2 idle cores; a line per step, and each demo's own progress
 bar (stderr) while it runs.
 
-``--job megatron``: the same five runs of ``nemo_memlog.testing.megatron_job`` (megatron-core's
+``--job megatron``: the same five runs of ``nemo_memlog.testing.megatron.job`` (megatron-core's
 GPTModel in its DDP, Adam, 1F1B, PP 2 under torchrun) at hidden 64, seq 256, micro-batch size 64, 4
 microbatches (256 samples per iteration), 5 iterations: the activation-heavy regime (about 8 minutes).
 
@@ -84,7 +84,7 @@ def run_megatron(root: Path, name: str, options: list[str]) -> Path:
     say(f"megatron job '{name}' ({' '.join(options)}) ...")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += ["-m", "nemo_memlog.testing.megatron_job", *MEGATRON, *options, "--out", str(root / name)]
+    command += ["-m", "nemo_memlog.testing.megatron.job", *MEGATRON, *options, "--out", str(root / name)]
     done = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         raise SystemExit(f"megatron job '{name}' failed ({done.returncode}): {done.stderr[-3000:]}")
@@ -104,7 +104,7 @@ def pct(predicted: float, truth: float) -> str:
 
 
 def table(runs: dict[str, Path]) -> str:
-    from nemo_memlog.testing.megatron_cpu import recorded_stage_peaks
+    from nemo_memlog.testing.megatron.cpu import recorded_stage_peaks
 
     measured = {name: recorded_stage_peaks(path / "memory_records") for name, path in runs.items()}
     lines = ["| change | stage | rerun | one run: peak | one run: range | range holds | two runs "]

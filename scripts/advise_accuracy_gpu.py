@@ -1,7 +1,7 @@
 """How close ``nemo-memlog advise --what-if micro_batch_size=x2`` comes to a rerun on a GPU, for the
 allocator's own peaks (``peak_allocated_gb``, ``peak_reserved_gb``): the GPU table in docs/advise.md.
 
-Trains Megatron-LM's own loop (``nemo_memlog.testing.megatron_lm_job``: ``pretrain`` on megatron-core's
+Trains Megatron-LM's own loop (``nemo_memlog.testing.megatron.lm_job``: ``pretrain`` on megatron-core's
 GPTModel, a world of one under torchrun, with ``--nemo-memlog``, which writes each rank's per-layer
 record into ``memory_records`` beside ``--tensorboard-dir``) twice: at micro-batch size 2 and at 4, the
 global batch fixed (8: 4 microbatches, then 2). Then ``nemo-memlog advise RUN_OF_2 --what-if
@@ -63,7 +63,7 @@ def run_job(args: argparse.Namespace, root: Path, micro_batch_size: int) -> Path
     """One training run at ``micro_batch_size``; its folder (``tb`` and ``memory_records`` in it)."""
     folder = root / f"mbs{micro_batch_size}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"]
-    command += ["-m", "nemo_memlog.testing.megatron_lm_job", *job_flags(args, micro_batch_size)]
+    command += ["-m", "nemo_memlog.testing.megatron.lm_job", *job_flags(args, micro_batch_size)]
     command += ["--tensorboard-dir", str(folder / "tb")]
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

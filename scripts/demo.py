@@ -19,7 +19,7 @@ The job is megatron-core's own: GPTModel (local layer spec) in Megatron's Distri
 Megatron's Adam and get_forward_backward_func()'s schedule, 1F1B (or interleaved: parallel.vpp=2).
 Devices: with a GPU per process on the node (4 processes: 4 GPUs) every stage runs on its
 own GPU over NCCL, Megatron as it is; with fewer GPUs the stages run on CPU over gloo, with a
-one-line note, through nemo_memlog.testing.megatron_cpu's stand-ins for Megatron's GPU
+one-line note, through nemo_memlog.testing.megatron.cpu's stand-ins for Megatron's GPU
 assumptions (one line at start names them).
 
 Every iteration every rank calls ``nemo_memlog.training_log``; at the end the last rank prints
@@ -65,8 +65,8 @@ from demo_model import DemoJob, build_job, learning_rate
 from nemo_memlog.commands import console_command, postmortem_command, report_command
 from nemo_memlog.config import did_you_mean
 from nemo_memlog.config.schema import PROBE_DIR_ENV
-from nemo_memlog.testing import megatron_cpu
 from nemo_memlog.testing.cluster import free_port
+from nemo_memlog.testing.megatron import cpu as megatron_cpu
 from nemo_memlog.testing.tmp import private_tmpdir
 from ticker import ticking
 

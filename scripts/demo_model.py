@@ -2,7 +2,7 @@
 its ``get_forward_backward_func()`` schedule (1F1B, or interleaved with a virtual pipeline), on
 synthetic data that can be learnt.
 
-The job is built and stepped by ``nemo_memlog.testing.megatron_cpu``: on a GPU per process
+The job is built and stepped by ``nemo_memlog.testing.megatron.cpu``: on a GPU per process
 everything is Megatron's as it is (the model on this process's GPU, NCCL, no stand-ins); on CPU
 inside its stand-ins for Megatron's GPU assumptions (``megatron_cpu.summary()`` names them), over
 gloo. ``DemoJob`` adds what the demo needs: the data-parallel rank the data is drawn for, and
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nemo_memlog.testing import megatron_cpu
-from nemo_memlog.testing.megatron_cpu import Job, JobSpec
+from nemo_memlog.testing.megatron import cpu as megatron_cpu
+from nemo_memlog.testing.megatron.cpu import Job, JobSpec
 
 #: Share of tokens drawn at random instead of following the pattern: the loss floor.
 NOISE = 0.1

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from nemo_memlog import memory
+from nemo_memlog.rank import memory
 from nemo_memlog.testing.collectives import count_collectives
 
 MB = 2**20

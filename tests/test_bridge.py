@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 
 from nemo_memlog.offline import events, report
-from nemo_memlog.testing import megatron_cpu
 from nemo_memlog.testing.bridge_env import bridge_version
 from nemo_memlog.testing.bridge_harness import RunSpec, end_runs, exit_early_then_train_again, train
 from nemo_memlog.testing.bridge_probes import (
@@ -36,6 +35,7 @@ from nemo_memlog.testing.bridge_probes import (
 )
 from nemo_memlog.testing.cluster import Cluster
 from nemo_memlog.testing.collectives import GATHER
+from nemo_memlog.testing.megatron import cpu as megatron_cpu
 from tests.bridge_readback import mlflow_experiments, mlflow_runs, tensorboard_events, wandb_run
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]

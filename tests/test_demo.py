@@ -146,7 +146,7 @@ def test_the_demo_passes_its_model_and_the_report_draws_each_stages_composition(
 def test_megatrons_stack_trains_through_the_named_stand_ins(demo):
     """The stand-ins are named once, at start; the job's facts (for advise) are Megatron's 1F1B job's."""
     from nemo_memlog.measure import layer_record
-    from nemo_memlog.testing import megatron_cpu
+    from nemo_memlog.testing.megatron import cpu as megatron_cpu
 
     result, run, _ = demo
     assert result.stdout.count(f"demo.py: {megatron_cpu.summary()}") == 1

@@ -1,5 +1,5 @@
 """``nemo-memlog fit``'s search against the truth, once, on a real job: megatron-core's GPTModel, DDP,
-Adam and 1F1B schedule under torchrun (nemo_memlog.testing.megatron_job), swept by brute force in the
+Adam and 1F1B schedule under torchrun (nemo_memlog.testing.megatron.job), swept by brute force in the
 test (one launch per size, run to its end, the peaks read from the records' ``peak_host_rss_gb`` and
 the job's memory cgroup's own peak charge); a real OOM under a memory cgroup; a cgroup limit judged
 as the kernel charges it; the refusal when nothing fits. Every test checks that no process of its
@@ -21,14 +21,15 @@ import pytest
 
 from nemo_memlog.launch import fit as fit_module
 from nemo_memlog.offline import advise
-from nemo_memlog.testing import cgroups, megatron_cpu
+from nemo_memlog.testing import cgroups
+from nemo_memlog.testing.megatron import cpu as megatron_cpu
 from nemo_memlog.testing.torchrun import ROOT
 from nemo_memlog.testing.wait import left_behind
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 #: PP 2, 4 layers, hidden 256, seq 256, 16 samples per iteration: sizes 1, 2, 4, 8, 16 (swept: 4 and 8).
-JOB = ["-m", "nemo_memlog.testing.megatron_job", "--global-batch", "16", "--hidden", "256", "--seq", "256"]
+JOB = ["-m", "nemo_memlog.testing.megatron.job", "--global-batch", "16", "--hidden", "256", "--seq", "256"]
 SWEPT = (4, 8)
 #: Iterations each swept size runs to its end: longer than a probe waits for its peak to be steady
 #: (at least 3 measured steps), what the probe's peak is held against (within 2%).

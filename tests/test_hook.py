@@ -242,7 +242,7 @@ def test_the_flag_off_stays_a_silent_no_op():
 @pytest.mark.processes
 def test_a_config_rebuilt_at_every_call_with_equal_settings_reuses_one_run(tmp_path):
     from nemo_memlog import close_writers
-    from nemo_memlog.hook import run_of, runs
+    from nemo_memlog.monitor.hook import run_of, runs
 
     close_writers()  # the runs earlier tests left open in this process
 
@@ -263,7 +263,7 @@ def test_a_config_rebuilt_at_every_call_with_equal_settings_reuses_one_run(tmp_p
 
 def test_settings_that_change_at_every_call_make_new_runs_and_warn_once():
     from nemo_memlog import close_writers
-    from nemo_memlog.hook import MANY_RUNS, runs
+    from nemo_memlog.monitor.hook import MANY_RUNS, runs
 
     close_writers()
     with said(notices=False) as caught:

@@ -1,4 +1,4 @@
-"""The host memory limit as clusters enforce it (host_limit.py): a memory cgroup's limit.
+"""The host memory limit as clusters enforce it (rank/host_limit.py): a memory cgroup's limit.
 
 - File layouts, v1 and v2, from fixture trees (the reader takes its /proc files as arguments),
   and a limit set, changed or lifted between two reads, or a move to another cgroup (issue 33).
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_memlog.host_limit import ProcessLimit, find_chain, find_limit
+from nemo_memlog.rank.host_limit import ProcessLimit, find_chain, find_limit
 from nemo_memlog.testing import cgroups
 from nemo_memlog.testing.notices import said
 
@@ -160,7 +160,7 @@ def steps_main() -> int:
     ``capacity_report`` reads it (``memory.host_limit_bytes``: ``limit_of_process(pid, RAM).read()``;
     torch is not imported, to start in a second) and as the liveness beat records it."""
     from nemo_memlog.failure.evidence import HostEvidence
-    from nemo_memlog.host_limit import limit_of_process
+    from nemo_memlog.rank.host_limit import limit_of_process
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     beat = HostEvidence()  # made at start, as the liveness thread's is
@@ -226,7 +226,7 @@ def test_a_limit_set_and_changed_after_start_is_read_at_the_next_step(cgroups_he
 
 
 def test_capacity_report_follows_this_process_into_a_cgroup_and_its_limit_set_after(cgroups_here):
-    from nemo_memlog import memory
+    from nemo_memlog.rank import memory
 
     if not math.isnan(memory.capacity_report()["host_limit_gb"]):
         pytest.skip("this test process is already under a memory cgroup limit")

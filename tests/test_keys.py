@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 from nemo_memlog import keys, parts
-from nemo_memlog.memory import DEFAULT_MEMORY_KEYS, capacity_report, report_memory
+from nemo_memlog.rank.memory import DEFAULT_MEMORY_KEYS, capacity_report, report_memory
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "nemo_memlog"

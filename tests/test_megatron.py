@@ -1,6 +1,6 @@
 """nemo_memlog on megatron-core's own stack: GPTModel (local spec) in Megatron's DDP, its optimizer
 (plain and distributed) and get_forward_backward_func()'s schedules (1F1B, interleaved), on 4 gloo
-ranks through nemo_memlog.testing.megatron_cpu. Every figure is held against one made apart:
+ranks through nemo_memlog.testing.megatron.cpu. Every figure is held against one made apart:
 activations against every saved tensor counted around the whole schedule, microbatches in flight
 against Megatron's own warm-up count, the model state against Megatron's buffers and Adam's rule,
 and each ``advise`` prediction against a rerun with the change. The interleaved and bf16 scenarios
@@ -14,8 +14,8 @@ import pytest
 
 from nemo_memlog import advice
 from nemo_memlog.offline import advise
-from nemo_memlog.testing import megatron_cpu
 from nemo_memlog.testing.cluster import Cluster
+from nemo_memlog.testing.megatron import cpu as megatron_cpu
 
 pytestmark = pytest.mark.processes
 

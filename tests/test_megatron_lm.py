@@ -2,7 +2,7 @@
 ``train_step`` -> ``training_log``, from the megatron-core 0.19.2 wheel), PP 2 on CPU under torchrun,
 through both ways in at once: ``nemo-memlog run --`` around the launch, and ``megatron_lm.install()``
 in the script as well (as a user who adds the prefix to a script that installs does). The script is
-the project's own (nemo_memlog.testing.megatron_lm_job).
+the project's own (nemo_memlog.testing.megatron.lm_job).
 
 Held against what is made apart: Megatron-LM's own ``lm loss`` without the flag; every tensor
 autograd saved, counted around ``train_step`` (the job's ``--count-apart``); Megatron's own warm-up
@@ -20,7 +20,8 @@ import pytest
 from nemo_memlog.integrations import megatron_lm
 from nemo_memlog.offline import events, report
 from nemo_memlog.offline.rank_files import read_rank_file
-from nemo_memlog.testing import megatron_lm_stand_ins, torchrun
+from nemo_memlog.testing import torchrun
+from nemo_memlog.testing.megatron import lm_stand_ins as megatron_lm_stand_ins
 from tests import readback
 
 pytestmark = [
@@ -29,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(not megatron_lm_stand_ins.has_loop(), reason="Megatron-LM's loop ships in megatron-core 0.17+"),
 ]
 
-JOB = ("-m", "nemo_memlog.testing.megatron_lm_job")
+JOB = ("-m", "nemo_memlog.testing.megatron.lm_job")
 #: ``--cpu``: the CPU stand-ins come from run's switch, not the job (which installs them only without it).
 RUN = (sys.executable, "-m", "nemo_memlog.cli", "run", "--cpu", "--")
 #: Megatron-LM's own flags: a 4-layer GPT, PP 2, 4 microbatches of 2, 4 iterations, on CPU.

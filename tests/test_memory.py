@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_memlog import DEFAULT_MEMORY_KEYS, memory, report_memory
-from nemo_memlog.memory import DEVICE_KEYS, capacity_report, host_rss_bytes, reset_host_peak, reset_peaks
+from nemo_memlog import DEFAULT_MEMORY_KEYS, report_memory
+from nemo_memlog.rank import memory
+from nemo_memlog.rank.memory import DEVICE_KEYS, capacity_report, host_rss_bytes, reset_host_peak, reset_peaks
 from nemo_memlog.testing.notices import said
 from nemo_memlog.warn import WarnOnce
 

@@ -5,7 +5,7 @@ against the limit, not each rank's peak RSS against an even share of it.
 - The arithmetic, from records the real record writer wrote (measure/layer_record.py): advise's
   capacity, its largest micro-batch size, fit's verdict on a measured probe, report's headroom; a
   cgroup peak kept from an earlier, larger occupant; records without a cgroup unchanged.
-- The cgroup's own peak charge read from v1's and v2's files (host_limit.py), from fixture trees.
+- The cgroup's own peak charge read from v1's and v2's files (rank/host_limit.py), from fixture trees.
 - For real: tests/test_fit.py (its Megatron job under torchrun in a memory cgroup, the cgroup's
   peak charge from its sweep, then a limit between two sizes': ``fit`` with no --capacity-gb answers
   the larger size that runs, and ``report`` of what it measured there shows no negative headroom).
@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from nemo_memlog import advice
-from nemo_memlog.host_limit import ProcessLimit, find_limit
 from nemo_memlog.launch.fit import measured_fits
 from nemo_memlog.measure import layer_record
 from nemo_memlog.offline import node_charge, report
 from nemo_memlog.offline.advise import load
+from nemo_memlog.rank.host_limit import ProcessLimit, find_limit
 
 HOST = 64_000_000_000
 CGROUP = "node-a:/sys/fs/cgroup/memory/job"

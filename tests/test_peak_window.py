@@ -25,7 +25,7 @@ def log_with_ballast_in_one_interval(window, tensorboard_dir):
     import numpy
     from megatron.core import parallel_state as ps
 
-    from nemo_memlog import memory
+    from nemo_memlog.rank import memory
 
     memory.reset_host_peak()  # start from this rank's current RSS, whatever earlier tests left in VmHWM
     cfg = LoggerConfig(log_memory_to_tensorboard=True, memory_peak_window=window, tensorboard_dir=tensorboard_dir)

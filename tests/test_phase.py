@@ -28,8 +28,9 @@ def touch(megabytes: int):
 
 
 def test_a_phase_has_its_own_peak_and_the_windows_peak_is_kept():
-    from nemo_memlog import memory, memory_phase
+    from nemo_memlog import memory_phase
     from nemo_memlog.measure import phase
+    from nemo_memlog.rank import memory
 
     phase.take_pending()
     memory.reset_peaks()
@@ -78,8 +79,9 @@ def test_a_name_that_is_not_a_short_identifier_is_refused_saying_what_to_use(nam
 
 @pytest.mark.filterwarnings("error")
 def test_a_failure_to_measure_warns_once_and_never_raises(monkeypatch, caplog):
-    from nemo_memlog import memory, memory_phase
+    from nemo_memlog import memory_phase
     from nemo_memlog.measure import phase
+    from nemo_memlog.rank import memory
 
     def broken():
         raise OSError("no /proc here")

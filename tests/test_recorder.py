@@ -21,7 +21,7 @@ from nemo_memlog.failure import oom, records
 from nemo_memlog.failure.evidence import HostEvidence, cgroup_events_path
 from nemo_memlog.failure.identity import run_id
 from nemo_memlog.failure.recorder import open_recorder
-from nemo_memlog.memory import capacity_report, report_memory
+from nemo_memlog.rank.memory import capacity_report, report_memory
 from nemo_memlog.testing.notices import said
 from tests.readback import read_back
 

@@ -57,7 +57,7 @@ def test_one_rule_for_a_config_the_environment_and_a_launch():
 _MEGATRON_OPTIONS = r"""
 import argparse, json, sys
 from nemo_memlog.testing.bridge_env import typing_override
-from nemo_memlog.testing.megatron_lm_job import hide_modelopt
+from nemo_memlog.testing.megatron.lm_job import hide_modelopt
 hide_modelopt()
 typing_override()
 from megatron.training import arguments

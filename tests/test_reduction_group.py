@@ -21,7 +21,7 @@ def log_twice(**config):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from nemo_memlog.hook import run_of
+    from nemo_memlog.monitor.hook import run_of
 
     cfg = LoggerConfig(log_memory_to_tensorboard=True, memory_per_stage_keys=["peak_host_rss_gb"], **config)
     with warnings.catch_warnings():

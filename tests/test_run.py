@@ -221,7 +221,8 @@ def test_bridge_callbacks_get_ours_unless_present():
 def megatron_lm_loop(monkeypatch):
     """megatron.training.training, its wrapped functions restored after the test, and no install yet."""
     from nemo_memlog.integrations import megatron_lm
-    from nemo_memlog.testing import bridge_env, megatron_lm_stand_ins
+    from nemo_memlog.testing import bridge_env
+    from nemo_memlog.testing.megatron import lm_stand_ins as megatron_lm_stand_ins
 
     if not megatron_lm_stand_ins.has_loop():
         pytest.skip("Megatron-LM's loop ships in megatron-core 0.17+")

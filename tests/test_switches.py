@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from nemo_memlog import LoggerConfig, hook, training_log
+from nemo_memlog import LoggerConfig, training_log
 from nemo_memlog.config import switches
 from nemo_memlog.integrations.autorun import sitecustomize as bootstrap
+from nemo_memlog.monitor import hook
 from nemo_memlog.testing.collectives import count_collectives
 from nemo_memlog.testing.notices import said
 

@@ -1,6 +1,6 @@
 """What a change would do to each stage's peak: the measurement, moved by arithmetic the user can
 check. Pure: no torch, no I/O, no collective. Read by ``nemo-memlog advise`` (offline/advise/__init__.py),
-the low-headroom warning and the dashboard's ``memory/advice/max_micro_batch_size`` (monitor.py),
+the low-headroom warning and the dashboard's ``memory/advice/max_micro_batch_size`` (monitor/__init__.py),
 and the OOM post-mortem. docs/advise.md states every rule and its measured accuracy.
 
 A stage is its measured parts (``Stage``): parameters, gradients, optimizer state, activations

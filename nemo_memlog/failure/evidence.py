@@ -2,7 +2,7 @@
 
 A rank killed by the OOM killer (SIGKILL) writes nothing more; what the post-mortem can show
 is what the host looked like up to then: MemAvailable, the memory cgroup's limit and usage
-(host_limit.py: SLURM, Kubernetes, containers), this process's RSS, /proc/vmstat's
+(rank/host_limit.py: SLURM, Kubernetes, containers), this process's RSS, /proc/vmstat's
 ``oom_kill`` and the job cgroup's ``oom_kill`` (cgroup v2 ``memory.events``, or v1
 ``memory.oom_control``). Each file is re-read through a descriptor kept open
 (``process_wide.proc_field``): the beat costs microseconds and never allocates a descriptor.
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 
-from ..host_limit import limit_of_process
 from ..keys import HOST_AVAILABLE, HOST_LIMIT, HOST_LIMIT_USED, HOST_RSS
-from ..memory import host_total_bytes
 from ..process_wide import proc_field
+from ..rank.host_limit import limit_of_process
+from ..rank.memory import host_total_bytes
 
 GB = 1e9
 

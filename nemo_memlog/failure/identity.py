@@ -31,7 +31,7 @@ def identity(pp_group: ProcessGroup | None = None, pg_collection: Any = None) ->
 
     distributed = dist.is_available() and dist.is_initialized()
     try:
-        from ..megatron import coordinates
+        from ..rank.megatron import coordinates
 
         coords = coordinates(pp_group, pg_collection) if distributed else {"pp": 0, "tp": 0, "dp": 0}
     except Exception:  # the header must not fail for want of a group

@@ -407,7 +407,7 @@ def _plain(value):
 
 
 def _default_report() -> dict:
-    from ..memory import capacity_report, report_memory
+    from ..rank.memory import capacity_report, report_memory
 
     report = report_memory()
     report.update(capacity_report())

@@ -32,7 +32,7 @@ does not show it)::
      "host_limit_gb": float|null, "host_limit_used_gb": float|null,
      "phase": str (only inside a memory phase), "phase_started": float, "phase_iteration": int|null}
 
-(the memory cgroup's limit and usage: host_limit.py; the phase: measure/phase.py. Added within
+(the memory cgroup's limit and usage: rank/host_limit.py; the phase: measure/phase.py. Added within
 version 1: a reader that does not know a field ignores it.)
 
 A record object: ``{"seq": int, "kind": KIND, "time": float, "iteration": int|null, "report": {...}}``

@@ -3,7 +3,7 @@ user's job.
 
 An integration is one thin adapter: it translates its framework's events, steps, groups and open
 loggers into the run's one door (``MemoryMonitor.open``, ``before_iteration``, ``log``,
-``phase_start``/``phase_end``, ``close``: monitor.py) and adds nothing of its own between them.
+``phase_start``/``phase_end``, ``close``: monitor/__init__.py) and adds nothing of its own between them.
 Whatever goes wrong in an event of ours (a setting, a framework argument such as an interval of
 0, an exception in a hook) is one notice on the "nemo_memlog" logger, naming the framework, the
 event and the error; the run is closed and the adapter does nothing more in this process: the job

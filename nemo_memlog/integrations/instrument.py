@@ -17,7 +17,7 @@ ours. When a watched module (the bootstrap's ``WATCHED``, which names the way in
   ``NEMO_MEMLOG_LOG_MEMORY_TO_TENSORBOARD`` says false (Lightning has no flag of its own).
 
 With ``NEMO_MEMLOG_CPU_STAND_INS`` on, Megatron-LM's loop first gets the CPU stand-ins of
-``nemo_memlog.testing.megatron_lm_stand_ins`` (the documented switch, docs/megatron_lm.md).
+``nemo_memlog.testing.megatron.lm_stand_ins`` (the documented switch, docs/megatron_lm.md).
 
 Nothing here raises into the user's program: a way in that cannot be added (a bad ``NEMO_MEMLOG_*``
 value, an error of ours) is one notice of the ``nemo_memlog`` logger, and the program runs as it
@@ -87,7 +87,7 @@ def _taken(settings: dict, names: tuple) -> dict:
 
 
 def _cpu_stand_ins() -> None:
-    from ..testing import megatron_lm_stand_ins
+    from ..testing.megatron import lm_stand_ins as megatron_lm_stand_ins
 
     megatron_lm_stand_ins.install()
 

@@ -44,9 +44,9 @@ import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .. import megatron
 from ..config import LoggerConfig, checked_settings, resolve_fields, switched_off
 from ..monitor import MemoryMonitor
+from ..rank import megatron
 from ..warn import misuse
 from ..writers import adopt_writers
 from .door import Adapter, guarded

@@ -61,8 +61,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..config import LoggerConfig, checked_settings, memory_record_dir, resolve_fields, switched_off
-from ..memory import DEFAULT_MEMORY_KEYS, GB
 from ..monitor import MemoryMonitor
+from ..rank.memory import DEFAULT_MEMORY_KEYS, GB
 from ..warn import notice
 from ..writers import adopt_writers
 from .door import Adapter, guarded, is_last_rank

@@ -1,5 +1,5 @@
 """The measurement add-ons: what the step path's numbers are made of, beyond the allocator's
-statistics. Each is read by the run (monitor.py) on logging steps, and none runs a collective.
+statistics. Each is read by the run (monitor/__init__.py) on logging steps, and none runs a collective.
 
 - ``composition``: model state, activations, temporaries and allocator slack, per stage;
 - ``activations``: the activation meter (saved-tensor hooks, on logging iterations only);
@@ -11,5 +11,5 @@ statistics. Each is read by the run (monitor.py) on logging steps, and none runs
 - ``phase``: named memory phases (``memory_phase``);
 - ``host_idle``: on CPU, the process's idle size before a measured iteration's first microbatch.
 
-The job's memory cgroup limit is ``host_limit``, a module of the package's root (beside memory.py).
+The job's memory cgroup limit is ``host_limit``, a module of the package's root (beside rank/memory.py).
 """

@@ -37,8 +37,8 @@ import threading
 import time
 from collections.abc import Iterator
 
-from .. import memory
 from ..keys import PEAK_ALLOCATED, PEAK_HOST_RSS, PEAK_RESERVED
+from ..rank import memory
 from ..warn import WarnOnce
 
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")

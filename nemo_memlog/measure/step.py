@@ -1,6 +1,6 @@
 """One logging step's measurement on this rank, assembled: the iteration's activations, the model
 state (with the iteration's gradients), the breakdown, and the memory phases ended since the last
-logging step, added to this rank's report. Called by the run (monitor.py) on logging steps only,
+logging step, added to this rank's report. Called by the run (monitor/__init__.py) on logging steps only,
 past its gate; no collective.
 
 ``measure_step`` returns one ``StepMeasurement``, which the run then records (the flight record,
@@ -26,7 +26,7 @@ class StepMeasurement:
     """What one logging step measured on this rank.
 
     Attributes:
-        report: this rank's report (memory.py's), with, where a model was given, its state and
+        report: this rank's report (rank/memory.py's), with, where a model was given, its state and
             the derived parts (composition.breakdown), and the phases ended since the last
             logging step (``phase/<name>/<key>``): what the step records and gathers.
         state: the model state counted (composition.ModelState), its gradients at least the
@@ -50,7 +50,7 @@ def measure_step(
     model: nn.Module | Sequence[nn.Module] | None,
     optimizer: Any,
 ) -> StepMeasurement:
-    """The logging step's measurement, from ``report`` (this rank's numbers now, memory.py's).
+    """The logging step's measurement, from ``report`` (this rank's numbers now, rank/memory.py's).
 
     Ends the activation meter's measurement where it is armed (its hooks come off), counts the
     model state through ``model_state`` (counted again only when it can change) where ``model``

@@ -3,11 +3,9 @@
 - ``cluster``: ``Cluster``, N real processes over gloo with megatron-core's groups;
   ``free_port``.
 - ``rank_preload``: what every ``Cluster`` rank imports, once, in the forkserver that forks them.
-- ``megatron_cpu``: megatron-core's own training stack (GPTModel, DDP, optimizer, schedule) on CPU.
-- ``megatron_stand_ins``: what stands in for megatron-core's GPU assumptions on a CPU-only machine.
-- ``megatron_job``: a real-Megatron training job as a command line (``nemo-memlog fit``'s tests).
-- ``megatron_lm_stand_ins``: what stands in for the GPU assumptions of Megatron-LM's training loop.
-- ``megatron_lm_job``: a GPT pretraining script of our own, trained by Megatron-LM's ``pretrain``.
+- ``megatron/``: Megatron on CPU: megatron-core's own training stack (``cpu``, ``stand_ins``, ``job``:
+  GPTModel, DDP, optimizer, schedule; a training job as a command line, ``nemo-memlog fit``'s tests)
+  and Megatron-LM's own loop (``lm_stand_ins``, ``lm_job``: a pretraining script of our own).
 - ``bridge_env``: Megatron-Bridge on a CPU-only machine (what stands in for its GPU and Python).
 - ``bridge_harness``: Megatron-Bridge's training loop, driven on CPU gloo ranks, with its real pieces.
 - ``bridge_megatron``: Bridge's own ``train_step`` over a real megatron-core job.

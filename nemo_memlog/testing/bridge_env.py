@@ -92,7 +92,7 @@ def bridge_version() -> tuple[int, int]:
 
 def host_memory_stats() -> dict[str, int]:
     """torch.cuda.memory_stats()'s shape, filled with this process's host memory."""
-    from nemo_memlog.memory import host_rss_bytes
+    from nemo_memlog.rank.memory import host_rss_bytes
 
     rss, peak = host_rss_bytes()
     stats = {"num_alloc_retries": 0, "num_ooms": 0, "allocation.all.current": 0, "allocation.all.allocated": 0}

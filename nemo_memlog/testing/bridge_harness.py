@@ -219,7 +219,7 @@ def train(spec: RunSpec) -> RankRecord:
     _environment(spec)
     job = None
     if spec.megatron is not None:
-        from . import megatron_cpu
+        from .megatron import cpu as megatron_cpu
 
         job = megatron_cpu.build(spec.megatron)  # Megatron's groups for the job, then its model and optimizer
     record = RankRecord(

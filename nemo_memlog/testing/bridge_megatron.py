@@ -15,7 +15,7 @@ def view(root: str, job, record) -> dict:
 
     from nemo_memlog.measure import layer_record
 
-    from . import megatron_cpu
+    from .megatron import cpu as megatron_cpu
 
     return {
         "pp_rank": record.pp_stage,
@@ -50,7 +50,7 @@ class BridgeTrainStep:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from megatron.core.utils import get_model_config
 
-        from . import megatron_cpu
+        from .megatron import cpu as megatron_cpu
 
         self.job, self.state, self.train_step = job, state, bridge_train.train_step
         self.forward_step = prepare_forward_step_func(megatron_cpu.forward_step, state)
@@ -83,7 +83,7 @@ class BridgeTrainStep:
 
     def __call__(self):
         """One iteration: (loss_dict, skipped_iter, grad_norm, num_zeros_in_grad), as bridge_harness's own step."""
-        from . import megatron_cpu
+        from .megatron import cpu as megatron_cpu
 
         job = self.job
         with megatron_cpu.cpu_stand_ins():

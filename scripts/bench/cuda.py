@@ -59,7 +59,7 @@ def cuda_markdown(part: dict) -> list[str]:
 
 
 def statistics_variants(on_gpu: bool) -> dict:
-    from nemo_memlog import memory
+    from nemo_memlog.rank import memory
 
     variants = {
         "report_memory": lambda it: memory.report_memory(),
@@ -82,7 +82,7 @@ def statistics_variants(on_gpu: bool) -> dict:
 def plain_reference(device: int):
     """The floor of this design, as plainly as it can be written: the 11 default statistics by
     path from one nested read, mem_get_info, and the /proc/self/status read and parse."""
-    from nemo_memlog.memory import DEFAULT_MEMORY_KEYS
+    from nemo_memlog.rank.memory import DEFAULT_MEMORY_KEYS
 
     paths = [(name, tuple(stat.split(".")), "bytes" in stat) for stat, name in DEFAULT_MEMORY_KEYS.items()]
     status = os.open("/proc/self/status", os.O_RDONLY)
@@ -202,7 +202,8 @@ def _gpu_steps(world, twin) -> dict:
     """A logging step's work over the gloo twin and over NCCL, Bridge's, and the two floors."""
     import torch.distributed as dist
 
-    from nemo_memlog import attribution, memory, reduce
+    from nemo_memlog import attribution, reduce
+    from nemo_memlog.rank import memory
 
     one_gpu, one_cpu = torch.zeros(1, device="cuda"), torch.zeros(1)
 

@@ -18,7 +18,7 @@ from bench.timing import interleaved, summarise
 
 def _own_limit():
     """A Limit over this process's own memory cgroup files, unlimited or not: the reads are the same."""
-    from nemo_memlog.host_limit import Limit
+    from nemo_memlog.rank.host_limit import Limit
 
     for line in open("/proc/self/cgroup"):
         _, controllers, path = line.rstrip("\n").split(":", 2)
@@ -34,8 +34,8 @@ def _own_limit():
 
 
 def host_limit_part(repetitions: int) -> dict:
-    from nemo_memlog import memory
     from nemo_memlog.measure.phase import memory_phase, take_pending
+    from nemo_memlog.rank import memory
 
     limit = _own_limit()
     found = memory.host_limit_bytes
@@ -61,7 +61,7 @@ def host_limit_part(repetitions: int) -> dict:
     variants = {"report_memory": lambda _: memory.report_memory(), "phase": phase}
     if limit is not None:
         variants |= {"capacity": without_limit, "capacity_limit": with_limit, "limit_read": lambda _: limit.read()}
-    from nemo_memlog.host_limit import ProcessLimit
+    from nemo_memlog.rank.host_limit import ProcessLimit
 
     followed = ProcessLimit(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     variants["limit_followed"] = lambda _: followed.read()  # what a logging step now does: the chain re-read

@@ -1,7 +1,7 @@
 """Part 10: what the activation meter costs on a logging iteration of megatron-core's own model.
 
 One process (world 1, gloo, one thread): megatron-core's ``GPTModel`` (local spec) in its
-``DistributedDataParallel`` with its Adam, through ``nemo_memlog.testing.megatron_cpu`` (the CPU
+``DistributedDataParallel`` with its Adam, through ``nemo_memlog.testing.megatron.cpu`` (the CPU
 stand-ins); one iteration is ``get_forward_backward_func()``'s schedule over the microbatches and the
 optimizer step. With the meter armed before and finished after, against the same iteration without
 it, interleaved (each variant once a repetition, the first rotating); the median of the
@@ -26,8 +26,8 @@ def megatron_part(repetitions: int, quick: bool = False) -> dict:
 
     from nemo_memlog.measure import host_idle
     from nemo_memlog.measure.activations import ActivationMeter
-    from nemo_memlog.testing import megatron_cpu
     from nemo_memlog.testing.cluster import free_port
+    from nemo_memlog.testing.megatron import cpu as megatron_cpu
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Part 11: what nemo_memlog costs in Megatron-LM's own loop (``megatron.training.pretrain``), PP 2 on CPU.
 
-Two torchrun launches of nemo_memlog.testing.megatron_lm_job, the same model and flags, with
+Two torchrun launches of nemo_memlog.testing.megatron.lm_job, the same model and flags, with
 ``--log-memory-to-tensorboard --tensorboard-log-interval 2``: Megatron-LM alone, and with
 ``--nemo-memlog`` (``megatron_lm.install()``). Each times every iteration from ``train_step``'s start
 to the end of its ``training_log`` (``--iteration-times``). Within each launch the logging (even) and
@@ -41,7 +41,7 @@ def megatron_lm_part(iterations: int) -> dict:
             folder = Path(root) / name
             done = torchrun.run(
                 "-m",
-                "nemo_memlog.testing.megatron_lm_job",
+                "nemo_memlog.testing.megatron.lm_job",
                 *FLAGS,
                 "--train-iters",
                 iterations,

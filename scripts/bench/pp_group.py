@@ -87,9 +87,9 @@ def run_rank(rank: int, world: int, port: int, plan: dict) -> dict:
 
 
 def _timed(group, plan: dict) -> dict:
-    from nemo_memlog import memory
     from nemo_memlog.config import LoggerConfig
-    from nemo_memlog.hook import run_of, training_log
+    from nemo_memlog.monitor.hook import run_of, training_log
+    from nemo_memlog.rank import memory
     from nemo_memlog.reduce import Reduction, gather_memory
 
     # The flight recorder is on, as by default (its folder a temp dir rather than ./memory_records).
@@ -185,7 +185,8 @@ def _pieces_timed(monitor, report: dict, unified: dict, plan: dict, barrier) -> 
 
 def pieces(monitor, report, unified) -> dict:
     """The steps of ``ours`` one by one, on the monitor's buffers and the data of its last logging call."""
-    from nemo_memlog import attribution, memory, payload, reduce
+    from nemo_memlog import attribution, payload, reduce
+    from nemo_memlog.rank import memory
 
     group = monitor.group
     channel = monitor.reduction.channel(group)
@@ -210,7 +211,7 @@ def pieces(monitor, report, unified) -> dict:
 def non_logging(group, calls: int) -> dict:
     """Part 2: training_log off the logging iterations: time per call and collectives issued."""
     from nemo_memlog.config import LoggerConfig
-    from nemo_memlog.hook import training_log
+    from nemo_memlog.monitor.hook import training_log
 
     cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=NON_LOGGING_INTERVAL)
     iterations = [i for i in range(1, 2 * calls) if i % NON_LOGGING_INTERVAL][:calls]

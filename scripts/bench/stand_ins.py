@@ -41,7 +41,7 @@ def fed_statistics(nested: dict):
     flattening alike. Device keys stay missing (no mem_get_info without a GPU)."""
     import torch
 
-    from nemo_memlog import memory
+    from nemo_memlog.rank import memory
 
     ours, torchs = memory.allocator_stats, torch.cuda.memory.memory_stats_as_nested_dict
     memory.allocator_stats = lambda: (None, nested)

@@ -46,7 +46,7 @@ def one_process_facts():
     """Everything the single-process tests check, in one fresh CUDA process."""
     import torch
 
-    from nemo_memlog import memory
+    from nemo_memlog.rank import memory
 
     facts = {}
     keep = torch.empty(int(1.5 * GB), dtype=torch.uint8, device="cuda")
@@ -112,7 +112,8 @@ def nccl_world_of_one(run_dir):
     import torch
     import torch.distributed as dist
 
-    from nemo_memlog import LoggerConfig, close_writers, memory, reduce, training_log
+    from nemo_memlog import LoggerConfig, close_writers, reduce, training_log
+    from nemo_memlog.rank import memory
     from nemo_memlog.testing.gpu_work import QueuedWork, still_busy
 
     world = dist.group.WORLD

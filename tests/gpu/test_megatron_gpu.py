@@ -22,13 +22,13 @@ SPEC = dict(pp=1, layers=4, hidden=1024, heads=16, seq=1024, vocab=8192, micro_b
 
 
 def _run(spec, root):
-    from nemo_memlog.testing import megatron_cpu
+    from nemo_memlog.testing.megatron import cpu as megatron_cpu
 
     return megatron_cpu.logged_run(spec, root)
 
 
 def _spec(**changes):
-    from nemo_memlog.testing.megatron_cpu import JobSpec
+    from nemo_memlog.testing.megatron.cpu import JobSpec
 
     return dataclasses.replace(JobSpec(**SPEC, device="cuda"), **changes)
 

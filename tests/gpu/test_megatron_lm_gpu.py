@@ -13,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from nemo_memlog.testing import megatron_lm_stand_ins, torchrun
+from nemo_memlog.testing import torchrun
+from nemo_memlog.testing.megatron import lm_stand_ins as megatron_lm_stand_ins
 from tests import readback
 
 pytestmark = [
@@ -67,7 +68,7 @@ def test_mem_series_are_the_allocators_own_and_losses_unchanged(tmp_path):
             flags += ["--device-stats", tmp_path / name / "stats"]
         done = torchrun.run(
             "-m",
-            "nemo_memlog.testing.megatron_lm_job",
+            "nemo_memlog.testing.megatron.lm_job",
             *FLAGS,
             "--tensorboard-dir",
             tmp_path / name / "tb",

@@ -23,7 +23,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from .megatron_stand_ins import STAND_INS, StandInError, cpu_stand_ins, summary
+from .stand_ins import STAND_INS, StandInError, cpu_stand_ins, summary
 
 __all__ = ["STAND_INS", "StandInError", "cpu_stand_ins", "summary"]
 

@@ -3,7 +3,7 @@ builds megatron_cpu's job (GPTModel in Megatron's DDP, its Adam and schedule) an
 ``nemo_memlog.training_log`` after each iteration, as a user's own loop does. It needs torchrun (one
 process per rank, over gloo): ``python -m torch.distributed.run --nproc-per-node 2 -m ...``.
 
-    python -m torch.distributed.run --nproc-per-node 2 -m nemo_memlog.testing.megatron_job \\
+    python -m torch.distributed.run --nproc-per-node 2 -m nemo_memlog.testing.megatron.job \\
         --micro-batch-size {micro_batch_size} --global-batch 16 --iters 1000 --out DIR
 
 ``--global-batch`` is the samples per iteration over the data-parallel replicas: the microbatches per
@@ -17,7 +17,7 @@ import argparse
 import os
 import sys
 
-from .megatron_cpu import JobSpec, build
+from .cpu import JobSpec, build
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,6 +1,9 @@
 """MemoryMonitor: one run's memory logging, its life and its step.
 
-A run keeps its settings, reduction state, placement (placement.py), flight recorder, writers
+Beside it in this package: ``placement`` (this rank's group and place in the job) and ``hook``
+(``training_log``, the free function that finds its run by config).
+
+A run keeps its settings, reduction state, placement (monitor/placement.py), flight recorder, writers
 (writer rank only) and once-only warnings; ``close()`` releases them.
 
 Every way in (``training_log``, Megatron-LM, Megatron-Bridge, Lightning) drives the same protocol, the
@@ -23,22 +26,23 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from . import advice, attribution, memory
-from .config import BACKEND_SETTINGS, checked_facts, resolve, secrets_of
-from .failure import peers
-from .measure import composition, estimate, layer_record, layer_rows, phase
-from .measure.activations import ActivationMeter
-from .measure.step import StepMeasurement, measure_step
-from .metrics import merged
+from .. import advice, attribution
+from ..config import BACKEND_SETTINGS, checked_facts, resolve, secrets_of
+from ..failure import peers
+from ..measure import composition, estimate, layer_record, layer_rows, phase
+from ..measure.activations import ActivationMeter
+from ..measure.step import StepMeasurement, measure_step
+from ..metrics import merged
+from ..rank import memory
+from ..reduce import Reduction, takes_part
+from ..warn import WarnOnce, logging_off_message
 from .placement import Placement, place
-from .reduce import Reduction, takes_part
-from .warn import WarnOnce, logging_off_message
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-    from .writers.base import Writers
+    from ..writers.base import Writers
 
 
 class MemoryMonitor:
@@ -79,7 +83,7 @@ class MemoryMonitor:
         self.interval = self.settings.tensorboard_log_interval
         self.record_dir = self.settings.record_dir  # absolute now, as the working directory is now; None: off
         # The run's secrets: scrubbed from its warnings, redacted from its facts.
-        from .writers.base import CONFIGURED, environment_secrets  # each backend names its own
+        from ..writers.base import CONFIGURED, environment_secrets  # each backend names its own
 
         self.secrets = [*secrets_of(self.settings), *environment_secrets(list(CONFIGURED), dict(os.environ))]
         self.warnings = WarnOnce(secrets=self.secrets)
@@ -333,7 +337,7 @@ class MemoryMonitor:
         (``placement.place``). Raises ValueError: ``writer_rank`` is not a rank of this job."""
         self.placement = place(self.settings, self.reduction, self._groups, self.writer_rank, self.warn_misuse)
         if self.record_dir is not None and self.recorder is None:
-            from .failure.recorder import open_recorder
+            from ..failure.recorder import open_recorder
 
             pp_group, pg_collection = self._groups
             self.recorder = open_recorder(
@@ -387,7 +391,7 @@ class MemoryMonitor:
 
     def _writers(self):
         if self.writers is None:
-            from .writers import build_writers
+            from ..writers import build_writers
 
             self.writers = build_writers(self.settings, run_config=self.config)
             if not self.writers.backend_names:

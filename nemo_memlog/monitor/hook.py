@@ -36,10 +36,10 @@ from __future__ import annotations
 import numbers
 from typing import TYPE_CHECKING, Any
 
-from .config import resolve, switched_off
-from .monitor import MemoryMonitor
-from .reduce import runs_ended
-from .warn import WarnOnce
+from ..config import resolve, switched_off
+from ..reduce import runs_ended
+from ..warn import WarnOnce
+from . import MemoryMonitor
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-    from .writers.base import Writers
+    from ..writers.base import Writers
 
 #: Open monitors made by training_log past which a new one warns (once per process).
 MANY_RUNS = 4

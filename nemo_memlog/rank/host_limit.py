@@ -29,7 +29,7 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .process_wide import read_proc
+from ..process_wide import read_proc
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import megatron
-from .attribution import Coordinates
-from .config import Settings
-from .reduce import Reduction, agree_on_restart
+from ..attribution import Coordinates
+from ..config import Settings
+from ..rank import megatron
+from ..reduce import Reduction, agree_on_restart
 
 
 @dataclass

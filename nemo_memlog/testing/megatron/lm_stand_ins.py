@@ -25,7 +25,7 @@ import importlib
 import sys
 import types
 
-from .megatron_stand_ins import STAND_INS, StandInError, cpu_device, cpu_torch, need
+from .stand_ins import STAND_INS, StandInError, cpu_device, cpu_torch, need
 
 #: Each stand-in beyond megatron_stand_ins.STAND_INS and why it exists.
 LM_STAND_INS = {
@@ -104,7 +104,7 @@ def install() -> None:
 
     if _installed:
         return
-    from .bridge_env import typing_override
+    from ..bridge_env import typing_override
 
     typing_override()
     for name in LOOP_MODULES:
@@ -192,7 +192,7 @@ def _core_stand_ins() -> None:
     """megatron_stand_ins's stand-ins (the RNG tracker's fork, the CUDA RNG state, Tensor.type() and its
     torch for the modules it names), entered for the rest of the process: never exited."""
     global _core
-    from .megatron_stand_ins import cpu_stand_ins
+    from .stand_ins import cpu_stand_ins
 
     _core = cpu_stand_ins()  # held: a generator context dropped unexited would run its restoring finally
     _core.__enter__()

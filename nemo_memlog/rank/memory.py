@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from . import process_wide
-from .host_limit import limit_of_process
-from .keys import (
+from .. import process_wide
+from ..keys import (
     ALLOCATOR_KEYS,
     DEVICE_KEYS,
     DEVICE_OTHER,
@@ -33,8 +32,9 @@ from .keys import (
     HOST_TOTAL,
     PEAK_HOST_RSS,
 )
-from .process_wide import proc_field, proc_fields
-from .warn import WarnOnce, misuse
+from ..process_wide import proc_field, proc_fields
+from ..warn import WarnOnce, misuse
+from .host_limit import limit_of_process
 
 GB = 1e9
 
@@ -377,7 +377,7 @@ def capacity_report() -> dict[str, float]:
 
 
 def host_limit_bytes() -> tuple[int, int] | None:
-    """(limit, usage) of the memory cgroup whose limit binds this process (host_limit.py), in
+    """(limit, usage) of the memory cgroup whose limit binds this process (rank/host_limit.py), in
     bytes; None without one (no cgroup limit below the machine's RAM, or unreadable)."""
     limit = limit_of_process(os.getpid(), host_total_bytes())
     return None if limit is None else limit.read()

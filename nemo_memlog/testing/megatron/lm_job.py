@@ -2,7 +2,7 @@
 (``megatron.training.pretrain``: ``train`` -> ``train_step`` -> ``training_log``), on CPU under
 torchrun. It needs torchrun (one process per rank) and takes Megatron-LM's own flags:
 
-    python -m torch.distributed.run --nproc-per-node 2 -m nemo_memlog.testing.megatron_lm_job \\
+    python -m torch.distributed.run --nproc-per-node 2 -m nemo_memlog.testing.megatron.lm_job \\
         --pipeline-model-parallel-size 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 \\
         --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 \\
         --train-iters 4 --lr 1e-4 --mock-data --tokenizer-type NullTokenizer --vocab-size 255 \\
@@ -182,7 +182,7 @@ def device_stats(folder: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from .megatron_lm_stand_ins import MEGATRON_LM_MEMORY_KEYS
+    from .lm_stand_ins import MEGATRON_LM_MEMORY_KEYS
 
     original = training.training_log
     seen: dict = {}
@@ -216,7 +216,7 @@ def count_apart(folder: str) -> None:
     from megatron.core.pipeline_parallel import schedules
     from megatron.training import get_args
 
-    from .megatron_cpu import SavedTensorCount
+    from .cpu import SavedTensorCount
 
     original = training.train_step
     figures: dict = {"saved_peak_bytes": {}}
@@ -260,7 +260,7 @@ def main(argv: list[str]) -> int:
         print(f"megatron_lm_job: {USAGE_NOTE}", file=sys.stderr)
         return 2
     hide_modelopt()
-    from . import megatron_lm_stand_ins
+    from . import lm_stand_ins as megatron_lm_stand_ins
 
     if os.environ.get("NEMO_MEMLOG_CPU_STAND_INS", "").strip().lower() not in ("1", "true", "yes", "on"):
         megatron_lm_stand_ins.install()  # else `nemo-memlog run --cpu` installs them as Megatron-LM's loop loads
