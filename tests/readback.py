@@ -6,6 +6,7 @@ store), ``wandb/`` (W&B offline runs) and ``comet/`` (Comet offline archives), a
 and tests/trainer.py write them. The backends' libraries are imported where they are read.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -64,6 +65,21 @@ def mlflow_steps(run):
     experiments = client.search_experiments()
     runs = client.search_runs([e.experiment_id for e in experiments])
     return {m.step for r in runs for m in client.get_metric_history(r.info.run_id, TAG)}
+
+
+def mlflow_rows_so_far(run) -> int:
+    """TAG's rows in the MLflow SQLite store, read with sqlite3 while its writer may still be creating
+    it (MlflowClient would create the store and run its migrations itself): 0 until the table is there."""
+    import sqlite3
+
+    path = run / "mlflow.db"
+    if not path.exists():
+        return 0
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1)) as db:
+            return db.execute("SELECT COUNT(*) FROM metrics WHERE key = ?", (TAG,)).fetchone()[0]
+    except sqlite3.Error:  # no table yet, or locked by a migration
+        return 0
 
 
 def wandb_steps(run):

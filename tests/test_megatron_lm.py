@@ -222,7 +222,7 @@ def test_checkpoint_saves_and_evaluation_are_phases_and_the_offline_commands_rea
 NOTICES = """
 import json, logging
 from types import SimpleNamespace
-from nemo_memlog.testing import megatron_lm_job, megatron_lm_stand_ins
+from nemo_memlog.testing.megatron import lm_job as megatron_lm_job, lm_stand_ins as megatron_lm_stand_ins
 megatron_lm_job.hide_modelopt()
 megatron_lm_stand_ins.install()
 import os

@@ -36,7 +36,7 @@ import pytest
 
 from nemo_memlog.testing import cgroups, torchrun
 from nemo_memlog.testing.wait import wait_for
-from tests.readback import stored_steps, tensorboard_steps
+from tests.readback import mlflow_rows_so_far, stored_steps, tensorboard_steps
 
 pytestmark = [pytest.mark.processes, pytest.mark.slow]
 
@@ -111,8 +111,13 @@ def trainer_torn_down(root: Path, case: str) -> dict:
             elif mode == "thread":  # every backend open but the hung one, however long their start-up takes
                 opened = "every backend but MLflow opened, six steps in TensorBoard"
                 wait_for(lambda: _opened(out, {"tensorboard": 6, "wandb": 1, "comet": 1}), 300, opened, proc=proc)
-            else:
-                wait_for(lambda: len(tensorboard_steps(run)) >= 6, 150, "six steps in TensorBoard", proc=proc)
+            else:  # after the backends opened (see demo_killed)
+                wait_for(
+                    lambda: len(tensorboard_steps(run)) >= 6 and mlflow_rows_so_far(run) >= 1,
+                    150,
+                    "six steps in TensorBoard and one in MLflow",
+                    proc=proc,
+                )
             victim = _rank_zero(group, b"trainer.py")
             assert victim is not None, "rank 0 not found in the job's cgroup"
             killed_at = time.time()
@@ -137,7 +142,7 @@ def trainer_torn_down(root: Path, case: str) -> dict:
 
 def demo_killed(root: Path) -> dict:
     """The demo (2 ranks, PP 2) under torchrun, all four backends in the writer process, until rank 0
-    is SIGKILLed from outside once TensorBoard holds six steps."""
+    is SIGKILLed from outside once TensorBoard holds six steps and MLflow one."""
     run = root / "job"
     env = {"WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
     args = ["train.iters=100000", "logger.tensorboard_log_interval=1", f"run.root={root}", "run.name=job"]
@@ -156,7 +161,14 @@ def demo_killed(root: Path) -> dict:
         )
         threading.Thread(target=_read_into, args=(proc.stderr, lines), daemon=True).start()
         try:
-            wait_for(lambda: len(tensorboard_steps(run)) >= 6, 150, "six steps in TensorBoard", proc=proc)
+            # After the backends opened: TensorBoard holds six steps and MLflow's SQLite store one (its
+            # open, migrations included, took 15 s and more on 2 loaded cores: a kill during it is not this case).
+            wait_for(
+                lambda: len(tensorboard_steps(run)) >= 6 and mlflow_rows_so_far(run) >= 1,
+                150,
+                "six steps in TensorBoard and one in MLflow",
+                proc=proc,
+            )
             victim = _rank_zero(group, b"demo.py")
             assert victim is not None, "rank 0 not found in the job's cgroup"
             os.kill(victim, signal.SIGKILL)

@@ -1,9 +1,9 @@
 """What stands in for the GPU assumptions of Megatron-LM's training loop (``megatron/training/``:
 ``pretrain`` -> ``train`` -> ``train_step`` -> ``training_log``, shipped in the megatron-core wheel
-from 0.17) on a CPU-only machine, beside megatron_stand_ins's for megatron-core itself.
+from 0.17) on a CPU-only machine, beside stand_ins.py's for megatron-core itself.
 
-    from nemo_memlog.testing import megatron_lm_stand_ins
-    megatron_lm_stand_ins.install()        # every rank, before pretrain(...)
+    from nemo_memlog.testing.megatron import lm_stand_ins
+    lm_stand_ins.install()                 # every rank, before pretrain(...)
     pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step, ...)
 
 with Megatron-LM's own flags ``--distributed-backend gloo --transformer-impl local
