@@ -1,13 +1,13 @@
 """nemo_memlog: pipeline-wide memory metrics for Megatron-Core / NeMo training.
 
 The data path, one module each: ``report_memory`` (rank/memory.py) -> ``gather_memory`` /
-``reduce_max_memory_across_pp_group`` (reduce/) -> ``training_log`` (monitor/hook.py) ->
+``reduce_max_memory_across_pp_group`` (reduce/) -> ``training_log`` (monitor/training_log.py) ->
 writers (writers/). Exports load on first use, so ``import nemo_memlog`` imports no
 logging backend, and the report command (cli.py) runs without torch.
 
 The modules, by layer, bottom to top (docs/architecture.md says more of each):
 
-- ``process_wide``: what belongs to the process (signal, exit, fork hooks; the OOM observer);
+- ``process_wide``: what belongs to the process (signal handlers, exit and at-fork callbacks; the OOM observer);
 - ``parts``: the memory parts, defined once; ``keys``: the report's keys, defined once;
 - ``units``: the units rule; ``bounded``: size-capped file reads;
 - ``redaction``: secrets found and scrubbed; ``commands``: commands as printed, the exit statuses;
@@ -22,7 +22,7 @@ The modules, by layer, bottom to top (docs/architecture.md says more of each):
 - ``advice/``: what a change would do to each stage (pure arithmetic);
 - ``offline/``: the commands that read a run's files (report, postmortem, advise; no torch);
 - ``monitor/``: the run, its life and step (``placement``: this rank's group and place in the job;
-  ``hook``: ``training_log``, the per-iteration call);
+  ``training_log``: the per-iteration call, which finds its run by config);
 - ``launch/``: the commands that start the user's job (run, fit; no torch);
 - ``integrations/``: Megatron-LM, Megatron-Bridge, Lightning, and ``run``'s import hook;
 - ``megatron_lm``, ``bridge``, ``lightning``: the documented names of the integrations;
@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # what a type checker and an IDE see: the real signatures (lo
     from .measure.composition import report_model_state
     from .measure.phase import memory_phase
     from .monitor import MemoryMonitor
-    from .monitor.hook import close_writers, training_log
+    from .monitor.training_log import close_writers, training_log
     from .rank.memory import DEFAULT_MEMORY_KEYS, capacity_report, report_memory, reset_peaks
     from .reduce import MemoryReduceError, gather_memory, reduce_max_memory_across_pp_group
     from .writers import build_writers
@@ -48,8 +48,8 @@ if TYPE_CHECKING:  # what a type checker and an IDE see: the real signatures (lo
 _EXPORTS = {
     "LoggerConfig": "config",
     "from_overrides": "config",
-    "training_log": "monitor.hook",
-    "close_writers": "monitor.hook",
+    "training_log": "monitor.training_log",
+    "close_writers": "monitor.training_log",
     "DEFAULT_MEMORY_KEYS": "rank.memory",
     "report_memory": "rank.memory",
     "capacity_report": "rank.memory",

@@ -242,7 +242,7 @@ def test_the_flag_off_stays_a_silent_no_op():
 @pytest.mark.processes
 def test_a_config_rebuilt_at_every_call_with_equal_settings_reuses_one_run(tmp_path):
     from nemo_memlog import close_writers
-    from nemo_memlog.monitor.hook import run_of, runs
+    from nemo_memlog.monitor.training_log import monitor_of, open_monitors
 
     close_writers()  # the runs earlier tests left open in this process
 
@@ -254,16 +254,16 @@ def test_a_config_rebuilt_at_every_call_with_equal_settings_reuses_one_run(tmp_p
     fanouts = []
     for iteration in range(1, 5):
         assert training_log(iteration, rebuilt(), metrics={"loss": 1.0 * iteration})["loss"] == iteration
-        fanouts.append(run_of(rebuilt()).writers)
-    assert len(runs()) == 1, "equal settings: one run"
+        fanouts.append(monitor_of(rebuilt()).writers)
+    assert len(open_monitors()) == 1, "equal settings: one run"
     assert fanouts[0] is not None and all(fanout is fanouts[0] for fanout in fanouts), "one writer fan-out"
     close_writers()
-    assert runs() == () and run_of(rebuilt()) is None
+    assert open_monitors() == () and monitor_of(rebuilt()) is None
 
 
 def test_settings_that_change_at_every_call_make_new_runs_and_warn_once():
     from nemo_memlog import close_writers
-    from nemo_memlog.monitor.hook import MANY_RUNS, runs
+    from nemo_memlog.monitor.training_log import MANY_RUNS, open_monitors
 
     close_writers()
     with said(notices=False) as caught:
@@ -271,7 +271,7 @@ def test_settings_that_change_at_every_call_make_new_runs_and_warn_once():
             assert (
                 training_log(1, LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=interval)) is None
             )
-    made = runs()
+    made = open_monitors()
     close_writers()
     assert len(made) == 2 * MANY_RUNS and len({id(monitor) for monitor in made}) == len(made), "a run for each settings"
     warned = [w for w in caught if "runs in this process" in w]

@@ -63,7 +63,7 @@ def test_bad_facts_are_refused_at_the_first_call_that_carries_them(facts, messag
         training_log(1, cfg, facts=facts)  # not a logging iteration: refused anyway
     with pytest.raises((TypeError, ValueError), match=message):
         training_log(2, cfg, facts=facts)  # still refused: nothing was taken
-    (monitor,) = __import__("nemo_memlog.monitor.hook", fromlist=["runs"]).runs()
+    (monitor,) = __import__("nemo_memlog.monitor.training_log", fromlist=["open_monitors"]).open_monitors()
     assert monitor.facts == {}
 
 

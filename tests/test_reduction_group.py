@@ -21,7 +21,7 @@ def log_twice(**config):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from nemo_memlog.monitor.hook import run_of
+    from nemo_memlog.monitor.training_log import monitor_of
 
     cfg = LoggerConfig(log_memory_to_tensorboard=True, memory_per_stage_keys=["peak_host_rss_gb"], **config)
     with warnings.catch_warnings():
@@ -29,7 +29,7 @@ def log_twice(**config):
         training_log(1, cfg)
         with count_collectives() as calls:
             logged = training_log(2, cfg)
-    group = run_of(cfg).group
+    group = monitor_of(cfg).group
     pp_group = ps.get_pipeline_model_parallel_group()
     target = dist.group.WORLD if config.get("memory_reduce_scope") == "world" else pp_group
     return {

@@ -746,7 +746,7 @@ def test_the_architecture_page_says_who_calls_the_gate():
                 and ast.unparse(node.func.value).endswith("monitor")
             ):
                 calls_log.add(module.relative)
-    assert {"monitor/hook.py", "integrations/lightning.py"} <= calls_log, calls_log
+    assert {"monitor/training_log.py", "integrations/lightning.py"} <= calls_log, calls_log
     assert listed == calls_log, f"in the table, no log call: {listed - calls_log}; not in it: {calls_log - listed}"
     assert asking == asks, f"the table says asks `logs_at` itself: {sorted(asking)}; the code: {sorted(asks)}"
 

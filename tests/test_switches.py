@@ -9,7 +9,7 @@ import pytest
 from nemo_memlog import LoggerConfig, training_log
 from nemo_memlog.config import switches
 from nemo_memlog.integrations.autorun import sitecustomize as bootstrap
-from nemo_memlog.monitor import hook
+from nemo_memlog.monitor import training_log as hook
 from nemo_memlog.testing.collectives import count_collectives
 from nemo_memlog.testing.notices import said
 
@@ -60,12 +60,12 @@ def test_training_log_under_the_switch_returns_none_and_measures_gathers_and_wri
 
     records = tmp_path / "records"
     config = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=1, memory_record_dir=str(records))
-    kept, model, runs = Kept(), torch.nn.Linear(4, 4), hook.runs()
+    kept, model, runs = Kept(), torch.nn.Linear(4, 4), hook.open_monitors()
     monkeypatch.setenv(switches.DISABLED_ENV, "true")
     with count_collectives() as calls, said() as caught:
         results = [training_log(i, config, pp_group=NoGroup(), writers=kept, model=model) for i in range(4)]
     assert results == [None] * 4 and kept.steps == [] and list(calls) == [] and list(caught) == []
-    assert hook.runs() == runs and not records.exists()  # no run, no flight record
+    assert hook.open_monitors() == runs and not records.exists()  # no run, no flight record
     monkeypatch.setenv(switches.DISABLED_ENV, "false")  # held against the same call with the switch off
     try:
         logged = training_log(0, config, writers=kept, model=model)

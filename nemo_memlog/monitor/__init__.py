@@ -1,7 +1,7 @@
 """MemoryMonitor: one run's memory logging, its life and its step.
 
-Beside it in this package: ``placement`` (this rank's group and place in the job) and ``hook``
-(``training_log``, the free function that finds its run by config).
+Beside it in this package: ``placement`` (this rank's group and place in the job) and ``training_log``
+(the free function ``training_log``, which finds its run by config).
 
 A run keeps its settings, reduction state, placement (monitor/placement.py), flight recorder, writers
 (writer rank only) and once-only warnings; ``close()`` releases them.

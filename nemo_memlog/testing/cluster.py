@@ -80,7 +80,7 @@ def _leave(results) -> None:
     further teardown. No destroy_process_group(): after a broken collective it can block."""
     import sys
 
-    hook = sys.modules.get("nemo_memlog.monitor.hook")
+    hook = sys.modules.get("nemo_memlog.monitor.training_log")
     if hook is not None:
         try:
             hook.close_writers()

@@ -78,7 +78,7 @@ def _off_the_logging_steps(folders: dict, off_calls: int, rounds: int) -> tuple[
     """training_log at off-interval iterations, recorder off and on: the median ns per call over
     ``rounds`` rounds (each a tight loop, the variants' order alternating), and the calls per round."""
     from nemo_memlog.config import LoggerConfig
-    from nemo_memlog.monitor.hook import training_log
+    from nemo_memlog.monitor.training_log import training_log
 
     configs = {
         name: LoggerConfig(

@@ -88,7 +88,7 @@ def run_rank(rank: int, world: int, port: int, plan: dict) -> dict:
 
 def _timed(group, plan: dict) -> dict:
     from nemo_memlog.config import LoggerConfig
-    from nemo_memlog.monitor.hook import run_of, training_log
+    from nemo_memlog.monitor.training_log import monitor_of, training_log
     from nemo_memlog.rank import memory
     from nemo_memlog.reduce import Reduction, gather_memory
 
@@ -110,7 +110,7 @@ def _timed(group, plan: dict) -> dict:
 
     def ours_a2a(iteration):
         if "monitor" not in a2a:
-            a2a["monitor"] = run_of(cfg, writers=fanout)
+            a2a["monitor"] = monitor_of(cfg, writers=fanout)
             a2a["ours"] = Reduction(a2a["monitor"].warnings, exchange="all_to_all")
         with exchange(a2a["monitor"], a2a["ours"]):
             ours(iteration)
@@ -139,7 +139,7 @@ def _timed(group, plan: dict) -> dict:
     for reduction in (a2a["reduce"], a2a["ours"]):
         reduction.close()
     out["unified"] = last["unified"]
-    monitor = run_of(cfg, writers=fanout)  # the monitor training_log used: its channel and warnings
+    monitor = monitor_of(cfg, writers=fanout)  # the monitor training_log used: its channel and warnings
     out.update(_pieces_timed(monitor, report, last["unified"], plan, barrier))
     if plan["non_logging"]:
         dist.barrier(group=group)
@@ -211,7 +211,7 @@ def pieces(monitor, report, unified) -> dict:
 def non_logging(group, calls: int) -> dict:
     """Part 2: training_log off the logging iterations: time per call and collectives issued."""
     from nemo_memlog.config import LoggerConfig
-    from nemo_memlog.monitor.hook import training_log
+    from nemo_memlog.monitor.training_log import training_log
 
     cfg = LoggerConfig(log_memory_to_tensorboard=True, tensorboard_log_interval=NON_LOGGING_INTERVAL)
     iterations = [i for i in range(1, 2 * calls) if i % NON_LOGGING_INTERVAL][:calls]

@@ -194,14 +194,14 @@ def _find(settings, writers) -> _Entry | None:
     return next(matching, None)
 
 
-def run_of(config: Any, *, writers: Writers | None = None) -> MemoryMonitor | None:
+def monitor_of(config: Any, *, writers: Writers | None = None) -> MemoryMonitor | None:
     """The open monitor training_log made for ``config``'s settings (and ``writers``), or None.
     Never starts one. Raises as training_log does for a config it cannot read."""
     entry = _find(resolve(config), writers)
     return None if entry is None else entry.monitor
 
 
-def runs() -> tuple[MemoryMonitor, ...]:
+def open_monitors() -> tuple[MemoryMonitor, ...]:
     """The open monitors training_log made, oldest first."""
     return tuple(entry.monitor for entry in _open_monitors.entries)
 
