@@ -292,29 +292,29 @@ def _advise(args) -> int:
 
     try:
         changes = advice.parse(args.what_if)
-        run = load(args.run_dir, args.capacity_gb, _read_budget())
+        profile = load(args.run_dir, args.capacity_gb, _read_budget())
         if args.calibrate_with is not None:
             other = load(args.calibrate_with, args.capacity_gb, _read_budget())
-            difference = advice.job_difference(run, other)
+            difference = advice.job_difference(profile, other)
             if difference is not None:
                 raise AdviseError(
                     f"--calibrate-with {args.calibrate_with} is not this job at another micro-batch size: {difference}"
                 )
-            run = dataclasses.replace(run, temporaries_growth=advice.growth_between(run, other))
-        outcomes = advice.predict(run, changes)
+            profile = dataclasses.replace(profile, temporaries_growth=advice.growth_between(profile, other))
+        outcomes = advice.predict(profile, changes)
     except (AdviseError, ValueError) as error:  # advice.Refused is a ValueError
         print(f"nemo-memlog advise: error: {error}", file=sys.stderr)
         return USAGE_ERROR
-    best = advice.max_micro_batch_size(run, changes)
-    fixes = advice.changes_that_fit(run, args.margin) if args.fit else None
+    best = advice.max_micro_batch_size(profile, changes)
+    fixes = advice.changes_that_fit(profile, args.margin) if args.fit else None
     png = None
     if not args.no_png:
         folder = args.run_dir if args.run_dir.is_dir() else args.run_dir.parent
-        png = _advise_png(run, changes, outcomes, args.png or folder / ADVISE_PNG_NAME)
+        png = _advise_png(profile, changes, outcomes, args.png or folder / ADVISE_PNG_NAME)
     if args.json:
-        print(as_json(Advice(run, changes, outcomes, best, fixes, args.margin)))
+        print(as_json(Advice(profile, changes, outcomes, best, fixes, args.margin)))
     else:
-        print(as_text(Advice(run, changes, outcomes, best, fixes, args.margin)))
+        print(as_text(Advice(profile, changes, outcomes, best, fixes, args.margin)))
         if png:
             print(f"\nplot of each stage today and predicted: {png}")
     return 0
@@ -368,11 +368,11 @@ def _interrupted(signum, frame) -> None:
     raise KeyboardInterrupt("SIGTERM")
 
 
-def _advise_png(run, changes, outcomes, path) -> Path | None:
+def _advise_png(profile, changes, outcomes, path) -> Path | None:
     try:
         from .offline.advise.plot import write_png
 
-        return write_png(run, changes, outcomes, path)
+        return write_png(profile, changes, outcomes, path)
     except Exception as error:  # a read-only folder, no matplotlib, figures it cannot draw: never the advice
         print(
             f"nemo-memlog: warning: no plot written ({type(error).__name__}: {error}); --png PATH to write it "
@@ -419,20 +419,20 @@ def _report(args) -> int:
     from .offline.report import composition as composition_plot
     from .offline.report.plot import write_png
 
-    run = load_run(args.run_dir)
-    records = records_run(run, args.records, _read_budget())
-    print(format_report(run, records))
+    memory_run = load_run(args.run_dir)
+    records = records_run(memory_run, args.records, _read_budget())
+    print(format_report(memory_run, records))
     hint = _record_hint(args.run_dir)
     if hint:
         print(hint)
-    metric = choose_metric(run, args.metric)
+    metric = choose_metric(memory_run, args.metric)
     folder = args.run_dir.parent if args.run_dir.is_file() else args.run_dir
-    png = _png(write_png, (run, metric, args.png or folder / PNG_NAME, records))
+    png = _png(write_png, (memory_run, metric, args.png or folder / PNG_NAME, records))
     if png is not None:
         print(f"\nplot of {metric} per stage: {png}")
-        if composition_plot.has_composition(run):
+        if composition_plot.has_composition(memory_run):
             composition = png.with_name(png.stem + "_composition.png")
-            parts = _png(composition_plot.write_png, (run, composition, records))
+            parts = _png(composition_plot.write_png, (memory_run, composition, records))
             if parts is not None:
                 print(f"what each stage's memory is made of: {parts}")
     return 0
