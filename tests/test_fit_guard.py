@@ -17,7 +17,7 @@ import pytest
 
 from nemo_memlog.testing.probe_stub import STUB
 from nemo_memlog.testing.torchrun import ROOT
-from nemo_memlog.testing.wait import left_behind, seconds_until, wait_for
+from nemo_memlog.testing.wait import as_at_a_terminal, left_behind, seconds_until, wait_for
 
 FIT = [sys.executable, "-m", "nemo_memlog.cli", "fit"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -56,7 +56,7 @@ def start_fit(tmp_path: Path, grace_s: float, mode: str = "hang-above-2") -> sub
     env = {**ENV, "TMPDIR": str(tmp_path / "tmp"), "PYTHON": sys.executable, "STUB": STUB, "MODE": mode}
     command = [*FIT, "--capacity-gb", "8", "--grace-s", str(grace_s), "--", "bash", str(script)]
     return subprocess.Popen([*command, "{micro_batch_size:2}"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_at_a_terminal)  # fmt: skip
 
 
 def probe_running(tmp_path: Path, fit: subprocess.Popen, folder: str) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from nemo_memlog.testing.probe_stub import STUB
 from nemo_memlog.testing.torchrun import ROOT
-from nemo_memlog.testing.wait import Lines, wait_for
+from nemo_memlog.testing.wait import Lines, as_at_a_terminal, wait_for
 
 pytestmark = pytest.mark.processes
 FIT = [sys.executable, "-m", "nemo_memlog.cli", "fit", "--capacity-gb", "8", "--json"]
@@ -24,7 +24,15 @@ FIT = [sys.executable, "-m", "nemo_memlog.cli", "fit", "--capacity-gb", "8", "--
 def _start(tmp_path, mode: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     command = [*FIT, "--", sys.executable, "-c", STUB, "{micro_batch_size:2}", mode]
-    return subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        command,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=as_at_a_terminal,
+    )
 
 
 def test_each_probe_is_said_as_it_starts_and_as_it_ends_and_json_stays_one_object(tmp_path):

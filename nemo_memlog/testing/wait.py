@@ -11,6 +11,7 @@ Stdlib only (and guard.py's /proc reading, stdlib too): rank and child scripts i
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -115,3 +116,11 @@ def left_behind(marker: str) -> list[str]:
 
 def _more(detail: Callable[[], str] | None) -> str:
     return "" if detail is None else ":\n" + detail()
+
+
+def as_at_a_terminal() -> None:
+    """A ``preexec_fn``: the child starts with SIGINT at its default, as a command typed at a terminal
+    does (Ctrl-C reaches it), whatever this process inherited: a job started with ``&`` by a shell without
+    job control (a CI script, ``nohup``) ignores SIGINT, and so would the child, which a test of what
+    Ctrl-C does then never sees."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
