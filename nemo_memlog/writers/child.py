@@ -9,9 +9,11 @@ Stats and Close until the stream ends.
 Ending. After a Close, or when the training process's end of the socket closes (the
 trainer died: SIGKILL, segfault, ``os._exit``), it closes every backend within the budget
 (``writer_close_timeout_s`` when the trainer died), says Goodbye with its final counts, and
-exits; a watchdog ends it half a second after the budget whatever a backend does, so it
-never outlives its job. It also polls its parent, in case a forked child of the trainer
-still holds the socket. It ignores SIGINT and SIGTERM, which a terminal or a scheduler
+exits at once (``os._exit``: the backends are closed, and an interpreter's teardown of their
+modules, atexit hooks included, took seconds of a loaded machine's CPU). The kernel ends it
+EXIT_GRACE_S after the budget whatever a backend does (an alarm, SIGALRM at its default
+action: no thread of ours need run, nor the GIL be free, for it to act), so it never outlives
+its job. It also polls its parent, in case a forked child of the trainer still holds the socket. It ignores SIGINT and SIGTERM, which a terminal or a scheduler
 sends to the whole process group, from its fork on (held blocked until its main() ignores them):
 the trainer's own handler (process_wide.py) or its death decides when the writer process closes. It runs at nice +10.
 
@@ -139,11 +141,15 @@ def serve(sock: socket.socket, parent: int) -> None:
         elif isinstance(message, wire.Close):
             budget = message.budget_s
             break
-    watchdog = threading.Timer(budget + EXIT_GRACE_S, os._exit, args=(3,))
-    watchdog.daemon = True
-    watchdog.start()
+    end_by_alarm(budget + EXIT_GRACE_S)
     fanout.close(budget)
     link.send(wire.Goodbye(fanout.stats()))
+
+
+def end_by_alarm(seconds: float) -> None:
+    """The kernel ends this process ``seconds`` from now (SIGALRM, its default action: terminate)."""
+    signal.signal(signal.SIGALRM, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
 
 
 def main(argv: list[str]) -> int:
@@ -159,5 +165,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def exit_now(status: int) -> None:
+    """Flush what was said, then end without the interpreter's teardown."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: S110 -- a closed stream: nothing to flush
+            pass
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_now(main(sys.argv))
