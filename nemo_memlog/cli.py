@@ -136,6 +136,14 @@ def _fit_parser(commands) -> None:
     )
     fit.add_argument("--grace-s", type=seconds, default=30.0, help="SIGTERM to SIGKILL for a probe (default 30)")
     fit.add_argument("--work-dir", type=Path, default=None, help="keep the probes' records and output here")
+    fit.add_argument(
+        "--from-records",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a run of this same COMMAND you already have (its memory_records folder, at any size): its measurement "
+        "replaces the first probe, one launch fewer",
+    )
     fit.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -339,6 +347,7 @@ def _fit(args) -> int:
         probe_timeout_s=args.probe_timeout_s,
         grace_s=args.grace_s,
         work_dir=args.work_dir,
+        from_records=args.from_records,
         say=lambda line: print(f"nemo-memlog fit: {line}", file=sys.stderr, flush=True),  # stdout: the answer
     )
     signal.signal(signal.SIGTERM, _interrupted)

@@ -159,6 +159,56 @@ def test_a_bad_record_is_named_never_a_traceback(tmp_path, mode, named):
     assert str(work / "probe-1-mbs-2" / "rank-00000.layers.json") in err
 
 
+def recorded(folder: Path, size: int, **changes) -> Path:
+    """The stub's records of a run at ``size`` (a run the user has: what --from-records reads), each
+    of ``changes`` then set in its record (``measured_steps=1``)."""
+    folder.mkdir(parents=True)
+    env = {**os.environ, "NEMO_MEMLOG_PROBE_DIR": str(folder)}
+    subprocess.run([sys.executable, "-c", STUB, str(size), "ok"], env=env, check=True, timeout=60)
+    path = folder / "rank-00000.layers.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return folder
+
+
+@pytest.mark.processes
+def test_from_records_a_run_already_measured_is_the_first_measurement_and_no_launch(tmp_path):
+    """The same search as from a first probe at 4 (16 fits at 8 GB: the reused --work-dir test), one
+    launch fewer: the records are read, not launched, and shown as such."""
+    records = recorded(tmp_path / "mine", 4)
+    code, out, err, _ = fit("--capacity-gb", "8", "--json", "--from-records", str(records), "--", *stub(), tmp=tmp_path)
+    result = one_object(out)
+    assert code == 0 and result["micro_batch_size"] == 16, out + err
+    first, *probes = result["probes"]
+    assert (first["status"], first["micro_batch_size"], first["folder"]) == ("recorded", 4, str(records))
+    assert [probe["micro_batch_size"] for probe in probes] == [16] and result["launches"] == 1
+    assert f"records: micro-batch size 4: fits (peaks per stage 5.40 GB against 7.20 GB; read from {records})" in err
+    code, out, err, _ = fit("--capacity-gb", "8", "--from-records", str(records), "--", *stub(), tmp=tmp_path)
+    assert code == 0 and out.splitlines()[0].startswith("records: micro-batch size 4: fits") and "1 launches" in out
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(
+    "make, named",
+    [
+        ("missing", "not a folder"),
+        ("one step", "a rank recorded 1 measured logging steps, fewer than the 2"),
+        ("no size", "do not state the run's micro-batch size"),
+    ],
+)
+def test_from_records_that_cannot_serve_is_one_line_exit_2_and_nothing_launched(tmp_path, make, named):
+    folder = tmp_path / "records"
+    if make == "one step":
+        recorded(folder, 4, measured_steps=1)
+    elif make == "no size":
+        recorded(folder, 4, run={"microbatches": 16})
+    launched = tmp_path / "launched"
+    command = ["bash", "-c", f"touch {launched}; {{micro_batch_size}}"]
+    code, out, err, _ = fit("--capacity-gb", "8", "--from-records", str(folder), "--", *command, tmp=tmp_path)
+    assert code == commands.USAGE_ERROR and out == "" and len(err.strip().splitlines()) == 1, err
+    assert f"--from-records {folder}: " in err and named in err
+    assert not launched.exists(), "fit launched the command before refusing its records"
+
+
 @pytest.mark.processes
 def test_a_size_of_a_million_without_microbatches_is_bisected(tmp_path):
     code, out, err, seconds = fit("--capacity-gb", "1000000", "--json", "--",

@@ -13,8 +13,9 @@ exits at once (``os._exit``: the backends are closed, and an interpreter's teard
 modules, atexit hooks included, took seconds of a loaded machine's CPU). The kernel ends it
 EXIT_GRACE_S after the budget whatever a backend does (an alarm, SIGALRM at its default
 action: no thread of ours need run, nor the GIL be free, for it to act), so it never outlives
-its job. It also polls its parent, in case a forked child of the trainer still holds the socket. It ignores SIGINT and SIGTERM, which a terminal or a scheduler
-sends to the whole process group, from its fork on (held blocked until its main() ignores them):
+its job. It also polls its parent, in case a forked child of the trainer still holds the socket.
+It ignores SIGINT and SIGTERM, which a terminal or a scheduler sends to the whole process group,
+from its fork on (held blocked until its main() ignores them):
 the trainer's own handler (process_wide.py) or its death decides when the writer process closes. It runs at nice +10.
 
 Notices. Ours (the "nemo_memlog" logger's records) go back to the training process as

@@ -3,7 +3,8 @@ the capacity free on every pipeline stage, found from the job itself and confirm
 handed back. No torch: the probes are the user's own launches (launch/fit/probe.py), the predictions
 ``advice``'s arithmetic over what they recorded.
 
-The search: the first probe (``start``) measures every stage; ``advice`` predicts the largest
+The search: the first probe (``start``) measures every stage (or a run the user already has, given by
+its records: ``from_records``, a measurement that costs no launch); ``advice`` predicts the largest
 candidate size that fits (the sizes that keep the global batch whole, from the probe's facts); the
 next probe runs it. From two measured sizes the temporaries (the working set of the microbatch
 being computed) grow as the two show (``advice.growth_between``: x F**p, p per stage), and each
@@ -12,7 +13,8 @@ the limit, or killed: an OOM) lowers the ceiling; the next size is the largest p
 between them, until none is left or ``max_launches`` is spent. The answer is always a size a probe
 of this fit measured to fit: each probe starts from an empty folder, and one that could not measure
 (it timed out, ended early, died of something other than memory, or wrote a record advise refuses)
-ends the search with an error naming it, never "over the limit". Everything fit prints or writes has
+ends the search with an error naming it, never "over the limit". (With ``from_records``, that run's
+own measurement counts as one: it may be the answer.) Everything fit prints or writes has
 the command's secrets scrubbed (redaction.py). docs/fit.md says what a probe costs and how accurate
 the predictions were.
 
@@ -43,7 +45,7 @@ from ...offline.advise import AdviseError, load
 from ...redaction import launch_secrets, scrubbed_text
 from ..guard import Guarded
 from . import words
-from .probe import MAX_STEPS, PROBE_DIR_ENV, Probe, run_probe
+from .probe import MAX_STEPS, PROBE_DIR_ENV, STEPS, Probe, recorded_steps, run_probe
 from .words import PLACEHOLDER, SLOT
 
 #: Candidate sizes predicted one by one up to this many; above it, bisected (as advise's search).
@@ -73,6 +75,9 @@ class Options:
     probe_timeout_s: float = 1800.0
     grace_s: float = 30.0
     work_dir: Path | None = None
+    #: A records folder of a run of this same COMMAND at some size (``nemo-memlog run``'s, or a fit probe's):
+    #: the first measurement, read instead of launched. Checked before anything is launched.
+    from_records: Path | None = None
     #: Where fit says what it is doing as it goes (a probe starts, how far it is, its verdict): one line
     #: at a time, secrets scrubbed; the command line gives stderr, so --json stays one object on stdout.
     say: Callable[[str], None] | None = None
@@ -153,6 +158,7 @@ def search(options: Options) -> Result:
     stated_size(options.command)
     if options.work_dir is not None:
         check_work_dir(options.work_dir)
+    recorded = recorded_run(options.from_records) if options.from_records is not None else None
     began = time.monotonic()
     secrets = launch_secrets(options.command, dict(os.environ))
     scratch = None if options.work_dir else Path(tempfile.mkdtemp(prefix="nemo-memlog-fit-"))
@@ -160,7 +166,7 @@ def search(options: Options) -> Result:
     keeper = Guarded([], dict(os.environ), 0.0, scratch, output=False) if scratch is not None else None
     work = options.work_dir or scratch
     assert work is not None  # one of the two is given
-    state = _Search(options, work, secrets, scratch)
+    state = _Search(options, work, secrets, scratch, recorded)
     notes = [note for note in [words.shared_tensorboard(options.command)] if note]
     for note in notes:
         state._say(f"note: {note}")
@@ -195,9 +201,38 @@ def search(options: Options) -> Result:
     )
 
 
+def recorded_run(folder: Path) -> Probe:
+    """``folder`` (--from-records) as a measurement: a Probe of status "recorded" at the size its records
+    state, every rank having recorded at least STEPS measured steps. FitError (USAGE_ERROR) naming what
+    to change where the folder cannot serve; nothing is launched before this is known."""
+    where = f"--from-records {folder}"
+    if not folder.is_dir():
+        raise FitError(f"{where}: not a folder (give a run's memory_records folder)", USAGE_ERROR)
+    try:
+        profile = load(folder)
+    except AdviseError as error:
+        raise FitError(f"{where}: {error}", USAGE_ERROR) from None
+    if profile.micro_batch_size is None:
+        raise FitError(
+            f"{where}: its records do not state the run's micro-batch size (a run of Megatron's schedule "
+            "under nemo-memlog records it): give fit a run that does, or let it probe (no --from-records)",
+            USAGE_ERROR,
+        )
+    probe = Probe(profile.micro_batch_size, folder, status="recorded")
+    if not recorded_steps(probe):
+        least = min((max(seen, default=0) for seen in probe.peaks.values()), default=0)
+        raise FitError(
+            f"{where}: a rank recorded {least} measured logging steps, fewer than the {STEPS} a measurement "
+            "needs (the first precedes the optimizer's state): give a run that logged more steps",
+            USAGE_ERROR,
+        )
+    return probe
+
+
 class _Search:
-    def __init__(self, options: Options, work: Path, secrets: list[str], scratch: Path | None):
+    def __init__(self, options: Options, work: Path, secrets: list[str], scratch: Path | None, recorded: Probe | None):
         self.options, self.work, self.secrets = options, work, secrets
+        self.recorded = recorded  # the run of --from-records: the first measurement, not launched
         self.scratch = scratch  # the temporary folder, removed by the probes' guards should fit be killed
         self.launches: list[Launch] = []
         self.best: Launch | None = None  # the largest size measured to fit
@@ -208,18 +243,26 @@ class _Search:
         self.candidates: Sequence[int] = []
         self.alternatives: list[advice.Fix] = []
 
+    @property
+    def launched(self) -> int:
+        """The probes launched so far (the run of --from-records is not one)."""
+        return sum(1 for launch in self.launches if launch.probe.status != "recorded")
+
     def run(self) -> None:
-        first = self._launch(self.options.start or stated_size(self.options.command) or 1, None)
+        if self.recorded is not None:
+            first = self._judged(self.recorded, None, "records")
+        else:
+            first = self._launch(self.options.start or stated_size(self.options.command) or 1, None)
         if first.run is None:
             raise FitError(words.no_measurement(first.probe, self.options))
         if first.outcome == "could not measure":
             raise FitError(words.could_not_measure(1, first, self.best, self.options))
         self.candidates = _candidates(first.run)
         size = self._next()
-        while size is not None and len(self.launches) < self.options.max_launches:
+        while size is not None and self.launched < self.options.max_launches:
             launch = self._launch(size, self._predicted(size))
             if launch.outcome == "could not measure":
-                raise FitError(words.could_not_measure(len(self.launches), launch, self.best, self.options))
+                raise FitError(words.could_not_measure(self.launched, launch, self.best, self.options))
             size = self._next()
         if self.best is None:
             seen = [launch for launch in self.launches if launch.run]  # the smallest size, measured ones first
@@ -232,7 +275,7 @@ class _Search:
             self.options.say(scrubbed_text(text, self.secrets))
 
     def _launch(self, size: int, predicted: list[float] | None) -> Launch:
-        number = len(self.launches) + 1
+        number = self.launched + 1
         folder = self.work / f"probe-{number}-mbs-{size}"
         command = command_for(self.options.command, size)
         expected = f" (predicted peaks per stage {words.sizes(predicted)})" if predicted else ""
@@ -250,6 +293,11 @@ class _Search:
             )  # fmt: skip
         except OSError as error:  # the folder: emptied and made before the launch
             raise FitError(f"{folder}: cannot be made an empty probe folder ({error.strerror or error})") from None
+        return self._judged(probe, predicted, f"probe {number}")
+
+    def _judged(self, probe: Probe, predicted: list[float] | None, name: str) -> Launch:
+        """``probe``'s records read and judged against the limit, said, and kept as the floor or the ceiling."""
+        size = probe.micro_batch_size
         run = self._read(probe)
         fits = run is not None and probe.measured and measured_fits(run, self.options.margin)
         launch = Launch(probe, run, predicted, fits)
@@ -261,7 +309,8 @@ class _Search:
             measured += f"{words.sizes([node.charge_gb])} against its cgroup's limit {words.sizes([node.limit_gb])}; "
         elif run is not None and self.limit is not None:
             measured = f"peaks per stage {words.sizes(peaks(run))} against {words.sizes([self.limit])}; "
-        self._say(f"probe {number}: micro-batch size {size}: {launch.outcome} ({measured}{probe.seconds:.0f} s)")
+        spent = f"{probe.seconds:.0f} s" if probe.status != "recorded" else f"read from {probe.folder}"
+        self._say(f"{name}: micro-batch size {size}: {launch.outcome} ({measured}{spent})")
         if fits:
             if self.best is None or size > self.best.probe.micro_batch_size:
                 self.best = launch

@@ -66,6 +66,7 @@ class Probe:
     """What one launch at ``micro_batch_size`` gave: ``status`` "measured" (every rank's peak
     steady, or MAX_STEPS measured steps, or the command ended with 0 after STEPS), "died" (the
     command ended first, ``exit_code`` not 0), "ended" (it ended with 0 before that) or "timeout";
+    or "recorded": no launch, the records of a run the user gave (fit --from-records), a measurement;
     the folder of its records and its output (``LOG_NAME``). ``peaks``: per rank, each measured
     step's peak as the polls saw it (GB); ``ranks_recorded``: the ranks steady (or at MAX_STEPS)."""
 
@@ -108,7 +109,7 @@ class Probe:
 
     @property
     def measured(self) -> bool:
-        return self.status == "measured"
+        return self.status in ("measured", "recorded")
 
     @property
     def steps(self) -> int:
@@ -328,6 +329,12 @@ def _recorded(probe: Probe, ended: bool = False) -> bool:
     done = [seen for seen in probe.peaks.values() if (max(seen, default=0) >= STEPS if ended else steady(seen))]
     probe.ranks_recorded = len(done)
     return probe.world_size is not None and probe.ranks_recorded >= probe.world_size
+
+
+def recorded_steps(probe: Probe) -> bool:
+    """Whether the records of a run that has ended (its folder: ``probe.folder``) show every rank's
+    STEPS measured steps at least, each rank's last peak noted in ``probe.peaks``."""
+    return _recorded(probe, ended=True)
 
 
 def stage_peak(stage: object) -> float | None:

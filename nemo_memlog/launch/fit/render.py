@@ -35,10 +35,16 @@ def _stages(result: Result) -> list[dict]:
     return rows
 
 
+def launched(result: Result) -> int:
+    """The probes fit launched (the run of --from-records, read not launched, is not one)."""
+    return sum(1 for launch in result.launches if launch.probe.status != "recorded")
+
+
 def _launch(launch: Launch, secrets: list[str]) -> dict:
     probe = launch.probe
     return {
         "micro_batch_size": probe.micro_batch_size,
+        "folder": str(probe.folder) if probe.status == "recorded" else None,  # --from-records
         "status": probe.status,
         "outcome": launch.outcome,
         "exit_code": probe.exit_code,
@@ -66,7 +72,7 @@ def as_json(result: Result, options: Options) -> str:
             "command": shown(command_for(options.command, size), result.secrets) if size is not None else None,
             "error": result.error,
             "interrupted": result.interrupted,
-            "launches": len(result.launches),
+            "launches": launched(result),
             "seconds": round(result.seconds, 1),
             "margin": options.margin,
             "capacity_gb": result.capacity_gb,
@@ -83,16 +89,19 @@ def as_json(result: Result, options: Options) -> str:
 
 
 def as_text(result: Result, options: Options) -> str:
-    lines = []
-    for number, launch in enumerate(result.launches, 1):
+    lines, number = [], 0
+    for launch in result.launches:
         probe = launch.probe
         verdict = {"over the limit": "does not fit"}.get(launch.outcome, launch.outcome)
         verdict += f" ({probe.status})" if not probe.measured else ""
         measured = ", ".join(size_text(peak) for peak in peaks(launch.run)) if launch.run else "-"
-        lines.append(
-            f"probe {number}: micro-batch size {probe.micro_batch_size}: {verdict} "
-            f"(peaks per stage {measured}; {probe.seconds:.0f} s)"
-        )
+        if probe.status == "recorded":
+            name, spent = "records", f"read from {probe.folder}"
+        else:
+            number += 1
+            name, spent = f"probe {number}", f"{probe.seconds:.0f} s"
+        size = probe.micro_batch_size
+        lines.append(f"{name}: micro-batch size {size}: {verdict} (peaks per stage {measured}; {spent})")
         if probe.output_tail:  # why it died: an OOM kill, or something else to fix first
             exit_text = f"exit {probe.exit_code}" if probe.exit_code is not None else probe.status
             tail = scrubbed_text(probe.output_tail, result.secrets)
@@ -121,5 +130,5 @@ def as_text(result: Result, options: Options) -> str:
             )
     lines.append("")
     lines += [f"note: {note}" for note in result.notes]
-    lines.append(f"{len(result.launches)} launches, {result.seconds:.0f} s")
+    lines.append(f"{launched(result)} launches, {result.seconds:.0f} s")
     return scrubbed_text("\n".join(map(printable, lines)), result.secrets)  # the output's escapes shown, not run

@@ -125,7 +125,7 @@ def interrupted(signal_name: str, state: Any) -> str:
     """What an interrupted search says: how many probes ran, the largest size measured to fit (if any)."""
     best = state.best.probe.micro_batch_size if state.best is not None else None
     so_far = f"the largest size measured to fit so far is {best}" if best else "no size was measured to fit"
-    probes = len(state.launches)
+    probes = state.launched
     return f"interrupted by {signal_name} after {probes} probe(s); every probe's processes ended; {so_far}"
 
 
