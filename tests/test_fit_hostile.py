@@ -66,13 +66,16 @@ def test_a_reused_work_dir_never_answers_for_a_command_that_failed_at_once(tmp_p
 
 @pytest.mark.processes
 def test_a_probe_that_times_out_is_could_not_measure_never_over_the_limit(tmp_path):
-    code, out, err, seconds = fit("--capacity-gb", "8", "--probe-timeout-s", "1", "--grace-s", "1", "--json",
-                                  "--", *stub("hang-above-2"), tmp=tmp_path)  # fmt: skip
+    # Size 2 measured from its records (a launch under the 1 s timeout: a loaded machine's Python may not
+    # write its record in time), so the one launch is size 16's, which hangs.
+    records = recorded(tmp_path / "size-2", 2)
+    limits = ["--capacity-gb", "8", "--probe-timeout-s", "1", "--grace-s", "1", "--json"]
+    code, out, err, seconds = fit(*limits, "--from-records", str(records), "--", *stub("hang-above-2"), tmp=tmp_path)
     result = one_object(out)
     assert code == 1, out + err
     assert [p["outcome"] for p in result["probes"]] == ["fits", "could not measure"]
     assert result["probes"][1]["status"] == "timeout" and result["micro_batch_size"] is None
-    assert "probe 2 (micro-batch size 16) could not measure" in result["error"]
+    assert "probe 1 (micro-batch size 16) could not measure" in result["error"]
     assert "largest size measured to fit so far is 2" in result["error"]
     assert "over the limit" not in err and "nothing fits" not in err
     print(f"ended at its 1 s timeout and 1 s grace: fit took {seconds:.1f} s")
