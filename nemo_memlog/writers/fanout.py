@@ -5,7 +5,10 @@ steps. ``ThreadFanOut.log`` appends the (read-only) dict to one queue and wakes 
 thread, which puts it in every backend's buffer: the training thread never waits on a
 backend, and a slow or hung backend never holds up the others.
 
-A backend call that fails leaves its step at the head of that backend's buffer and is
+A backend that writes several steps in one call (``log_steps``, up to its ``batch_metrics``
+metrics: MLflow's one ``log_batch``, one transaction) is handed what its buffer holds, oldest first,
+as one batch: a backlog (a store that opened late, a slow server) is caught up in a call per batch,
+not per step. A backend call that fails leaves its step (or batch) at the head of that backend's buffer and is
 retried with backoff (0.5 s doubling to 30 s), so a backend that comes back gets every
 step it missed, in order. A failure no retry can cure (an unwritable or missing folder:
 base.PERMANENT_ERRNOS) stops that backend at once, said once; a full disk is said once, in
@@ -28,6 +31,7 @@ warn.py), with secrets scrubbed from the message.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -69,6 +73,7 @@ class BufferedBackend:
         self._limit = buffer_steps
         self._cond = threading.Condition()
         self._busy = False  # an item is being written right now
+        self._in_flight = 0  # how many of the buffer's first items that write holds (a batch: several)
         self._closing = False
         self._close_by: float | None = None  # the close's deadline, handed to the backend's close
         self._close_began: float | None = None  # when the close was asked for (the budget's start)
@@ -91,7 +96,7 @@ class BufferedBackend:
             if self._stopped:
                 self._lose([step])
                 return
-            in_flight = 1 if self._busy else 0  # the step being written is kept: it ends written, not dropped
+            in_flight = self._in_flight if self._busy else 0  # the steps being written are kept: they end written
             if len(self._buffer) >= self._limit and len(self._buffer) > in_flight:
                 self._lose([self._buffer[in_flight][1]])
                 del self._buffer[in_flight]
@@ -188,17 +193,19 @@ class BufferedBackend:
                     self._cond.wait()
                 if not self._buffer or self._past(self._writes_end()):
                     break  # closing, and drained or out of time to write: end the store now
-                metrics, step = self._buffer[0]
-                self._busy = True
-            ok = self._write(metrics, step)
+                batch = self._batch()
+                self._busy, self._in_flight = True, len(batch)
+            written = self._write(batch)
             with self._cond:
-                self._busy = False
-                if ok:
-                    if self._buffer and self._buffer[0][1] == step and self._buffer[0][0] is metrics:
-                        self._buffer.popleft()
+                self._busy, self._in_flight = False, 0
+                if written:
+                    for metrics, step in batch[:written]:  # each still at the head (a drop never takes one in flight)
+                        if self._buffer and self._buffer[0][1] == step and self._buffer[0][0] is metrics:
+                            self._buffer.popleft()
                     delay = RETRY_FIRST_S
                     self._cond.notify_all()
                     continue
+                step = batch[0][1]
                 if self._stopped:  # a permanent failure: what is buffered will never be stored
                     self._lose([step for _, step in self._buffer])
                     self._buffer.clear()
@@ -220,22 +227,40 @@ class BufferedBackend:
     def _past(moment: float | None) -> bool:
         return moment is not None and time.monotonic() >= moment
 
-    def _write(self, metrics: dict, step: int) -> bool:
+    def _batch(self) -> list[tuple[dict, int]]:
+        """The buffer's first step, and after it (a backend with ``log_steps``) the steps that follow while
+        their metrics together stay within its ``batch_metrics``. Called holding the lock."""
+        limit = getattr(self._backend, "batch_metrics", 0) if hasattr(self._backend, "log_steps") else 0
+        batch, count = [self._buffer[0]], len(self._buffer[0][0])
+        for item in itertools.islice(self._buffer, 1, None):
+            count += len(item[0])
+            if count > limit:
+                break
+            batch.append(item)
+        return batch
+
+    def _write(self, batch: list[tuple[dict, int]]) -> int:
+        """How many of ``batch`` (the buffer's first steps) were written: all, or 0 (a failure)."""
         if self._backend is None:
             opened, self._backend = self._call("open", self._opener)
             if not opened:
-                return False
+                return 0
             process_wide.exit_first()  # our close before the exit hooks its library just registered
-        if not self._call("log", self._backend.log, metrics, step)[0]:
-            return False
-        self.written += 1
+            batch = batch[:1]  # opened just now: from the next write on, batches are sized by the backend
+        if len(batch) == 1:
+            ok = self._call("log", self._backend.log, *batch[0])[0]
+        else:
+            ok = self._call("log", self._backend.log_steps, batch)[0]
+        if not ok:
+            return 0
+        self.written += len(batch)
         if self._failing:
             notice(
                 f"nemo_memlog: {self.name} is writing again after {self.failures} failed attempts; "
                 f"buffered steps are being replayed"
             )
             self._failing = False
-        return True
+        return len(batch)
 
     def _call(self, what: str, fn, *args) -> tuple[bool, object]:
         """(succeeded, what ``fn`` returned); a failure is counted and warned once per kind."""

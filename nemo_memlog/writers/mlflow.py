@@ -1,4 +1,4 @@
-"""MLflow backend: one run, one synchronous ``log_batch`` per logged step.
+"""MLflow backend: one run, one synchronous ``log_batch`` per logged step (a backlog: per 1000 metrics).
 
 Enabled by ``mlflow_experiment`` (config validation demands ``mlflow_run_name`` too).
 Uses its own ``MlflowClient`` on ``mlflow_tracking_uri``: no global fluent state, so it
@@ -102,11 +102,10 @@ def open_backend(settings: Settings, params: dict, secrets: list[str]) -> Mlflow
             experiment_id = client.get_experiment_by_name(name).experiment_id
     tags = {mlflow_name(str(k)): scrubbed(str(v), secrets) for k, v in (settings.mlflow_tags or {}).items()}
     run = client.create_run(experiment_id, run_name=settings.mlflow_run_name, tags=tags)
-    run_id = run.info.run_id
     values = [Param(mlflow_name(k), scrubbed(str(v), secrets)[:MAX_PARAM_VALUE]) for k, v in params.items()]
-    for start in range(0, len(values), PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=values[start : start + PARAMS_PER_BATCH], synchronous=True)
-    return MlflowBackend(client, run_id, close_budget_s=settings.writer_close_timeout_s)
+    # The params go with the first write, not here: a failure after the run exists (a server's timeout)
+    # retries that write into this run; retried here, the open would make a second run.
+    return MlflowBackend(client, run.info.run_id, close_budget_s=settings.writer_close_timeout_s, params=values)
 
 
 def create_sqlite_store(tracking_uri: str | None, client_class: Callable[..., Any]) -> None:
@@ -184,6 +183,9 @@ def framework_namer(spell: Callable[[str], str]) -> Callable[[str], str]:
 
 
 class MlflowBackend:
+    #: Steps whose metrics together fit one ``log_batch`` are written by one call (``log_steps``, fanout.py).
+    batch_metrics = METRICS_PER_BATCH
+
     def __init__(
         self,
         client: Any,
@@ -191,24 +193,39 @@ class MlflowBackend:
         name: Callable[[str], str] = mlflow_name,
         adopted: bool = False,
         close_budget_s: float = 25.0,
+        params: list | None = None,
     ):
         self.client = client
         self.close_budget_s = close_budget_s
         self.run_id = run_id
         self.name = name
         self.history = None if adopted else StageHistory()  # an adopted run gets no charts at close
+        self._params = list(params or [])  # logged with the first write (MLflow takes a param again at its value)
 
     def log(self, metrics: dict, step: int) -> None:
         """Every metric at ``step`` as a float, in batches of 1000; raises what MLflow raises."""
+        self.log_steps([(metrics, step)])
+
+    def log_steps(self, steps: list[tuple[dict, int]]) -> None:
+        """Every metric of each (metrics, step) as a float, in batches of 1000 (one call where they fit
+        in one: what fanout.py hands over); raises what MLflow raises."""
         from mlflow.entities import Metric
 
+        self._log_params()
         now_ms = int(time.time() * 1000)
         name = self.name
-        batch = [Metric(name(k), float(v), now_ms, step) for k, v in metrics.items()]
+        batch = [Metric(name(k), float(v), now_ms, step) for metrics, step in steps for k, v in metrics.items()]
         for start in range(0, len(batch), METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=batch[start : start + METRICS_PER_BATCH], synchronous=True)
         if self.history is not None:
-            self.history.add(metrics, step)
+            for metrics, step in steps:
+                self.history.add(metrics, step)
+
+    def _log_params(self) -> None:
+        """The run's params, once (a failure leaves them to the next write: the same values again)."""
+        for start in range(0, len(self._params), PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=self._params[start : start + PARAMS_PER_BATCH], synchronous=True)
+        self._params = []
 
     def flush(self) -> None:
         pass  # every log_batch is synchronous: written when log returns
@@ -230,6 +247,7 @@ class MlflowBackend:
     def close(self, deadline: float | None = None) -> None:
         """Charts while ``deadline`` (default: the close budget from now) allows, then the run FINISHED."""
         try:
+            self._log_params()  # a run that never got a step still gets its params
             self.log_charts(time.monotonic() + self.close_budget_s if deadline is None else deadline)
         finally:
             self.client.set_terminated(self.run_id)

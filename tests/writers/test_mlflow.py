@@ -110,3 +110,37 @@ def test_secret_is_written_nowhere(run):
     with sqlite3.connect(root / "mlflow.db") as db:  # and not in any text column either
         for (table,) in db.execute("select name from sqlite_master where type='table'").fetchall():
             assert SECRET not in repr(db.execute(f"select * from {table}").fetchall()), table
+
+
+def test_a_backlog_is_caught_up_in_a_call_per_thousand_metrics_and_every_step_stored(tmp_path, monkeypatch):
+    """120 steps of 20 metrics handed over while the store is still being created (its migrations take
+    seconds): the first step is written alone once the run is open, the other 119 in log_batch calls of at
+    most 1000 metrics (3, where one call per step made 119), every step read back at its value."""
+    from mlflow.tracking import MlflowClient
+
+    from nemo_memlog import build_writers
+
+    calls = []
+    real = MlflowClient.log_batch
+
+    def counted(self, run_id, metrics=(), params=(), tags=(), synchronous=None):
+        if metrics:
+            calls.append(len(metrics))
+        return real(self, run_id, metrics=metrics, params=params, tags=tags, synchronous=synchronous)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", counted)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    cfg = LoggerConfig(mlflow_experiment="backlog", mlflow_run_name="r", mlflow_tracking_uri=uri, writer_mode="thread")
+    fanout = build_writers(cfg)
+    for step in range(1, 121):
+        fanout.log({f"memory/pp_stage_{i % 2}/m{i}": float(step * 100 + i) for i in range(20)}, step)
+    assert fanout.flush(timeout_s=120)
+    stats = fanout.stats()["mlflow"]
+    fanout.close()
+    client = MlflowClient(uri)
+    (stored,) = client.search_runs([client.get_experiment_by_name("backlog").experiment_id])
+    history = client.get_metric_history(stored.info.run_id, "memory/pp_stage_1/m7")
+    assert sorted((m.step, m.value) for m in history) == [(step, step * 100 + 7.0) for step in range(1, 121)]
+    assert stats["written"] == 120 and sum(calls) == 120 * 20 and max(calls) <= 1000
+    print("metrics per log_batch call:", calls)
+    assert calls[0] == 20 and len(calls) <= 1 + math.ceil(119 * 20 / 1000), calls  # opened late: the backlog batched
