@@ -79,6 +79,7 @@ class BufferedBackend:
         self._close_began: float | None = None  # when the close was asked for (the budget's start)
         self._close_failures = 0  # failed attempts since the close began (CLOSE_ATTEMPTS)
         self._reported = False  # close() reported what was not stored
+        self._counted = False  # close() counted the steps still buffered as lost
         self._warn_once = WarnOnce(f"{name} backend: ", secrets)
         self.written = 0
         self.dropped = 0
@@ -147,16 +148,18 @@ class BufferedBackend:
 
     def close(self, deadline: float) -> None:
         """``request_close(deadline)``, and wait for the backend's end until ``deadline``. What was
-        not stored is reported by the first call that returns (a close re-entered from a signal
-        handler reports, the interrupted one then does not)."""
+        not stored is reported by the first call that gets through its report: one interrupted in
+        its report by a signal whose handler closes again (a launcher's SIGTERM) is reported by that
+        call, which may be the last this process runs (the handler then ends it), so a report is
+        marked done only once said (said twice, at worst, where the interrupted call resumes)."""
         self.request_close(deadline)
         self._thread.join(max(0.0, deadline - time.monotonic()))
         if self._reported:
             return
-        self._reported = True
         if self._thread.is_alive():
             self._warn_once("close", "did not finish closing in time (logger.writer_close_timeout_s)")
-        if self._buffer:
+        if self._buffer and not self._counted:
+            self._counted = True  # the steps still buffered are counted as lost once
             self._warn_once("unwritten", f"{len(self._buffer)} steps were still unwritten at close")
             self._lose([step for _, step in self._buffer])
         if self.dropped:
@@ -165,6 +168,7 @@ class BufferedBackend:
                 f"nemo_memlog: {self.name} did not store {self.dropped} of the {self.written + self.dropped} "
                 f"logged steps{why}: {step_ranges(self.lost_steps)}"
             )
+        self._reported = True
 
     def _lose(self, steps: list) -> None:
         """Count ``steps`` as never stored, and remember which (as ranges: bounded however many)."""
@@ -205,7 +209,6 @@ class BufferedBackend:
                     delay = RETRY_FIRST_S
                     self._cond.notify_all()
                     continue
-                step = batch[0][1]
                 if self._stopped:  # a permanent failure: what is buffered will never be stored
                     self._lose([step for _, step in self._buffer])
                     self._buffer.clear()
