@@ -196,6 +196,7 @@ def test_from_records_a_run_already_measured_is_the_first_measurement_and_no_lau
         ("missing", "not a folder"),
         ("one step", "a rank recorded 1 measured logging steps, fewer than the 2"),
         ("no size", "do not state the run's micro-batch size"),
+        ("and --start", "--start and --from-records: give one"),
     ],
 )
 def test_from_records_that_cannot_serve_is_one_line_exit_2_and_nothing_launched(tmp_path, make, named):
@@ -204,11 +205,14 @@ def test_from_records_that_cannot_serve_is_one_line_exit_2_and_nothing_launched(
         recorded(folder, 4, measured_steps=1)
     elif make == "no size":
         recorded(folder, 4, run={"microbatches": 16})
+    elif make == "and --start":
+        recorded(folder, 4)
     launched = tmp_path / "launched"
     command = ["bash", "-c", f"touch {launched}; {{micro_batch_size}}"]
-    code, out, err, _ = fit("--capacity-gb", "8", "--from-records", str(folder), "--", *command, tmp=tmp_path)
+    start = ["--start", "2"] if make == "and --start" else []
+    code, out, err, _ = fit("--capacity-gb", "8", *start, "--from-records", str(folder), "--", *command, tmp=tmp_path)
     assert code == commands.USAGE_ERROR and out == "" and len(err.strip().splitlines()) == 1, err
-    assert f"--from-records {folder}: " in err and named in err
+    assert named in err and (make == "and --start" or f"--from-records {folder}: " in err)
     assert not launched.exists(), "fit launched the command before refusing its records"
 
 

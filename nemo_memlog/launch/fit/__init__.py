@@ -158,6 +158,8 @@ def search(options: Options) -> Result:
     stated_size(options.command)
     if options.work_dir is not None:
         check_work_dir(options.work_dir)
+    if options.from_records is not None and options.start is not None:
+        raise FitError("--start and --from-records: give one (fit starts from the records' size)", USAGE_ERROR)
     recorded = recorded_run(options.from_records) if options.from_records is not None else None
     began = time.monotonic()
     secrets = launch_secrets(options.command, dict(os.environ))
