@@ -72,8 +72,7 @@ class BufferedBackend:
         self._buffer: collections.deque = collections.deque()
         self._limit = buffer_steps
         self._cond = threading.Condition()
-        self._busy = False  # an item is being written right now
-        self._in_flight = 0  # how many of the buffer's first items that write holds (a batch: several)
+        self._in_flight = 0  # how many of the buffer's first items are being written now (a batch: several)
         self._closing = False
         self._close_by: float | None = None  # the close's deadline, handed to the backend's close
         self._close_began: float | None = None  # when the close was asked for (the budget's start)
@@ -97,7 +96,7 @@ class BufferedBackend:
             if self._stopped:
                 self._lose([step])
                 return
-            in_flight = self._in_flight if self._busy else 0  # the steps being written are kept: they end written
+            in_flight = self._in_flight  # the steps being written are kept: they end written
             if len(self._buffer) >= self._limit and len(self._buffer) > in_flight:
                 self._lose([self._buffer[in_flight][1]])
                 del self._buffer[in_flight]
@@ -119,7 +118,7 @@ class BufferedBackend:
         """Wait until every buffered step is written, or the deadline. True if drained."""
         with self._cond:
             failures = self.failures
-            while self._buffer or self._busy:
+            while self._buffer or self._in_flight:
                 left = deadline - time.monotonic()
                 if left <= 0 or self.failures - failures >= CLOSE_ATTEMPTS:
                     return False
@@ -198,10 +197,10 @@ class BufferedBackend:
                 if not self._buffer or self._past(self._writes_end()):
                     break  # closing, and drained or out of time to write: end the store now
                 batch = self._batch()
-                self._busy, self._in_flight = True, len(batch)
+                self._in_flight = len(batch)
             written = self._write(batch)
             with self._cond:
-                self._busy, self._in_flight = False, 0
+                self._in_flight = 0
                 if written:
                     for metrics, step in batch[:written]:  # each still at the head (a drop never takes one in flight)
                         if self._buffer and self._buffer[0][1] == step and self._buffer[0][0] is metrics:

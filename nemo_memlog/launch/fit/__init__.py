@@ -247,8 +247,8 @@ class _Search:
 
     @property
     def launched(self) -> int:
-        """The probes launched so far (the run of --from-records is not one)."""
-        return sum(1 for launch in self.launches if launch.probe.status != "recorded")
+        """The probes launched so far (``launched``)."""
+        return launched(self.launches)
 
     def run(self) -> None:
         if self.recorded is not None:
@@ -311,7 +311,7 @@ class _Search:
             measured += f"{words.sizes([node.charge_gb])} against its cgroup's limit {words.sizes([node.limit_gb])}; "
         elif run is not None and self.limit is not None:
             measured = f"peaks per stage {words.sizes(peaks(run))} against {words.sizes([self.limit])}; "
-        spent = f"{probe.seconds:.0f} s" if probe.status != "recorded" else f"read from {probe.folder}"
+        spent = f"{probe.seconds:.0f} s" if probe.launched else f"read from {probe.folder}"
         self._say(f"{name}: micro-batch size {size}: {launch.outcome} ({measured}{spent})")
         if fits:
             if self.best is None or size > self.best.probe.micro_batch_size:
@@ -433,6 +433,11 @@ class _Search:
             return advice.predict(run, advice.parse([f"micro_batch_size={size}"]))
         except advice.Refused:
             return None
+
+
+def launched(launches: Sequence[Launch]) -> int:
+    """How many of ``launches`` fit launched (the run of --from-records, read not launched, is not one)."""
+    return sum(1 for launch in launches if launch.probe.launched)
 
 
 def measured_fits(profile: advice.Profile, margin: float) -> bool:

@@ -112,6 +112,11 @@ class Probe:
         return self.status in ("measured", "recorded")
 
     @property
+    def launched(self) -> bool:
+        """Whether fit launched it (not the run of --from-records, read from its records)."""
+        return self.status != "recorded"
+
+    @property
     def steps(self) -> int:
         """The most measured steps a rank of the probe recorded (as the polls saw them)."""
         return max((max(seen) for seen in self.peaks.values() if seen), default=0)

@@ -11,7 +11,7 @@ import json
 from ...offline.advise import fix_dict
 from ...offline.tables import printable, size_text
 from ...redaction import scrubbed_text
-from . import CANDIDATES_SHOWN, Launch, Options, Result, command_for, peaks
+from . import CANDIDATES_SHOWN, Launch, Options, Result, command_for, launched, peaks
 from .words import shown
 
 
@@ -35,16 +35,11 @@ def _stages(result: Result) -> list[dict]:
     return rows
 
 
-def launched(result: Result) -> int:
-    """The probes fit launched (the run of --from-records, read not launched, is not one)."""
-    return sum(1 for launch in result.launches if launch.probe.status != "recorded")
-
-
 def _launch(launch: Launch, secrets: list[str]) -> dict:
     probe = launch.probe
     return {
         "micro_batch_size": probe.micro_batch_size,
-        "folder": str(probe.folder) if probe.status == "recorded" else None,  # --from-records
+        "folder": None if probe.launched else str(probe.folder),  # --from-records
         "status": probe.status,
         "outcome": launch.outcome,
         "exit_code": probe.exit_code,
@@ -72,7 +67,7 @@ def as_json(result: Result, options: Options) -> str:
             "command": shown(command_for(options.command, size), result.secrets) if size is not None else None,
             "error": result.error,
             "interrupted": result.interrupted,
-            "launches": launched(result),
+            "launches": launched(result.launches),
             "seconds": round(result.seconds, 1),
             "margin": options.margin,
             "capacity_gb": result.capacity_gb,
@@ -95,11 +90,11 @@ def as_text(result: Result, options: Options) -> str:
         verdict = {"over the limit": "does not fit"}.get(launch.outcome, launch.outcome)
         verdict += f" ({probe.status})" if not probe.measured else ""
         measured = ", ".join(size_text(peak) for peak in peaks(launch.run)) if launch.run else "-"
-        if probe.status == "recorded":
-            name, spent = "records", f"read from {probe.folder}"
-        else:
+        if probe.launched:
             number += 1
             name, spent = f"probe {number}", f"{probe.seconds:.0f} s"
+        else:
+            name, spent = "records", f"read from {probe.folder}"
         size = probe.micro_batch_size
         lines.append(f"{name}: micro-batch size {size}: {verdict} (peaks per stage {measured}; {spent})")
         if probe.output_tail:  # why it died: an OOM kill, or something else to fix first
@@ -130,5 +125,5 @@ def as_text(result: Result, options: Options) -> str:
             )
     lines.append("")
     lines += [f"note: {note}" for note in result.notes]
-    lines.append(f"{launched(result)} launches, {result.seconds:.0f} s")
+    lines.append(f"{launched(result.launches)} launches, {result.seconds:.0f} s")
     return scrubbed_text("\n".join(map(printable, lines)), result.secrets)  # the output's escapes shown, not run
