@@ -7,7 +7,9 @@ and unregister it when they close; this module holds no monitor state of its own
   registered with ``first=True`` first (the recorders' end markers take microseconds,
   draining writers can take ``writer_close_timeout_s``), then hands the signal on: to the
   handler installed before ours (the framework's own), or to the default action, so the
-  process still ends as a SIGTERM'd process would. Installed from the main thread only.
+  process still ends as a SIGTERM'd process would. They say what they say on the process's own
+  stderr, even where the signal landed while an in-memory buffer stood in for it (``_own_stderr``).
+  Installed from the main thread only.
 - ``on_exit``: at interpreter exit (atexit), before the hooks of the libraries a backend opened
   (``exit_first``).
 - ``on_exception``: an unhandled exception in the main thread, before the hook that was
@@ -29,12 +31,14 @@ must surface as torch's own error. Nothing here issues a collective.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import os
 import signal
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 _sigterm: list = []
 _exit: list = []
@@ -88,7 +92,8 @@ def on_sigterm(callback: Callable[[], object], *, first: bool = False) -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def handle(signum, frame):
-        _dispatch(_sigterm)
+        with _own_stderr():
+            _dispatch(_sigterm)
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_IGN:
@@ -99,6 +104,25 @@ def on_sigterm(callback: Callable[[], object], *, first: bool = False) -> None:
 
     signal.signal(signal.SIGTERM, handle)
     _installed.add("sigterm")
+
+
+@contextlib.contextmanager
+def _own_stderr() -> Iterator[None]:
+    """The process's own stderr as ``sys.stderr`` while the SIGTERM callbacks run, where the signal
+    interrupted code that had put an in-memory buffer there: torch.distributed's excepthook does while
+    the hook before it formats a traceback (a rank's unhandled error, then the launcher's SIGTERM
+    0.1 s later). What the callbacks say (a backend's lost steps) would go into that buffer, which the
+    signal's default action then discards with the process. A stream of the user's stays theirs."""
+    captured = sys.stderr
+    if not isinstance(captured, io.StringIO) or sys.__stderr__ is None:
+        yield
+        return
+    sys.stderr = sys.__stderr__
+    try:
+        yield
+    finally:
+        if sys.stderr is sys.__stderr__:
+            sys.stderr = captured
 
 
 def on_exit(callback: Callable[[], object]) -> None:

@@ -4,6 +4,7 @@ import math
 import sqlite3
 import sys
 
+import mlflow
 import pytest
 
 from nemo_memlog.config import REDACTED, LoggerConfig, flat_params, secrets_of
@@ -129,6 +130,7 @@ def test_a_backlog_is_caught_up_in_a_call_per_thousand_metrics_and_every_step_st
         return real(self, run_id, metrics=metrics, params=params, tags=tags, synchronous=synchronous)
 
     monkeypatch.setattr(MlflowClient, "log_batch", counted)
+    monkeypatch.setattr(mlflow_writer, "empty_store_cache", lambda: tmp_path / "cache")  # none cached: migrations
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     cfg = LoggerConfig(mlflow_experiment="backlog", mlflow_run_name="r", mlflow_tracking_uri=uri, writer_mode="thread")
     fanout = build_writers(cfg)
@@ -144,3 +146,53 @@ def test_a_backlog_is_caught_up_in_a_call_per_thousand_metrics_and_every_step_st
     assert stats["written"] == 120 and sum(calls) == 120 * 20 and max(calls) <= 1000
     print("metrics per log_batch call:", calls)
     assert calls[0] == 20 and len(calls) <= 1 + math.ceil(119 * 20 / 1000), calls  # opened late: the backlog batched
+
+
+def _schema(database) -> list:
+    """The tables, indexes and columns of a SQLite store and its schema version (not the text of its
+    CHECK constraints: MLflow writes their lists in set order, which differs from process to process)."""
+    with sqlite3.connect(database) as db:
+        names = sorted(db.execute("SELECT type, name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"))
+        columns = {name: list(db.execute(f'PRAGMA table_info("{name}")')) for kind, name in names if kind == "table"}
+        return [names, columns, list(db.execute("SELECT version_num FROM alembic_version"))]
+
+
+def test_a_new_store_is_a_copy_of_mlflows_empty_one_and_a_copy_it_cannot_read_is_made_again(tmp_path, monkeypatch):
+    """The first store on a machine is built by MLflow (its migrations), the next ones copied from the
+    empty store cached then (no migration runs): the tables and schema version of a store MLflow builds
+    itself, read apart, and the Default experiment MLflow makes at the first open, with this store's
+    artifact root. A cached file MLflow cannot read is replaced; that store is built by MLflow."""
+    import mlflow.store.db.utils as db_utils
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setattr(mlflow_writer, "empty_store_cache", lambda: tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)  # MLflow's default artifact root (./mlruns) is under the working folder
+    MlflowClient(f"sqlite:///{tmp_path}/apart.db").search_experiments()  # MLflow's own, for comparison
+    migrations = []
+    real = db_utils._initialize_tables
+    monkeypatch.setattr(db_utils, "_initialize_tables", lambda engine: (migrations.append(engine.url), real(engine)))
+
+    def experiments(client) -> list:
+        return [(e.experiment_id, e.name, e.artifact_location) for e in client.search_experiments()]
+
+    def made(name: str) -> int:
+        before = len(migrations)
+        mlflow_writer.create_sqlite_store(f"sqlite:///{tmp_path}/{name}.db", MlflowClient)
+        return len(migrations) - before
+
+    cached = mlflow_writer.empty_store_cache() / f"mlflow-{mlflow.__version__}-empty.db"
+    assert made("first") == 1 and cached.is_file(), "built by MLflow, once, for the cache"
+    assert made("second") == 0, "copied"
+    for name in ("first", "second"):
+        assert _schema(tmp_path / f"{name}.db") == _schema(tmp_path / "apart.db")
+        client = MlflowClient(f"sqlite:///{tmp_path}/{name}.db")
+        assert experiments(client) == experiments(MlflowClient(f"sqlite:///{tmp_path}/apart.db"))
+        assert experiments(client) == [("0", "Default", str(tmp_path / "mlruns" / "0"))], "this store's own root"
+        run = client.create_run(client.create_experiment(f"e-{name}"))
+        client.log_metric(run.info.run_id, "memory/peak_host_rss_gb", 1.5, step=7)
+        assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "memory/peak_host_rss_gb")] == [
+            (7, 1.5)
+        ]
+    cached.write_bytes(b"not a SQLite file")
+    assert made("after_a_bad_copy") == 1 and _schema(tmp_path / "after_a_bad_copy.db") == _schema(tmp_path / "apart.db")
+    assert made("then") == 1 and made("and_then") == 0, "the bad copy was dropped, and made again"
