@@ -13,6 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv-bridge03" / "bin" / "python"
 #: The files holding the tests marked ``versions``.
 VERSIONED_TESTS = ("tests/test_bridge.py", "tests/test_megatron.py")
+#: What the second environment leaves out: Bridge's callback on PP 2 x DP 2 (a cluster of 4 ranks, 23 of
+#: the session's 60 s). Its DP groups are megatron-core's parallel_state and our reduction, which the
+#: main session holds; what Bridge 0.3.1 changes (its callbacks, its own memory logging, its train
+#: step) is held on PP 2 here.
+NOT_AGAIN = "not pp2dp2"
 
 
 @pytest.mark.processes
@@ -21,7 +26,8 @@ def test_the_versions_tests_pass_against_bridge_0_3_1_and_megatron_core_0_16_1()
     if not PYTHON.exists():
         pytest.skip(f"{PYTHON.parent.parent.name} is not built: `make test` builds it")
     done = subprocess.run(
-        [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "versions", *VERSIONED_TESTS],
+        [str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "versions", "-k", NOT_AGAIN,
+         *VERSIONED_TESTS],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     summary = done.stdout.strip().splitlines()[-1:] or ["(no output)"]
