@@ -173,7 +173,20 @@ IMPORT_STEPS = (
 
 def check(venv: str, constraints: str) -> int:
     """Import what set-up installs, a line per step, then hold megatron-core's and Megatron-Bridge's
-    versions to their pins in ``constraints``. 0 when all holds, else 1 (the error on stderr)."""
+    versions to their pins in ``constraints``. 0 when all holds, else 1 (the error on stderr). In a
+    temporary folder of its own, removed at the end: W&B's import makes two folders in the temporary
+    folder, which its exit hook would remove, and main() ends the check without exit hooks."""
+    try:
+        from nemo_memlog.testing.tmp import private_tmpdir
+
+        with private_tmpdir():
+            return _check(venv, constraints)
+    except Exception as error:  # noqa: BLE001 -- nemo_memlog itself missing: a failed set-up too
+        say(f"{venv}: import check failed: {error!r}", sys.stdout)
+        return 1
+
+
+def _check(venv: str, constraints: str) -> int:
     try:
         for number, (what, modules) in enumerate(IMPORT_STEPS, 1):
             with ticking(f"{venv}: import check {number}/{len(IMPORT_STEPS) + 1}: {what}", sys.stdout):
