@@ -180,30 +180,23 @@ def check(venv: str, constraints: str) -> int:
         from nemo_memlog.testing.tmp import private_tmpdir
 
         with private_tmpdir():
-            return _check(venv, constraints)
-    except Exception as error:  # noqa: BLE001 -- nemo_memlog itself missing: a failed set-up too
-        say(f"{venv}: import check failed: {error!r}", sys.stdout)
-        return 1
-
-
-def _check(venv: str, constraints: str) -> int:
-    try:
-        for number, (what, modules) in enumerate(IMPORT_STEPS, 1):
-            with ticking(f"{venv}: import check {number}/{len(IMPORT_STEPS) + 1}: {what}", sys.stdout):
-                for module in modules:
-                    importlib.import_module(module)
-        say(
-            f"{venv}: import check {len(IMPORT_STEPS) + 1}/{len(IMPORT_STEPS) + 1}: the pins of {constraints}",
-            sys.stdout,
-        )
-        pins = re.findall(r"^(megatron-(?:core|bridge))==(\S+)", Path(constraints).read_text(), re.M)
-        wrong = {name: version(name) for name, pinned in pins if version(name) != pinned}
-        if not pins or wrong:
-            raise AssertionError(f"pins {pins}, installed {wrong}")
+            _imports_and_pins(venv, constraints)
     except Exception as error:  # noqa: BLE001 -- any of them is a failed set-up, said by the Makefile
         say(f"{venv}: import check failed: {error!r}", sys.stdout)
         return 1
     return 0
+
+
+def _imports_and_pins(venv: str, constraints: str) -> None:
+    for number, (what, modules) in enumerate(IMPORT_STEPS, 1):
+        with ticking(f"{venv}: import check {number}/{len(IMPORT_STEPS) + 1}: {what}", sys.stdout):
+            for module in modules:
+                importlib.import_module(module)
+    say(f"{venv}: import check {len(IMPORT_STEPS) + 1}/{len(IMPORT_STEPS) + 1}: the pins of {constraints}", sys.stdout)
+    pins = re.findall(r"^(megatron-(?:core|bridge))==(\S+)", Path(constraints).read_text(), re.M)
+    wrong = {name: version(name) for name, pinned in pins if version(name) != pinned}
+    if not pins or wrong:
+        raise AssertionError(f"pins {pins}, installed {wrong}")
 
 
 def run(label: str, command: list[str]) -> int:

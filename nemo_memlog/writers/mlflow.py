@@ -117,9 +117,10 @@ def create_sqlite_store(tracking_uri: str | None, client_class: Callable[..., An
     leaves only that temporary file. An existing store (or another process's, linked first) is used.
 
     The temporary file is a copy of MLflow's empty store where one is cached for this MLflow version
-    (``empty_store``): milliseconds, where the migrations took 2 s of CPU on an idle core and 15 s
-    and more at the writer's nice +10 on a loaded node, steps buffering meanwhile. Without a cache
-    (a folder that cannot be written, a copy MLflow's client cannot read) MLflow builds it as before."""
+    (``_copied_empty_store``, kept in ``empty_store_cache()``): milliseconds, where the migrations
+    took 2 s of CPU on an idle core and 15 s and more at the writer's nice +10 on a loaded node,
+    steps buffering meanwhile. Without a cache (a folder that cannot be written, a copy MLflow's
+    client cannot read) MLflow builds it as before."""
     database = _sqlite_path(tracking_uri)
     if database is None or database.exists():
         return
