@@ -30,7 +30,11 @@ def pytest_configure(config):
     # Multiprocessing's own folder (the forkserver's socket, for testing.cluster) made first, in the
     # system's: multiprocessing removes it at exit, after this session's private one is gone.
     multiprocessing.util.get_temp_dir()
-    _session_tmp.enter_context(private_tmpdir(base))
+    folder = _session_tmp.enter_context(private_tmpdir(base))
+    # W&B's data folder (~/.local/share/wandb) there too: a file added to an artifact is copied to its
+    # artifacts/staging, and an offline run, never uploaded, never removes the copy (Megatron-LM adds
+    # its checkpoint tracker file at every save). A test's own setting replaces this one.
+    os.environ["WANDB_DATA_DIR"] = str(folder / "wandb-data")
 
 
 def pytest_unconfigure(config):

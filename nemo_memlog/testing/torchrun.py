@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,8 @@ from nemo_memlog.testing.cluster import free_port
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: tests/ and scripts/ are below it
 DEFAULT_TIMEOUT_S = 240.0
+#: A line of a rank's error as torch.distributed's excepthook prints it.
+RANK_ERROR = re.compile(r"^\[rank(\d+)\]:")
 
 
 def torchrun_command(
@@ -118,8 +121,20 @@ def run(
 
 
 def tail(done: subprocess.CompletedProcess, chars: int = 3000) -> str:
-    """The last ``chars`` of a run's stdout, then of its stderr: what a failing test shows."""
-    return (done.stdout or "")[-chars:] + (done.stderr or "")[-chars:]
+    """What a failing test shows: the last ``chars`` of a run's stdout, then of its stderr, after
+    the end of each rank's own error where the tail left it out (the lines torch.distributed's
+    excepthook prefixes with ``[rank<r>]:``; a rank that failed first is often not the last to
+    print)."""
+    stdout, stderr = done.stdout or "", done.stderr or ""
+    shown = stdout[-chars:] + stderr[-chars:]
+    errors: dict[str, list[str]] = {}
+    for line in (stdout + "\n" + stderr).splitlines():
+        if (rank := RANK_ERROR.match(line)) and line not in shown:
+            errors.setdefault(rank[1], []).append(line)
+    before = "".join(
+        f"[rank{rank}]'s error, its last lines:\n" + "\n".join(lines[-25:]) + "\n" for rank, lines in errors.items()
+    )
+    return before + shown
 
 
 def read_ranks(out_dir) -> dict[int, dict]:
