@@ -119,6 +119,8 @@ class ModelConfig:
 class ParallelConfig:
     pp: int = 4
     """Pipeline stages; the rest of the processes is data parallelism (4 processes, pp=2: DP 2)."""
+    processes: int | None = None
+    """Processes the demo starts (null: 4), a multiple of parallel.pp; under your torchrun, its --nproc-per-node."""
     vpp: int | None = None
     """Virtual pipeline size: model chunks per stage, run on Megatron's interleaved schedule; null or 1: 1F1B."""
 
@@ -243,24 +245,41 @@ def _check(cfg: DemoConfig) -> None:
         "model.vocab": cfg.model.vocab,
         "model.heads": cfg.model.heads,
         "parallel.pp": cfg.parallel.pp,
+        "parallel.processes": DEFAULT_PROCESSES if cfg.parallel.processes is None else cfg.parallel.processes,
     }
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1; got {value}")
     if cfg.model.hidden % cfg.model.heads:
         raise ConfigError(f"model.hidden ({cfg.model.hidden}) must be a multiple of model.heads ({cfg.model.heads})")
-    world = int(os.environ.get("WORLD_SIZE", DEFAULT_PROCESSES))
+    world = processes(cfg)
     _global_batch(cfg, world)
     _check_vpp(cfg)
     _check_fail(cfg)
     if world % cfg.parallel.pp:
         fitting = [str(pp) for pp in range(1, world + 1) if world % pp == 0]
+        pp = cfg.parallel.pp
+        ours = "" if "WORLD_SIZE" in os.environ else f"parallel.processes={pp} (or a multiple of it), "
         raise ConfigError(
-            f"parallel.pp ({cfg.parallel.pp}) must divide the number of processes ({world}): choose "
-            f"parallel.pp among {', '.join(fitting)}, or start the demo on N processes yourself, N a multiple "
-            f"of {cfg.parallel.pp}: {console_command('torchrun')} --nproc-per-node N scripts/demo.py "
-            f"parallel.pp={cfg.parallel.pp} ..."
+            f"parallel.pp ({pp}) must divide the number of processes ({world}): choose parallel.pp among "
+            f"{', '.join(fitting)}, or {ours}or start the demo on N processes yourself, N a multiple of {pp}: "
+            f"{console_command('torchrun')} --nproc-per-node N scripts/demo.py parallel.pp={pp} ..."
         )
+
+
+def processes(cfg: DemoConfig) -> int:
+    """How many processes the job has: torchrun's (WORLD_SIZE) under a torchrun, else parallel.processes
+    (4 when null). ConfigError where parallel.processes names another count than torchrun's."""
+    asked = cfg.parallel.processes
+    if "WORLD_SIZE" not in os.environ:
+        return DEFAULT_PROCESSES if asked is None else asked
+    world = int(os.environ["WORLD_SIZE"])
+    if asked is not None and asked != world:
+        raise ConfigError(
+            f"parallel.processes={asked}, but torchrun started {world} processes: leave parallel.processes "
+            f"out under a torchrun of yours (its --nproc-per-node is the count), or give it {world}"
+        )
+    return world
 
 
 def _global_batch(cfg: DemoConfig, world: int) -> None:
@@ -376,8 +395,8 @@ def claim_run_dir(run: RunConfig) -> str:
     return run.name
 
 
-def relaunch(overrides: list[str], log: Path | None = None) -> int:
-    """Run this script under torchrun with DEFAULT_PROCESSES local processes; its exit code.
+def relaunch(overrides: list[str], nproc: int, log: Path | None = None) -> int:
+    """Run this script under torchrun with ``nproc`` local processes; its exit code.
     ``log``: the ranks' and torchrun's output goes there instead of the terminal."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     command = [
@@ -385,7 +404,7 @@ def relaunch(overrides: list[str], log: Path | None = None) -> int:
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        str(DEFAULT_PROCESSES),
+        str(nproc),
         "--master-port",
         str(free_port()),
         __file__,
@@ -400,7 +419,7 @@ def relaunch(overrides: list[str], log: Path | None = None) -> int:
                 # importing torch on 2 cores: 10 s and more before it can).
                 started = Path(tmp) / "started"
                 env[STARTED_ENV] = str(started)
-                with ticking(f"demo.py: torchrun starts {DEFAULT_PROCESSES} processes", until=started.exists):
+                with ticking(f"demo.py: torchrun starts {nproc} processes", until=started.exists):
                     return subprocess.call(command, env=env)
             with open(log, "w") as out, ticking(f"demo.py: the job runs (its output: {log})"):
                 return subprocess.call(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -685,7 +704,7 @@ def failure_demo(cfg: DemoConfig, name: str, argv: list[str]) -> int:
         f"{fail.kill_at} of {cfg.train.iters} (the ranks' output: {log}) ...",
         flush=True,
     )
-    code = relaunch([*argv, f"run.name={name}"], log=log)
+    code = relaunch([*argv, f"run.name={name}"], processes(cfg), log=log)
     records = nemo_memlog.config.resolve(cfg.logger).record_dir
     if code == 0 or not Path(records).is_dir():
         print(f"demo.py: the job did not fail as planned (torchrun's exit code {code}; see {log})", file=sys.stderr)
@@ -764,7 +783,7 @@ def main(argv: list[str]) -> int:
             name = claim_run_dir(cfg.run)
             if cfg.fail.kill_stage is not None:
                 return failure_demo(cfg, name, argv)
-            return relaunch([*argv, f"run.name={name}"])
+            return relaunch([*argv, f"run.name={name}"], processes(cfg))
     except ConfigError as error:
         print(f"demo.py: {error}", file=sys.stderr)
         return 2

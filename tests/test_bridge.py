@@ -537,10 +537,17 @@ MEGATRON_JOBS["micro_batch_size=4"] = dataclasses.replace(
 MODEL_STATE = ("params_gb", "grads_gb", "optimizer_state_gb")
 
 
+#: Set by test_versions.py for its session of the second environment, which runs the GPTModel jobs on PP 2
+#: alone (the ``pp2`` cluster its other tests use): what its versions change (Bridge's train_step,
+#: megatron-core's layers and buffers) shows on one replica; DP 2 is held by this environment's session.
+SECOND_ENVIRONMENT = os.environ.get("NEMO_MEMLOG_TESTS_SECOND_ENVIRONMENT") == "1"
+
+
 @pytest.fixture(scope="module")
-def bridge_megatron(pp2dp2_bridge, tmp_path_factory):
-    """Each job trained 2 iterations on the PP 2 x DP 2 cluster, each iteration Bridge's own
-    train_step, the callback logging (and recording per-layer figures) at step 2."""
+def bridge_megatron(request, tmp_path_factory):
+    """Each job trained 2 iterations on the PP 2 x DP 2 cluster (PP 2 in the second environment), each
+    iteration Bridge's own train_step, the callback logging (and recording per-layer figures) at step 2."""
+    cluster = request.getfixturevalue("pp2" if SECOND_ENVIRONMENT else "pp2dp2_bridge")
     runs = {}
     for name, job in MEGATRON_JOBS.items():
         root = tmp_path_factory.mktemp(name.replace("=", "_"))
@@ -552,7 +559,7 @@ def bridge_megatron(pp2dp2_bridge, tmp_path_factory):
             ballast_mb=0,
             backends=("tensorboard",),
         )
-        runs[name] = Recorded(spec, pp2dp2_bridge.run_ok(train, spec, timeout=RUN_TIMEOUT_S))
+        runs[name] = Recorded(spec, cluster.run_ok(train, spec, timeout=RUN_TIMEOUT_S))
     return runs
 
 

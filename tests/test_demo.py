@@ -195,7 +195,7 @@ def test_an_unknown_override_is_refused_before_any_process_starts(monkeypatch, c
     monkeypatch.delenv("RANK", raising=False)
     import demo as demo_script
 
-    monkeypatch.setattr(demo_script, "relaunch", lambda overrides: pytest.fail("launched despite a bad override"))
+    monkeypatch.setattr(demo_script, "relaunch", lambda *_: pytest.fail("launched despite a bad override"))
     assert demo_script.main(["train.iterz=3"]) == 2
     assert "'iterz' not in 'TrainConfig'" in capsys.readouterr().err
 
@@ -214,7 +214,8 @@ def test_a_secret_on_the_command_line_is_written_nowhere(demo):
 # ---- the demo twice in a row, as a newcomer runs it ----------------------------------------
 # The second run follows the first (the `demo` fixture, no run.name either) into the same
 # run.root, with all four backends, the default peak window, Megatron's interleaved schedule
-# (parallel.vpp=2) on PP 2 (half the first run's processes) and fewer iterations, starting over at
+# (parallel.vpp=2) on PP 2 with 2 processes (parallel.processes=2: half the first run's) and fewer
+# iterations, starting over at
 # step 1: the case that used to be stitched onto the first run's steps and called "resumed"
 # ("interval -> run").
 
@@ -226,6 +227,7 @@ def two_runs(demo):
     second = run_demo(
         f"run.root={first_run.parent}",
         "parallel.pp=2",  # 2 ranks: the interleaved schedule and the four backends need no more
+        "parallel.processes=2",
         "parallel.vpp=2",
         "train.iters=2",
         "train.micro_batch_size=16",
@@ -364,7 +366,7 @@ def test_an_existing_run_name_is_refused_before_any_process_starts(two_runs, dem
     monkeypatch.setenv("MLFLOW_LOGGING_LEVEL", "WARNING")
     monkeypatch.setenv("COMET_LOGGING_CONSOLE", "WARNING")
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(demo_script, "relaunch", lambda overrides: pytest.fail("launched into a used folder"))
+    monkeypatch.setattr(demo_script, "relaunch", lambda *_: pytest.fail("launched into a used folder"))
     assert demo_script.main([f"run.root={root}", f"run.name={name}"]) == 2
     err = capsys.readouterr().err
     assert "already holds a run" in err and "run.overwrite=true" in err
@@ -392,7 +394,15 @@ def test_run_folders_are_claimed_once_and_overwrite_starts_again(demo_script, tm
         (["run.nam=x"], "(did you mean 'name'?); run keys: name, root, overwrite"),
         (["trian.iters=1"], "no section 'trian' (did you mean 'train'?)"),
         (["logger.tensorboard_log_intervall=2"], "(did you mean 'tensorboard_log_interval'?)"),
-        (["parallel.pp=3"], "choose parallel.pp among 1, 2, 4, or start the demo on N processes yourself"),
+        (
+            ["parallel.pp=3"],
+            "choose parallel.pp among 1, 2, 4, or parallel.processes=3 (or a multiple of it), or start",
+        ),
+        (
+            ["parallel.processes=2"],
+            "parallel.pp (4) must divide the number of processes (2): choose parallel.pp among 1, 2,",
+        ),
+        (["parallel.processes=0"], "parallel.processes must be >= 1; got 0"),
         (["parallel.vpp=4"], "parallel.vpp (4) must divide model.layers_per_stage (2)"),
         (["parallel.vpp=2", "train.micro_batches=6"], "train.micro_batches (6) to be a multiple of parallel.pp (4)"),
         (["parallel.vpp=2", "parallel.pp=1"], "needs parallel.pp >= 2"),
@@ -404,6 +414,20 @@ def test_bad_overrides_name_the_valid_keys(demo_script, argv, message):
     assert message in str(error.value)
     if argv == ["parallel.pp=3"]:
         assert "torchrun --nproc-per-node N scripts/demo.py parallel.pp=3" in str(error.value)
+
+
+def test_under_a_torchrun_of_yours_its_count_is_the_processes(demo_script, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(demo_script.ConfigError) as error:
+        demo_script.load_config(["parallel.processes=2"])
+    assert "parallel.processes=2, but torchrun started 4 processes: leave parallel.processes out" in str(error.value)
+    assert demo_script.processes(demo_script.load_config(["parallel.processes=4"])) == 4
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert demo_script.processes(demo_script.load_config(["parallel.pp=2"])) == 2
+    with pytest.raises(demo_script.ConfigError) as error:
+        demo_script.load_config([])  # PP 4 on torchrun's 2: its own count is the one to change, not ours
+    assert "or start the demo on N processes yourself" in str(error.value)
+    assert "parallel.processes" not in str(error.value)
 
 
 def test_help_lists_every_key_with_its_default(demo_script):
@@ -442,8 +466,8 @@ def test_the_failure_demos_launcher_says_when_its_stage_dies_and_prints_the_post
     monkeypatch.delenv("RANK", raising=False)
     launched = []
 
-    def torchrun(overrides, log=None):  # the job: its flight records, then torchrun's exit code
-        launched.append((overrides, log))
+    def torchrun(overrides, nproc, log=None):  # the job: its flight records, then torchrun's exit code
+        launched.append((overrides, nproc, log))
         cfg = demo_script.load_config(overrides)
         Path(nemo_memlog.config.resolve(cfg.logger).record_dir).mkdir(parents=True)
         return exit_code
@@ -452,7 +476,8 @@ def test_the_failure_demos_launcher_says_when_its_stage_dies_and_prints_the_post
     code = demo_script.main([f"run.root={tmp_path}", "run.name=failing", "fail.kill_stage=0", "train.iters=4"])
     out, err = capsys.readouterr()
     assert "stage 0's first rank SIGKILLs itself at iteration 3 of 4" in out
-    ((overrides, log),) = launched
+    ((overrides, nproc, log),) = launched
+    assert nproc == demo_script.DEFAULT_PROCESSES
     assert "fail.kill_stage=0" in overrides and log == tmp_path / "failing" / demo_script.LAUNCH_LOG
     if exit_code == 0:
         assert code == 1 and "the job did not fail as planned (torchrun's exit code 0" in err
