@@ -29,8 +29,8 @@ def main() -> None:
         made = {"mlflow's own": [], "copy of the cached empty store": []}
         mlflow_writer.create_sqlite_store(f"sqlite:///{folder}/first.db", MlflowClient)  # the cache, if missing
         for rep in range(reps):
-            for way, times in made.items():
-                uri = f"sqlite:///{Path(folder) / f'{rep}-{len(way)}.db'}"
+            for number, (way, times) in enumerate(made.items()):
+                uri = f"sqlite:///{Path(folder) / f'{rep}-{number}.db'}"
                 cpu, wall = time.process_time(), time.perf_counter()
                 if way.startswith("copy"):
                     mlflow_writer.create_sqlite_store(uri, MlflowClient)

@@ -235,6 +235,7 @@ def logger_defaults(run: RunConfig):
 
 
 def _check(cfg: DemoConfig) -> None:
+    world = processes(cfg)
     positive = {
         "train.iters": cfg.train.iters,
         "train.micro_batches": cfg.train.micro_batches,
@@ -245,14 +246,13 @@ def _check(cfg: DemoConfig) -> None:
         "model.vocab": cfg.model.vocab,
         "model.heads": cfg.model.heads,
         "parallel.pp": cfg.parallel.pp,
-        "parallel.processes": DEFAULT_PROCESSES if cfg.parallel.processes is None else cfg.parallel.processes,
+        "parallel.processes": world,
     }
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1; got {value}")
     if cfg.model.hidden % cfg.model.heads:
         raise ConfigError(f"model.hidden ({cfg.model.hidden}) must be a multiple of model.heads ({cfg.model.heads})")
-    world = processes(cfg)
     _global_batch(cfg, world)
     _check_vpp(cfg)
     _check_fail(cfg)
