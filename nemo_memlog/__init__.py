@@ -84,7 +84,7 @@ __all__ = [  # written out, so a linter and a type checker read it (a test keeps
     "reset_peaks",
     "training_log",
 ]
-__version__ = "0.7.1"
+__version__ = "0.7.2"
 
 
 def __getattr__(name):

@@ -3,13 +3,21 @@
 A monitor (``MemoryMonitor``), its flight recorder and its writers register what they need here
 and unregister it when they close; this module holds no monitor state of its own.
 
-- ``on_sigterm``: SIGTERM (preemption, a scheduler's time limit) runs the callbacks, those
-  registered with ``first=True`` first (the recorders' end markers take microseconds,
-  draining writers can take ``writer_close_timeout_s``), then hands the signal on: to the
-  handler installed before ours (the framework's own), or to the default action, so the
-  process still ends as a SIGTERM'd process would. They say what they say on the process's own
-  stderr, even where the signal landed while an in-memory buffer stood in for it (``_own_stderr``).
-  Installed from the main thread only.
+- ``on_sigterm``: SIGTERM (preemption, a scheduler's time limit, a launcher's teardown). The
+  callbacks registered with ``first=True`` (the recorders' end markers: microseconds, they wait on
+  no other thread) run in the handler; the others (draining writers: up to
+  ``writer_close_timeout_s``) run in a thread of their own, never in the handler. A Python signal
+  handler runs on the main thread wherever it was interrupted, perhaps holding a lock the
+  backends' threads need (logging's module lock, taken by any ``getLogger`` or first
+  ``isEnabledFor``; an import's): a close waiting there for those threads would wait for itself
+  until its deadline, and the process would end with W&B's run and Comet's archive unfinished.
+  So the handler returns at once, and the main thread runs on to its next call of ours
+  (``hold_if_ending``: a training step, a writer's ``log``, its exit), where it waits. The signal is
+  then handed on as before: a handler installed before ours (the framework's own) is called at
+  once, from ours, so its own grace is not spent on our close; the default action ends the
+  process once the close is done (the thread re-arms it and re-sends the signal), so it still
+  ends as a SIGTERM'd process would; an ignored signal stays ignored. Installed from the main
+  thread only.
 - ``on_exit``: at interpreter exit (atexit), before the hooks of the libraries a backend opened
   (``exit_first``).
 - ``on_exception``: an unhandled exception in the main thread, before the hook that was
@@ -31,16 +39,15 @@ must surface as torch's own error. Nothing here issues a collective.
 from __future__ import annotations
 
 import atexit
-import contextlib
-import io
 import os
 import signal
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 
-_sigterm: list = []
+_sigterm: list = []  # run in a thread of their own
+_sigterm_first: list = []  # run in the handler
 _exit: list = []
 _exception: list = []
 _fork_child: list = []
@@ -80,57 +87,106 @@ def _dispatch(registry: list, *args) -> None:
 def forget(callback: Callable[..., object]) -> None:
     """Unregister ``callback`` from every hook (a monitor that closed)."""
     with _lock:
-        for registry in (_sigterm, _exit, _exception, _fork_child, _cuda_oom):
+        for registry in (_sigterm, _sigterm_first, _exit, _exception, _fork_child, _cuda_oom):
             registry[:] = [ref for ref in registry if ref() not in (None, callback)]
 
 
 def on_sigterm(callback: Callable[[], object], *, first: bool = False) -> None:
     """Run ``callback()`` on SIGTERM, then hand the signal on (see the module's docstring)."""
-    _add(_sigterm, callback, first)
+    _add(_sigterm_first if first else _sigterm, callback)
     if "sigterm" in _installed or threading.current_thread() is not threading.main_thread():
         return  # Python lets only the main thread install a handler: a later registration there will
     previous = signal.getsignal(signal.SIGTERM)
 
     def handle(signum, frame):
-        with _own_stderr():
-            _dispatch(_sigterm)
+        _dispatch(_sigterm_first)
+        with _lock:
+            begin = not _ending.started.is_set()
+            _ending.started.set()
+        if begin:
+            _ending.ends_process = not callable(previous) and previous != signal.SIG_IGN
+            _install_exit()  # the main thread, exiting meanwhile, waits at its exit for the end
+            closer = threading.Thread(target=_close_then_hand_on, args=(signum,), name="nemo_memlog-sigterm")
+            closer.daemon = True
+            closer.start()
         if callable(previous):
             previous(signum, frame)
-        elif previous == signal.SIG_IGN:
-            return
-        else:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
 
     signal.signal(signal.SIGTERM, handle)
     _installed.add("sigterm")
 
 
-@contextlib.contextmanager
-def _own_stderr() -> Iterator[None]:
-    """The process's own stderr as ``sys.stderr`` while the SIGTERM callbacks run, where the signal
-    interrupted code that had put an in-memory buffer there: torch.distributed's excepthook does while
-    the hook before it formats a traceback (a rank's unhandled error, then the launcher's SIGTERM
-    0.1 s later). What the callbacks say (a backend's lost steps) would go into that buffer, which the
-    signal's default action then discards with the process. A stream of the user's stays theirs."""
-    captured = sys.stderr
-    if not isinstance(captured, io.StringIO) or sys.__stderr__ is None:
-        yield
+class _Ending:
+    """A SIGTERM's close: begun, done, and whether the main thread waits at a call of ours."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.closed = threading.Event()
+        self.main_waits = threading.Event()
+        self.ends_process = False  # the signal's default action is ours to carry out
+
+
+_ending = _Ending()
+#: After a SIGTERM's close, how long its thread waits for the main thread to reach a call of ours
+#: (its exit) before it ends the process itself: a traceback the main thread is printing gets out.
+HAND_ON_GRACE_S = 1.0
+
+
+def _close_then_hand_on(signum: int) -> None:
+    _dispatch(_sigterm)
+    _ending.closed.set()
+    if _ending.ends_process:
+        _ending.main_waits.wait(HAND_ON_GRACE_S)
+        _die(signum)
+
+
+def hold_if_ending() -> None:
+    """Where the main thread calls us (a training step, a writer's ``log``, its exit) while a
+    SIGTERM's close is under way that ends the process: wait here until it does. A step handed
+    over then would land after the close began; the job's own code would run on past its signal."""
+    if not _ending.started.is_set() or not _ending.ends_process:
         return
-    sys.stderr = sys.__stderr__
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _ending.main_waits.set()
+    _ending.closed.wait()
+    _die(signal.SIGTERM)
+
+
+def _die(signum: int) -> None:
+    """End the process by ``signum``'s default action, from any thread. Python re-arms a signal from
+    the main thread only; another thread re-arms it through the C library."""
     try:
-        yield
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signum, signal.SIG_DFL)
+        else:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+            libc.signal.restype = ctypes.c_void_p
+            libc.signal(signum, None)  # SIG_DFL
+        os.kill(os.getpid(), signum)
     finally:
-        if sys.stderr is sys.__stderr__:
-            sys.stderr = captured
+        os._exit(128 + signum)  # the default action ends the process before this; a failure to re-arm does here
 
 
 def on_exit(callback: Callable[[], object]) -> None:
     """Run ``callback()`` at interpreter exit."""
     _add(_exit, callback)
-    if "exit" not in _installed:
-        _installed.add("exit")
-        atexit.register(_dispatch, _exit)
+    _install_exit()
+
+
+def _install_exit() -> None:
+    with _lock:
+        if "exit" not in _installed:
+            _installed.add("exit")
+            atexit.register(_at_exit)
+
+
+def _at_exit() -> None:
+    _dispatch(_exit)
+    hold_if_ending()  # a SIGTERM's close under way: the process ends by the signal once it is done
 
 
 def exit_first() -> None:
@@ -140,8 +196,8 @@ def exit_first() -> None:
     close that still has steps to write into it. Called once a backend has opened. Never raises."""
     with _lock:
         if "exit" in _installed:
-            atexit.unregister(_dispatch)
-            atexit.register(_dispatch, _exit)
+            atexit.unregister(_at_exit)
+            atexit.register(_at_exit)
 
 
 def on_exception(callback: Callable[..., object]) -> None:

@@ -171,3 +171,54 @@ def test_a_sigterm_inside_torchs_excepthook_still_says_what_the_close_lost():
     )
     assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
     assert "nemo_memlog: mlflow did not store 3 of the 3 logged steps: steps 1-3" in done.stderr, done.stderr[-3000:]
+
+
+LOCKED_SIGTERM = """
+import logging, os, signal, sys
+from nemo_memlog import LoggerConfig, build_writers
+
+root = sys.argv[1]
+writers = build_writers(LoggerConfig(
+    writer_mode="thread", writer_close_timeout_s=15, tensorboard_dir=f"{root}/tensorboard",
+    wandb_project="p", wandb_exp_name="run", wandb_save_dir=root,
+    comet_project="p", comet_offline_directory=f"{root}/comet",
+))
+def step(at):
+    return {"memory/peak_host_rss_gb": 1.0 + at, "memory/pp_stage_0/peak_host_rss_gb": 1.0 + at,
+            "memory/pp_stage_1/peak_host_rss_gb": 0.5 + at}
+for at in range(1, 21):
+    writers.log(step(at), at)
+assert writers.flush(120), writers.stats()  # every backend open, every step written
+
+class Interrupted(logging.Logger):
+    def __init__(self, name):
+        super().__init__(name)
+        os.kill(os.getpid(), signal.SIGTERM)  # lands while getLogger holds logging's module lock
+
+logging.setLoggerClass(Interrupted)
+logging.getLogger("a.module.imported.late")  # as an import does, on the main thread
+writers.log(step(21), 21)  # the next step: held there until the process ends
+print("the main thread ran past its SIGTERM", file=sys.stderr)
+"""
+
+
+def test_a_sigterm_while_the_main_thread_holds_loggings_lock_still_completes_every_store(tmp_path):
+    """Thread mode: a launcher's SIGTERM lands while the main thread holds logging's module lock (any
+    ``getLogger``, a first ``isEnabledFor``: comet_ml's exit hook does one). A close run in the signal
+    handler waited there for backend threads that need that lock, so W&B's run and Comet's archive
+    (a 22-byte empty zip) were lost at the close's deadline, as test_teardown's thread case saw on a
+    loaded machine. The close runs in a thread of its own: every step written before the signal is
+    in TensorBoard, the finished W&B run and the Comet archive, the step offered after it is held and
+    stored nowhere, and the process ends by the signal."""
+    done = subprocess.run(
+        [sys.executable, "-c", LOCKED_SIGTERM, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"},
+    )
+    assert done.returncode == -signal.SIGTERM, (done.returncode, done.stderr[-3000:])
+    assert "ran past its SIGTERM" not in done.stderr and "did not finish closing" not in done.stderr, done.stderr
+    assert wandb_finished(tmp_path), done.stderr[-3000:]
+    for backend, steps in stored_steps(tmp_path, skip={"mlflow"}).items():
+        assert steps == set(range(1, 21)), (backend, sorted(steps), done.stderr[-3000:])

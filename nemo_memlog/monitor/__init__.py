@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from .. import advice, attribution
+from .. import advice, attribution, process_wide
 from ..config import BACKEND_SETTINGS, checked_facts, resolve, secrets_of
 from ..failure import peers
 from ..measure import composition, estimate, layer_record, layer_rows, phase
@@ -164,7 +164,9 @@ class MemoryMonitor:
         take the caller's iterations as given. ``model``, ``optimizer``: what the memory is made of
         (every rank of the group passes them, or none). ``facts``: ``state_facts``, at the first call
         that carries them and when they change. A run with logging off reads nothing a call brings,
-        and says so once, on rank 0, when a call brings something it ignores."""
+        and says so once, on rank 0, when a call brings something it ignores. During a SIGTERM's close
+        that ends the process, the main thread waits here for its end (process_wide.hold_if_ending)."""
+        process_wide.hold_if_ending()
         if not self.enabled:  # the run is off: no iteration logs, and nothing the call brings is read
             if self._off_unsaid is not None:
                 self._say_off(metrics, model, optimizer, facts)

@@ -336,7 +336,9 @@ class ThreadFanOut:
             process_wide.on_sigterm(self.close)
 
     def log(self, metrics: dict, step: int) -> None:
-        """Hand ``metrics`` (not copied: callers must not mutate it afterwards) to every backend."""
+        """Hand ``metrics`` (not copied: callers must not mutate it afterwards) to every backend. (The main
+        thread waits here only for the end of a SIGTERM's close that ends the process: process_wide.)"""
+        process_wide.hold_if_ending()  # a step handed once the close began would never be written
         if self.buffered:
             with self._cond:
                 self._queue.append((metrics, step))

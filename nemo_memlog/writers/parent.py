@@ -127,7 +127,9 @@ class ProcessFanOut:
 
     # --- the training thread's side ---
     def log(self, metrics: dict, step: int) -> None:
-        """Hand ``metrics`` at ``step`` to the writer process. Never blocks on it, never raises."""
+        """Hand ``metrics`` at ``step`` to the writer process. Never blocks on it, never raises (the main
+        thread waits here only for the end of a SIGTERM's close that ends the process: process_wide)."""
+        process_wide.hold_if_ending()
         self._send(wire.Log(metrics, step), droppable=True)
 
     def flush(self, timeout_s: float | None = None) -> bool:
