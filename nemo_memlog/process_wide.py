@@ -6,18 +6,20 @@ and unregister it when they close; this module holds no monitor state of its own
 - ``on_sigterm``: SIGTERM (preemption, a scheduler's time limit, a launcher's teardown). The
   callbacks registered with ``first=True`` (the recorders' end markers: microseconds, they wait on
   no other thread) run in the handler; the others (draining writers: up to
-  ``writer_close_timeout_s``) run in a thread of their own, never in the handler. A Python signal
-  handler runs on the main thread wherever it was interrupted, perhaps holding a lock the
-  backends' threads need (logging's module lock, taken by any ``getLogger`` or first
-  ``isEnabledFor``; an import's): a close waiting there for those threads would wait for itself
-  until its deadline, and the process would end with W&B's run and Comet's archive unfinished.
-  So the handler returns at once, and the main thread runs on to its next call of ours
-  (``hold_if_ending``: a training step, a writer's ``log``, its exit), where it waits. The signal is
-  then handed on as before: a handler installed before ours (the framework's own) is called at
-  once, from ours, so its own grace is not spent on our close; the default action ends the
-  process once the close is done (the thread re-arms it and re-sends the signal), so it still
-  ends as a SIGTERM'd process would; an ignored signal stays ignored. Installed from the main
-  thread only.
+  ``writer_close_timeout_s``) run in a thread of their own, the handler waiting for them: the job
+  runs no further, as it would have ended there. Then the signal is handed on: to the handler
+  installed before ours (the framework's own), or to the default action, so the process still ends
+  as a SIGTERM'd process would; an ignored signal stays ignored. They say what they say on the
+  process's own stderr, even where the signal landed while an in-memory buffer stood in for it
+  (``_own_stderr``). One case differs: a Python handler runs on the main thread wherever the signal
+  interrupted it, and where that was inside a lock the backends' threads need too (logging's module
+  lock, taken by any ``getLogger`` or first ``isEnabledFor``: comet_ml's exit hook does one as a
+  process exits; a logging handler's; an import's), a handler waiting there would wait for itself
+  until the close's deadline, and W&B's run and Comet's archive would end unfinished. There the
+  handler calls the previous one at once and returns; the main thread runs on to its next call of
+  ours (``hold_if_ending``: a training step, a writer's ``log``, its exit) and waits there, and the
+  close's thread ends the process by the signal once done. A process with nothing to drain (a rank
+  without writers) hands the signal on at once. Installed from the main thread only.
 - ``on_exit``: at interpreter exit (atexit), before the hooks of the libraries a backend opened
   (``exit_first``).
 - ``on_exception``: an unhandled exception in the main thread, before the hook that was
@@ -39,12 +41,14 @@ must surface as torch's own error. Nothing here issues a collective.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import io
 import os
 import signal
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 
 _sigterm: list = []  # run in a thread of their own
 _sigterm_first: list = []  # run in the handler
@@ -100,20 +104,53 @@ def on_sigterm(callback: Callable[[], object], *, first: bool = False) -> None:
 
     def handle(signum, frame):
         _dispatch(_sigterm_first)
+        ends_process = not callable(previous) and previous != signal.SIG_IGN
         with _lock:
-            begin = not _ending.started.is_set()
-            _ending.started.set()
+            begin = not _ending.started.is_set() and any(ref() is not None for ref in _sigterm)
+            if begin:
+                _ending.started.set()
+        if not _ending.started.is_set():  # nothing to drain here (a rank without writers): handed on at once
+            if callable(previous):
+                previous(signum, frame)
+            elif ends_process:
+                _die(signum)
+            return
         if begin:
-            _ending.ends_process = not callable(previous) and previous != signal.SIG_IGN
-            _install_exit()  # the main thread, exiting meanwhile, waits at its exit for the end
-            closer = threading.Thread(target=_close_then_hand_on, args=(signum,), name="nemo_memlog-sigterm")
-            closer.daemon = True
-            closer.start()
+            _ending.ends_process = ends_process
+            if _lock_the_main_thread_holds() is None:
+                with _own_stderr():  # the main thread waits here, where the job would have ended
+                    _ending.main_waits.set()
+                    _start_closer(signum)
+                    _ending.closed.wait()
+                if ends_process:
+                    _die(signum)
+            else:  # it runs on, to release that lock, and waits at its next call of ours or its exit
+                _install_exit()
+                _start_closer(signum)
         if callable(previous):
             previous(signum, frame)
 
     signal.signal(signal.SIGTERM, handle)
     _installed.add("sigterm")
+
+
+@contextlib.contextmanager
+def _own_stderr() -> Iterator[None]:
+    """The process's own stderr as ``sys.stderr`` while the handler waits for the SIGTERM callbacks, where the signal
+    interrupted code that had put an in-memory buffer there: torch.distributed's excepthook does while
+    the hook before it formats a traceback (a rank's unhandled error, then the launcher's SIGTERM
+    0.1 s later). What the callbacks say (a backend's lost steps) would go into that buffer, which the
+    signal's default action then discards with the process. A stream of the user's stays theirs."""
+    captured = sys.stderr
+    if not isinstance(captured, io.StringIO) or sys.__stderr__ is None:
+        yield
+        return
+    sys.stderr = sys.__stderr__
+    try:
+        yield
+    finally:
+        if sys.stderr is sys.__stderr__:
+            sys.stderr = captured
 
 
 class _Ending:
@@ -132,6 +169,36 @@ _ending = _Ending()
 HAND_ON_GRACE_S = 1.0
 
 
+def _lock_the_main_thread_holds() -> str | None:
+    """What lock the main thread (interrupted by the signal, running this) holds that the backends'
+    threads may need, or None: logging's module lock (any ``getLogger``, a first ``isEnabledFor``),
+    a logging handler's, an import's. Where it cannot tell, it says so (not None)."""
+    try:
+        import logging
+        from importlib import _bootstrap
+
+        if logging._lock._is_owned():  # type: ignore[attr-defined]
+            return "logging's module lock"
+        for ref in list(logging._handlerList):  # type: ignore[attr-defined]
+            lock = getattr(ref(), "lock", None)
+            if lock is not None and lock._is_owned():
+                return "a logging handler's lock"
+        me = threading.get_ident()
+        for ref in list(_bootstrap._module_locks.values()):  # type: ignore[attr-defined]
+            lock = ref()
+            if lock is not None and getattr(lock, "owner", None) == me:
+                return "an import's lock"
+    except Exception:  # a Python whose internals differ: the close must not wait on the main thread
+        return "a lock it cannot tell"
+    return None
+
+
+def _start_closer(signum: int) -> None:
+    closer = threading.Thread(target=_close_then_hand_on, args=(signum,), name="nemo_memlog-sigterm")
+    closer.daemon = True
+    closer.start()
+
+
 def _close_then_hand_on(signum: int) -> None:
     _dispatch(_sigterm)
     _ending.closed.set()
@@ -140,11 +207,16 @@ def _close_then_hand_on(signum: int) -> None:
         _die(signum)
 
 
+def ending_by_signal() -> bool:
+    """A SIGTERM's close is under way, and the process ends by the signal once it is done."""
+    return _ending.started.is_set() and _ending.ends_process
+
+
 def hold_if_ending() -> None:
     """Where the main thread calls us (a training step, a writer's ``log``, its exit) while a
     SIGTERM's close is under way that ends the process: wait here until it does. A step handed
     over then would land after the close began; the job's own code would run on past its signal."""
-    if not _ending.started.is_set() or not _ending.ends_process:
+    if not ending_by_signal():
         return
     if threading.current_thread() is not threading.main_thread():
         return

@@ -344,6 +344,8 @@ class FlightRecorder:
         self.end("exit")
 
     def _on_exception(self, kind, value, traceback) -> None:
+        if process_wide.ending_by_signal():  # a SIGTERM ends the process: an error on the way is its doing
+            return
         self.end("exception", f"{kind.__name__}: {value}")
 
     def _on_sigterm(self) -> None:
