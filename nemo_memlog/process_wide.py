@@ -103,6 +103,7 @@ def on_sigterm(callback: Callable[[], object], *, first: bool = False) -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def handle(signum, frame):
+        global holding
         _dispatch(_sigterm_first)
         ends_process = not callable(previous) and previous != signal.SIG_IGN
         with _lock:
@@ -125,6 +126,7 @@ def on_sigterm(callback: Callable[[], object], *, first: bool = False) -> None:
                 if ends_process:
                     _die(signum)
             else:  # it runs on, to release that lock, and waits at its next call of ours or its exit
+                holding = ends_process
                 _install_exit()
                 _start_closer(signum)
         if callable(previous):
@@ -164,6 +166,9 @@ class _Ending:
 
 
 _ending = _Ending()
+#: True from the moment a SIGTERM's close that ends the process leaves the main thread to run on: the
+#: one check the hot paths make (``if process_wide.holding: process_wide.hold_if_ending()``).
+holding = False
 #: After a SIGTERM's close, how long its thread waits for the main thread to reach a call of ours
 #: (its exit) before it ends the process itself: a traceback the main thread is printing gets out.
 HAND_ON_GRACE_S = 1.0

@@ -166,7 +166,8 @@ class MemoryMonitor:
         that carries them and when they change. A run with logging off reads nothing a call brings,
         and says so once, on rank 0, when a call brings something it ignores. During a SIGTERM's close
         that ends the process, the main thread waits here for its end (process_wide.hold_if_ending)."""
-        process_wide.hold_if_ending()
+        if process_wide.holding:
+            process_wide.hold_if_ending()
         if not self.enabled:  # the run is off: no iteration logs, and nothing the call brings is read
             if self._off_unsaid is not None:
                 self._say_off(metrics, model, optimizer, facts)

@@ -338,7 +338,8 @@ class ThreadFanOut:
     def log(self, metrics: dict, step: int) -> None:
         """Hand ``metrics`` (not copied: callers must not mutate it afterwards) to every backend. (The main
         thread waits here only for the end of a SIGTERM's close that ends the process: process_wide.)"""
-        process_wide.hold_if_ending()  # a step handed once the close began would never be written
+        if process_wide.holding:  # a step handed once the close began would never be written
+            process_wide.hold_if_ending()
         if self.buffered:
             with self._cond:
                 self._queue.append((metrics, step))

@@ -129,7 +129,8 @@ class ProcessFanOut:
     def log(self, metrics: dict, step: int) -> None:
         """Hand ``metrics`` at ``step`` to the writer process. Never blocks on it, never raises (the main
         thread waits here only for the end of a SIGTERM's close that ends the process: process_wide)."""
-        process_wide.hold_if_ending()
+        if process_wide.holding:
+            process_wide.hold_if_ending()
         self._send(wire.Log(metrics, step), droppable=True)
 
     def flush(self, timeout_s: float | None = None) -> bool:
