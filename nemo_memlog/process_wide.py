@@ -185,8 +185,8 @@ def _lock_the_main_thread_holds() -> str | None:
         if logging._lock._is_owned():  # type: ignore[attr-defined]
             return "logging's module lock"
         for ref in list(logging._handlerList):  # type: ignore[attr-defined]
-            lock = getattr(ref(), "lock", None)
-            if lock is not None and lock._is_owned():
+            owned = getattr(getattr(ref(), "lock", None), "_is_owned", None)  # an RLock's, as Handler makes
+            if owned is not None and owned():
                 return "a logging handler's lock"
         me = threading.get_ident()
         for ref in list(_bootstrap._module_locks.values()):  # type: ignore[attr-defined]
