@@ -67,11 +67,11 @@ def _ref(callback):
     return lambda: callback
 
 
-def _add(registry: list, callback, first: bool = False) -> None:
+def _add(registry: list, callback) -> None:
     with _lock:
         if any(ref() == callback for ref in registry):
             return
-        registry.insert(0, _ref(callback)) if first else registry.append(_ref(callback))
+        registry.append(_ref(callback))
 
 
 def _dispatch(registry: list, *args) -> None:
@@ -205,10 +205,11 @@ def _start_closer(signum: int) -> None:
 
 
 def _close_then_hand_on(signum: int) -> None:
+    """The close; then, where the process ends by the signal and the main thread is not waiting to end it
+    itself (in the handler, or at a call of ours) within HAND_ON_GRACE_S, the end."""
     _dispatch(_sigterm)
     _ending.closed.set()
-    if _ending.ends_process:
-        _ending.main_waits.wait(HAND_ON_GRACE_S)
+    if _ending.ends_process and not _ending.main_waits.wait(HAND_ON_GRACE_S):
         _die(signum)
 
 
@@ -220,10 +221,9 @@ def ending_by_signal() -> bool:
 def hold_if_ending() -> None:
     """Where the main thread calls us (a training step, a writer's ``log``, its exit) while a
     SIGTERM's close is under way that ends the process: wait here until it does. A step handed
-    over then would land after the close began; the job's own code would run on past its signal."""
-    if not ending_by_signal():
-        return
-    if threading.current_thread() is not threading.main_thread():
+    over then would land after the close began; the job's own code would run on past its signal.
+    (Only where the handler let the main thread run on: ``holding``; elsewhere it waits in the handler.)"""
+    if not holding or threading.current_thread() is not threading.main_thread():
         return
     _ending.main_waits.set()
     _ending.closed.wait()
